@@ -1,0 +1,26 @@
+"""Root pytest configuration: 8 simulated CPU devices before any JAX operation.
+
+Every test (and every doctest) sees ``jax.devices()`` as 8 CPU devices, so meshes of up to
+8 devices, submeshes and MPMD programs run on a laptop. Doctests get ``jax``, ``jnp``,
+``np`` and ``P`` in their namespace.
+"""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_platforms", "cpu")
+jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _doctest_namespace(doctest_namespace):
+    doctest_namespace.update(jax=jax, jnp=jnp, np=np, P=P)

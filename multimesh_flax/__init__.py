@@ -1,0 +1,50 @@
+"""multimesh_flax: Flax-first MPMD model parallelism on stock JAX.
+
+Write an ordinary model, say where each part runs (``task``), annotate arrays with logical
+axis names (``with_sharding_constraint``), and compile with ``jit``/``parallelize``: each
+task runs on its own submesh, with SPMD sharding inside it.
+"""
+
+from multimesh_flax import core as core
+from multimesh_flax import errors as errors
+from multimesh_flax.core import (
+    MultiMesh,
+    Task,
+    TaskMesh,
+    Timeline,
+    TimelineEvent,
+    autoshard,
+    context,
+    enable_fast_path,
+    enable_recomputation,
+    ignore_transforms,
+    jit,
+    logical_to_mesh_spec,
+    parallelize,
+    record_timeline,
+    slice_global_mesh,
+    task,
+    with_sharding_constraint,
+)
+
+__all__ = [
+    "MultiMesh",
+    "Task",
+    "TaskMesh",
+    "Timeline",
+    "TimelineEvent",
+    "autoshard",
+    "context",
+    "core",
+    "enable_fast_path",
+    "enable_recomputation",
+    "errors",
+    "ignore_transforms",
+    "jit",
+    "logical_to_mesh_spec",
+    "parallelize",
+    "record_timeline",
+    "slice_global_mesh",
+    "task",
+    "with_sharding_constraint",
+]

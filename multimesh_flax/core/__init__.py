@@ -1,0 +1,23 @@
+"""Pure-JAX machinery: meshes, tasks, logical sharding, contexts, ``jit``/``parallelize``."""
+
+from multimesh_flax.core._config import autoshard as autoshard
+from multimesh_flax.core._config import context as context
+from multimesh_flax.core._config import enable_fast_path as enable_fast_path
+from multimesh_flax.core._config import enable_recomputation as enable_recomputation
+from multimesh_flax.core._config import get_flag as get_flag
+from multimesh_flax.core._config import ignore_transforms as ignore_transforms
+from multimesh_flax.core._jit import MpmdJit as MpmdJit
+from multimesh_flax.core._jit import jit as jit
+from multimesh_flax.core._logical import logical_to_mesh_spec as logical_to_mesh_spec
+from multimesh_flax.core._logical import with_sharding_constraint as with_sharding_constraint
+from multimesh_flax.core._mesh import MultiMesh as MultiMesh
+from multimesh_flax.core._mesh import TaskMesh as TaskMesh
+from multimesh_flax.core._mesh import get_device_list as get_device_list
+from multimesh_flax.core._mesh import get_multi_mesh as get_multi_mesh
+from multimesh_flax.core._mesh import slice_global_mesh as slice_global_mesh
+from multimesh_flax.core._parallelize import parallelize as parallelize
+from multimesh_flax.core._runtime import Timeline as Timeline
+from multimesh_flax.core._runtime import TimelineEvent as TimelineEvent
+from multimesh_flax.core._runtime import record_timeline as record_timeline
+from multimesh_flax.core._task import Task as Task
+from multimesh_flax.core._task import task as task

@@ -1,0 +1,143 @@
+"""Compiler contexts: thread-local switches that change how transformations behave.
+
+Four switches exist, each with its own context manager, plus :func:`context` to set several
+at once:
+
+* :func:`autoshard` -- logical sharding constraints resolve through task rules (turned on by
+  ``parallelize``, ``jit`` and ``with multi_mesh:``);
+* :func:`enable_fast_path` -- a program with no tasks compiles to one plain ``jax.jit``;
+* :func:`enable_recomputation` -- task backward passes recompute their forward
+  (``jax.checkpoint``) instead of keeping activations;
+* :func:`ignore_transforms` -- every multimesh transformation becomes the identity, for
+  debugging and as the numerical reference.
+
+Every manager restores the previous value on exit, also when the body raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+
+@dataclasses.dataclass
+class _Flags:
+    autoshard: bool = False
+    enable_fast_path: bool = True
+    enable_recomputation: bool = False
+    ignore_transforms: bool = False
+
+
+class _ThreadFlags(threading.local):
+    def __init__(self) -> None:
+        self.flags = _Flags()
+
+
+_STATE = _ThreadFlags()
+
+
+def get_flag(name: str) -> bool:
+    """Returns the current value of one switch (``"autoshard"``, ``"ignore_transforms"``, ...)."""
+    return getattr(_STATE.flags, name)
+
+
+@contextlib.contextmanager
+def _override(**values: bool | None) -> Iterator[None]:
+    flags = _STATE.flags
+    saved = dataclasses.replace(flags)
+    try:
+        for name, value in values.items():
+            if value is not None:
+                setattr(flags, name, bool(value))
+        yield
+    finally:
+        _STATE.flags = saved
+
+
+def autoshard(enable: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Opens a context where sharding constraints are logical and resolve through tasks.
+
+    Inside a task, logical names map through the task's rules onto its submesh; outside
+    every task, constraints replicate.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> with mm.autoshard():
+        ...     mm.core.get_flag("autoshard")
+        True
+        >>> mm.core.get_flag("autoshard")
+        False
+    """
+    return _override(autoshard=enable)
+
+
+def enable_fast_path(enable: bool = True) -> contextlib.AbstractContextManager[None]:
+    """(En|dis)ables the plain ``jax.jit`` path for programs without tasks.
+
+    With the fast path off, even a program with no tasks goes through the MPMD partitioner
+    (one fragment), which is useful to test the partitioner itself.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> with mm.enable_fast_path(False):
+        ...     mm.core.get_flag("enable_fast_path")
+        False
+    """
+    return _override(enable_fast_path=enable)
+
+
+def enable_recomputation(enable: bool = True) -> contextlib.AbstractContextManager[None]:
+    """(En|dis)ables recomputation of task forward passes during their backward pass.
+
+    Task bodies traced inside this context are wrapped in ``jax.checkpoint``: the backward
+    pass keeps only the task's inputs and recomputes its activations, trading compute for
+    memory.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> with mm.enable_recomputation():
+        ...     mm.core.get_flag("enable_recomputation")
+        True
+    """
+    return _override(enable_recomputation=enable)
+
+
+def ignore_transforms(ignore: bool = True) -> contextlib.AbstractContextManager[None]:
+    """Makes every multimesh transformation the identity (a debugging and reference mode).
+
+    ``task``, ``with_sharding_constraint``, ``microbatch`` and ``jit``/``parallelize``
+    then compute exactly what the undecorated function computes.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> import multimesh_flax as mm
+        >>> double = mm.task(lambda x: 2 * x, mesh=mm.TaskMesh(devices=[1]))
+        >>> with mm.ignore_transforms():
+        ...     double(jnp.ones(2)).devices() == {jax.devices()[0]}
+        True
+    """
+    return _override(ignore_transforms=ignore)
+
+
+def context(
+    autoshard: bool | None = None,
+    enable_recomputation: bool | None = None,
+    enable_fast_path: bool | None = None,
+    ignore_transforms: bool | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """Sets several switches at once; ``None`` leaves a switch as it is.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> with mm.context(autoshard=True, ignore_transforms=True):
+        ...     mm.core.get_flag("autoshard"), mm.core.get_flag("ignore_transforms")
+        (True, True)
+    """
+    return _override(
+        autoshard=autoshard,
+        enable_recomputation=enable_recomputation,
+        enable_fast_path=enable_fast_path,
+        ignore_transforms=ignore_transforms,
+    )

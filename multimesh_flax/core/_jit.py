@@ -1,0 +1,218 @@
+"""``jit``: compile a function whose tasks sit on different submeshes as one MPMD program.
+
+Per distinct call signature (argument tree, shapes, dtypes, static arguments, device list,
+contexts) the function is traced once. If it contains no tasks and the fast path is on, the
+result is exactly ``jax.jit``. Otherwise the trace is placed, fragmented and turned into an
+``MpmdExecutable``; later calls with the same signature only dispatch.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _mesh, _partition, _runtime, _trace
+
+
+def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if any(not isinstance(n, int) or n < 0 for n in nums):
+        raise errors.StaticArgumentError(
+            f"Expected `{argument}` as non-negative ints, got {argnums!r}."
+        )
+    return nums
+
+
+def _leaf_key(x: Any) -> Hashable:
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return ("py", type(x))
+    return (tuple(shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+
+
+class _FastPath:
+    def __init__(self, fun: Callable[..., Any], donate: tuple[int, ...]) -> None:
+        self.jitted = jax.jit(fun, donate_argnums=donate)
+
+    def __call__(self, leaves: Sequence[Any]) -> Any:
+        return jax.tree_util.tree_leaves(self.jitted(*leaves))
+
+
+class _Entry:
+    """A compiled program for one signature, plus the output tree."""
+
+    def __init__(self, run: Any, out_tree: Any) -> None:
+        self.run = run
+        self.out_tree = out_tree
+        self.warm = False
+
+    def __call__(self, leaves: Sequence[Any]) -> Any:
+        if self.warm:
+            outs = self.run(leaves)
+        else:
+            with warnings.catch_warnings():  # first call compiles; CPU may refuse donation
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                outs = self.run(leaves)
+            self.warm = True
+        return jax.tree_util.tree_unflatten(self.out_tree, outs)
+
+
+class MpmdJit:
+    """The callable that :func:`jit` returns."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        devices: Any,
+        static_argnums: tuple[int, ...],
+        donate_argnums: tuple[int, ...],
+    ) -> None:
+        functools.update_wrapper(self, fun)
+        self.fun = fun
+        self.devices = None if devices is None else tuple(np.asarray(devices).reshape(-1))
+        self.static_argnums = static_argnums
+        self.donate_argnums = donate_argnums
+        self._cache: dict[Hashable, _Entry] = {}
+
+    def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
+        bad = [i for i in self.static_argnums if i >= len(args)]
+        if bad:
+            raise errors.StaticArgumentError(
+                f"`static_argnums` names argument {bad[0]}, but the call has {len(args)} "
+                "positional arguments."
+            )
+        statics = tuple(args[i] for i in self.static_argnums)
+        try:
+            hash(statics)
+        except TypeError as e:
+            raise errors.StaticArgumentError(
+                f"Static arguments must be hashable, got {statics!r}. Pass arrays as "
+                "dynamic arguments or convert lists to tuples."
+            ) from e
+        dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
+        return dynamic, statics
+
+    def _signature(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        dynamic, statics = self._split(args)
+        leaves, in_tree = jax.tree_util.tree_flatten((dynamic, kwargs))
+        key = (
+            in_tree,
+            tuple(_leaf_key(x) for x in leaves),
+            statics,
+            self.devices or _mesh.get_device_list(),
+            id(_mesh.get_multi_mesh()),
+            _config.get_flag("enable_recomputation"),
+            _config.get_flag("enable_fast_path"),
+        )
+        return leaves, in_tree, statics, key
+
+    def _flat_fun(self, in_tree: Any, statics: tuple[Any, ...]) -> Callable[..., Any]:
+        def flat_fun(*leaves: Any) -> Any:
+            dynamic, kwargs = jax.tree_util.tree_unflatten(in_tree, leaves)
+            args, it_dyn, it_st = [], iter(dynamic), iter(statics)
+            for i in range(len(dynamic) + len(statics)):
+                args.append(next(it_st) if i in self.static_argnums else next(it_dyn))
+            return self.fun(*args, **kwargs)
+
+        return flat_fun
+
+    def _donated_leaves(self, args: tuple[Any, ...]) -> tuple[int, ...]:
+        flat, pos = [], 0
+        for i, a in enumerate(args):
+            if i in self.static_argnums:
+                continue
+            n = len(jax.tree_util.tree_leaves(a))
+            if i in self.donate_argnums:
+                flat.extend(range(pos, pos + n))
+            pos += n
+        return tuple(flat)
+
+    def _build(
+        self, leaves: list[Any], in_tree: Any, statics: tuple[Any, ...], donate: tuple[int, ...]
+    ) -> _Entry:
+        flat_fun = self._flat_fun(in_tree, statics)
+        traced = _trace.trace_program(flat_fun, leaves, self.devices)
+        if not traced.tasks and _config.get_flag("enable_fast_path"):
+            return _Entry(_FastPath(flat_fun, donate), traced.out_tree)
+        part = _partition.partition(traced, self.devices)
+        return _Entry(_runtime.MpmdExecutable(part, donate), traced.out_tree)
+
+    def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
+        leaves, in_tree, statics, key = self._signature(args, kwargs)
+        entry = self._cache.get(key)
+        if entry is None:
+            entry = self._build(leaves, in_tree, statics, self._donated_leaves(args))
+            self._cache[key] = entry
+        return entry, leaves
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _config.get_flag("ignore_transforms"):
+            return self.fun(*args, **kwargs)
+        entry, leaves = self._entry(args, kwargs)
+        with _mesh.use_device_list(self.devices):
+            return entry(leaves)
+
+    def executable(self, *args: Any, **kwargs: Any) -> Any:
+        """The compiled program for these arguments (arrays or ``ShapeDtypeStruct``s).
+
+        An ``MpmdExecutable`` (with ``describe()``, ``input_shardings``, ...) or, on the
+        fast path, the plain ``jax.jit`` wrapper.
+        """
+        return self._entry(args, kwargs)[0].run
+
+    def describe(self, *args: Any, **kwargs: Any) -> str:
+        """A readable dump of the MPMD program built for these arguments."""
+        run = self.executable(*args, **kwargs)
+        if isinstance(run, _FastPath):
+            return "fast path: one jax.jit (no tasks on distinct submeshes)"
+        return run.describe()
+
+
+def jit(
+    fun: Callable[..., Any],
+    *,
+    devices: Sequence[jax.Device] | np.ndarray | None = None,
+    static_argnums: int | Sequence[int] = (),
+    donate_argnums: int | Sequence[int] = (),
+) -> MpmdJit:
+    """Like ``jax.jit``, but the tasks inside ``fun`` run on their own submeshes.
+
+    The forward and backward of every task (also of a ``jax.grad`` taken inside ``fun``) run
+    on the task's submesh; glue runs where its inputs live; values move between submeshes
+    once per destination. Outputs stay where they were produced. After the first call with
+    given shapes, calls compile nothing. With no tasks it is exactly ``jax.jit``.
+
+    Args:
+        fun: the function to compile.
+        devices: the device list that ``TaskMesh`` positions index (default: the current
+            ``MultiMesh``'s devices, else ``jax.devices()``).
+        static_argnums: positional arguments treated as compile-time constants.
+        donate_argnums: positional arguments whose buffers the program may reuse.
+
+    Returns:
+        A callable with ``fun``'s signature; ``.describe(*args)`` dumps its program.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> f = mm.task(lambda x: x * 2, mesh=mm.TaskMesh(devices=[0]))
+        >>> g = mm.task(lambda x: x + 1, mesh=mm.TaskMesh(devices=[1]))
+        >>> out = mm.jit(lambda x: g(f(x)))(jnp.arange(3.0))
+        >>> out.tolist(), [d.id for d in out.devices()]
+        ([1.0, 3.0, 5.0], [1])
+    """
+    if devices is not None:
+        count = np.asarray(devices).size
+        if count == 0:
+            raise errors.ParallelizeArgumentError("Expected at least one device, got none.")
+    return MpmdJit(
+        fun,
+        devices,
+        _normalise_argnums(static_argnums, "static_argnums"),
+        _normalise_argnums(donate_argnums, "donate_argnums"),
+    )

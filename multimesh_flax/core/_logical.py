@@ -1,0 +1,159 @@
+"""Logical sharding: mapping logical axis names onto a task's mesh axes.
+
+Users annotate arrays with *logical* names (``P("batch", "embed")``); each task maps them to
+its own mesh axes through priority-ordered rules ``(logical_name, mesh_axis)``.
+:func:`logical_to_mesh_spec` implements the resolution; :func:`with_sharding_constraint`
+applies it to arrays, inside a task, and does what the current contexts say elsewhere.
+
+Resolution, for one array:
+
+1. Rules apply in priority order. A rule ``(name, axis)`` shards every dimension whose
+   logical entry contains ``name`` over ``axis``; several rules for one name accumulate
+   (``("batch", "data"), ("batch", "fsdp")`` shards batch over both).
+2. A mesh axis is used at most once per array: a rule whose axis is taken is skipped.
+3. A rule is skipped if the dimension's accumulated shard count would exceed its size.
+4. A dimension the accumulated count does not divide raises ``UnevenShardingError``.
+5. Logical names no rule maps are replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _task
+
+
+def _entry_names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def _rule_axes(axes: Any) -> tuple[str, ...]:
+    return _entry_names(axes)
+
+
+def logical_to_mesh_spec(
+    logical: PartitionSpec,
+    shape: Sequence[int],
+    mesh_shape: Mapping[str, int],
+    rules: Sequence[tuple[str, Any]],
+) -> PartitionSpec:
+    """Resolves a logical ``PartitionSpec`` for an array of ``shape`` on a mesh.
+
+    Args:
+        logical: one entry per leading dimension: ``None``, a logical name, or a tuple.
+        shape: the array's shape.
+        mesh_shape: ``{mesh_axis: size}`` of the target mesh.
+        rules: priority-ordered ``(logical_name, mesh_axis)`` pairs; ``mesh_axis`` may be
+            ``None`` (replicate) or a tuple of axes.
+
+    Returns:
+        A ``PartitionSpec`` over mesh axis names, one entry per dimension.
+
+    Raises:
+        PartitionSpecError: more entries than dimensions.
+        UnevenShardingError: a dimension does not divide its shard count.
+
+    Example:
+        >>> rules = [("batch", "x"), ("model", "x")]
+        >>> logical_to_mesh_spec(P("batch", "model"), (16, 8), {"x": 8}, rules)
+        PartitionSpec('x', None)
+        >>> logical_to_mesh_spec(P(None, "model"), (16, 8), {"x": 8}, rules)
+        PartitionSpec(None, 'x')
+    """
+    entries = tuple(logical)
+    if len(entries) > len(shape):
+        raise errors.PartitionSpecError(
+            f"Expected at most {len(shape)} entries for an array of shape {tuple(shape)}, "
+            f"got {logical}. Drop the extra entries."
+        )
+    dims = [_entry_names(e) for e in entries] + [()] * (len(shape) - len(entries))
+    assigned: list[list[str]] = [[] for _ in shape]
+    used: set[str] = set()
+    for name, axes in rules:
+        axes = _rule_axes(axes)
+        if not axes or any(a in used for a in axes):
+            continue
+        for d, names in enumerate(dims):
+            if name not in names or any(a in used for a in axes):
+                continue
+            count = math.prod(mesh_shape[a] for a in assigned[d] + list(axes))
+            if count > shape[d]:
+                continue
+            assigned[d].extend(axes)
+            used.update(axes)
+    for d, axes in enumerate(assigned):
+        count = math.prod(mesh_shape[a] for a in axes)
+        if axes and shape[d] % count:
+            raise errors.UnevenShardingError(
+                f"Dimension {d} of size {shape[d]} (logical {entries[d]!r}) does not divide "
+                f"evenly over mesh axes {tuple(axes)} ({count} shards). Pad it to a multiple "
+                f"of {count} or map {entries[d]!r} to a smaller mesh axis."
+            )
+    return PartitionSpec(*(_spec_entry(a) for a in assigned))
+
+
+def _spec_entry(axes: list[str]) -> Any:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _is_spec(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.ResolvedTask) -> Any:
+    logical = PartitionSpec() if spec is None else spec
+    mesh_spec = logical_to_mesh_spec(logical, x.shape, dict(resolved.mesh.shape), resolved.rules)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, mesh_spec))
+
+
+def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
+    """Applies logical sharding annotations to ``x`` (an array or pytree).
+
+    Inside a task, logical names resolve through the task's rules against its submesh.
+    Under ``autoshard`` outside every task, ``x`` is returned unchanged (replicated
+    placement is decided by the program). Under ``ignore_transforms`` it is the identity.
+    Otherwise it is ``jax.lax.with_sharding_constraint``.
+
+    Args:
+        x: an array or pytree of arrays.
+        axis_resources: a ``PartitionSpec`` over logical names, or a pytree prefix of them.
+
+    Returns:
+        ``x``, constrained.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> mesh = mm.TaskMesh(devices=range(8), axis_names=("x",))
+        >>> def f(x):
+        ...     return mm.with_sharding_constraint(x, P("batch", None)) * 2
+        >>> f_task = mm.task(f, mesh=mesh, logical_axes=[("batch", "x")])
+        >>> mm.jit(f_task)(jnp.ones((8, 2))).sharding.spec
+        PartitionSpec('x', None)
+    """
+    if _config.get_flag("ignore_transforms"):
+        return x
+    resolved = _task.current_task()
+    if resolved is None:
+        if _config.get_flag("autoshard"):
+            return x
+        return jax.lax.with_sharding_constraint(x, axis_resources)
+    return jax.tree_util.tree_map(
+        lambda spec, sub: jax.tree_util.tree_map(
+            lambda leaf: _constrain_leaf(leaf, spec, resolved), sub
+        ),
+        axis_resources,
+        x,
+        is_leaf=_is_spec,
+    )

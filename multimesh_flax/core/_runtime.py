@@ -1,0 +1,377 @@
+"""The MPMD runtime: compile fragments, precompute a flat op list, dispatch it.
+
+An ``MpmdExecutable`` turns a ``Partition`` into a list of ops over numbered value slots:
+
+* ``RUN``  -- call fragment ``k``'s ``jax.jit`` on its input slots, fill its output slots;
+* ``PUT``  -- move a group of values to another submesh with one ``jax.device_put``.
+
+Slots whose last reader has been dispatched are cleared right away, so XLA frees their
+buffers as soon as the computations using them finish. Calling the executable dispatches
+every op in order and returns without waiting: each device runs its queue in dispatch order,
+so the op order *is* the pipeline schedule.
+
+Fragments are compiled through a process-wide cache keyed by (fragment jaxpr, place,
+donation), so identical fragments -- the same stage for every microbatch, or the same step
+function traced twice -- share one ``jax.jit`` and compile once per input sharding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multimesh_flax.core import _partition
+
+RUN, PUT = 0, 1
+
+
+# --- timelines ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TimelineEvent:
+    """One executed op: where it ran, what it was, and when (seconds, ``perf_counter``)."""
+
+    place: tuple[int, ...]
+    kind: str  # "run" or "transfer"
+    name: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class Timeline:
+    """The events recorded inside :func:`record_timeline`."""
+
+    events: list[TimelineEvent] = dataclasses.field(default_factory=list)
+
+
+class _Recording(threading.local):
+    def __init__(self) -> None:
+        self.timeline: Timeline | None = None
+
+
+_RECORDING = _Recording()
+
+
+@contextlib.contextmanager
+def record_timeline() -> Iterator[Timeline]:
+    """Records every op that MPMD programs execute inside the block.
+
+    Recording waits for each op to finish before dispatching the next, so the recorded
+    times are real execution times (and the program runs without overlap between submeshes).
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> f = mm.task(lambda x: x * 2, mesh=mm.TaskMesh(devices=[0]))
+        >>> g = mm.task(lambda x: x + 1, mesh=mm.TaskMesh(devices=[1]))
+        >>> step = mm.jit(lambda x: g(f(x)))
+        >>> with mm.record_timeline() as timeline:
+        ...     _ = step(jnp.ones(4))
+        >>> [e.kind for e in timeline.events]
+        ['run', 'transfer', 'run']
+    """
+    previous = _RECORDING.timeline
+    timeline = Timeline()
+    _RECORDING.timeline = timeline
+    try:
+        yield timeline
+    finally:
+        _RECORDING.timeline = previous
+
+
+# --- fragment compilation -------------------------------------------------------------------
+
+_FRAGMENT_CACHE: dict[tuple[Any, ...], Any] = {}
+
+
+def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
+    run = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))
+
+    def fragment(*args: Any) -> tuple[Any, ...]:
+        return tuple(run(*args))
+
+    return fragment
+
+
+def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
+    return jex.Jaxpr(
+        constvars=[],
+        invars=list(frag.invars),
+        outvars=list(frag.outvars),
+        eqns=list(frag.eqns),
+        effects=frozenset().union(*(e.effects for e in frag.eqns)),
+    )
+
+
+def compile_fragment(
+    frag: _partition.Fragment, mesh: jax.sharding.Mesh, donate: tuple[int, ...]
+) -> Any:
+    """Returns the (cached) ``jax.jit`` of a fragment."""
+    jaxpr = fragment_jaxpr(frag)
+    out_shardings = None
+    if not frag.invars:  # nothing to infer devices from: pin outputs to the place
+        out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
+    key = (str(jaxpr), frag.place, donate, out_shardings)
+    jitted = _FRAGMENT_CACHE.get(key)
+    if jitted is None:
+        jitted = jax.jit(_as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings)
+        _FRAGMENT_CACHE[key] = jitted
+    return jitted
+
+
+# --- the executable -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Op:
+    kind: int
+    fn: Any  # the jitted fragment (RUN) or None (PUT)
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    frees: tuple[int, ...] = ()
+    place: tuple[int, ...] = ()
+    name: str = ""
+    shardings: list[Any] | None = None  # PUT targets, fixed on first execution
+    hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
+
+
+def _first_constraint(frag: _partition.Fragment, var: Any) -> Any:
+    for eqn in frag.eqns:
+        if var in eqn.invars:
+            if eqn.primitive.name == "sharding_constraint" and eqn.invars[0] is var:
+                return eqn.params["sharding"]
+            return None
+    return None
+
+
+def _same_place(sharding: Any, place: tuple[int, ...]) -> bool:
+    return tuple(sorted(d.id for d in sharding.device_set)) == place
+
+
+def input_sharding(part: _partition.Partition, var: Any) -> Any:
+    """The sharding a program input should arrive in (``None``: the input is unused).
+
+    The first sharding constraint applied to the input inside its first consuming fragment,
+    else replicated on that fragment's submesh.
+    """
+    place = part.input_place.get(var)
+    if place is None:
+        return None
+    first = next(f for f in part.fragments if var in f.invars and f.place == place)
+    constraint = _first_constraint(first, var)
+    if constraint is not None and _same_place(constraint, place):
+        return constraint
+    return NamedSharding(part.place_meshes[place], PartitionSpec())
+
+
+class MpmdExecutable:
+    """A placed, fragmented program, ready to dispatch."""
+
+    def __init__(self, part: _partition.Partition, donate: Sequence[int] = ()) -> None:
+        self.partition = part
+        self._slots: dict[tuple[Any, Any], int] = {}
+        self._consts: dict[int, Any] = {}
+        jaxpr = part.traced.jaxpr
+        self.input_slots = [self._slot(v, part.home.get(v)) for v in jaxpr.invars]
+        self.input_shardings = [self._input_sharding(v) for v in jaxpr.invars]
+        for v, value in zip(jaxpr.constvars, part.traced.consts, strict=True):
+            if v in part.input_place:
+                sharding = self._input_sharding(v)
+                self._consts[self._slot(v, part.home[v])] = jax.device_put(value, sharding)
+        self.ops = self._build_ops(set(donate))
+        self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
+        self._assign_frees()
+
+    # --- planning ---
+
+    def _slot(self, var: Any, place: Any) -> int:
+        return self._slots.setdefault((var, place), len(self._slots))
+
+    def _input_sharding(self, var: Any) -> Any:
+        return input_sharding(self.partition, var)
+
+    def _fragment_mesh(self, frag: _partition.Fragment) -> Any:
+        if frag.label is not None:
+            return self.partition.traced.tasks[frag.label[0]].mesh
+        return self.partition.place_meshes[frag.place]
+
+    def _fragment_name(self, frag: _partition.Fragment) -> str:
+        if frag.label is None:
+            return f"glue#{frag.index}"
+        resolved = self.partition.traced.tasks[frag.label[0]]
+        return f"{resolved.name}.{frag.label[1]}#{frag.index}"
+
+    def _build_ops(self, donate: set[int]) -> list[_Op]:
+        part = self.partition
+        donated_slots = {self.input_slots[i] for i in donate}
+        transfers: dict[int, dict[Any, list[tuple[Any, Any]]]] = {}
+        producer = {v: f.index for f in part.fragments for v in f.outvars}
+        runs: list[_Op] = []
+        for frag in part.fragments:
+            for v in frag.invars:
+                if part.home[v] != frag.place:
+                    hint = _first_constraint(frag, v) or self._fragment_mesh(frag)
+                    group = transfers.setdefault(producer.get(v, -1), {})
+                    entries = group.setdefault(frag.place, [])
+                    if all(v is not e[0] for e in entries):
+                        entries.append((v, hint))
+            ins = tuple(self._slot(v, frag.place) for v in frag.invars)
+            don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
+            fn = compile_fragment(frag, part.place_meshes[frag.place], don)
+            outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
+            runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=self._fragment_name(frag)))
+        ops = self._puts(transfers.get(-1, {}))
+        for frag, run in zip(part.fragments, runs, strict=True):
+            ops.append(run)
+            ops.extend(self._puts(transfers.get(frag.index, {})))
+        return ops
+
+    def _puts(self, groups: dict[Any, list[tuple[Any, Any]]]) -> list[_Op]:
+        ops = []
+        for place, entries in groups.items():
+            ins = tuple(self._slot(v, self.partition.home[v]) for v, _ in entries)
+            outs = tuple(self._slot(v, place) for v, _ in entries)
+            ops.append(
+                _Op(
+                    PUT,
+                    None,
+                    ins,
+                    outs,
+                    place=place,
+                    name=f"to{list(place)}",
+                    hints=tuple(h for _, h in entries),
+                )
+            )
+        return ops
+
+    def _output_slot(self, var: Any) -> int:
+        if isinstance(var, jex.Literal):
+            mesh = self.partition.place_meshes[self.partition.default_place]
+            slot = len(self._slots)
+            self._slots[(object(), None)] = slot
+            self._consts[slot] = jax.device_put(var.val, NamedSharding(mesh, PartitionSpec()))
+            return slot
+        return self._slot(var, self.partition.home.get(var))
+
+    def _assign_frees(self) -> None:
+        last: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            for s in op.ins:
+                last[s] = i
+        keep = set(self.output_slots) | set(self._consts)
+        frees: dict[int, list[int]] = {}
+        for s, i in last.items():
+            if s not in keep:
+                frees.setdefault(i, []).append(s)
+        for i, op in enumerate(self.ops):
+            op.frees = tuple(frees.get(i, ()))
+
+    # --- execution ---
+
+    def _place_inputs(self, env: list[Any], args: Sequence[Any]) -> None:
+        moves, targets, slots = [], [], []
+        for x, want, slot in zip(args, self.input_shardings, self.input_slots, strict=True):
+            have = getattr(x, "sharding", None)
+            if (
+                want is None
+                or have == want
+                or (have is not None and have.is_equivalent_to(want, x.ndim))
+            ):
+                env[slot] = x
+            else:
+                moves.append(x)
+                targets.append(want)
+                slots.append(slot)
+        if moves:
+            for slot, moved in zip(slots, jax.device_put(moves, targets), strict=True):
+                env[slot] = moved
+
+    def _put_targets(self, op: _Op, values: Sequence[Any]) -> list[Any]:
+        targets = []
+        for value, hint in zip(values, op.hints, strict=True):
+            if isinstance(hint, jax.sharding.Sharding):
+                targets.append(hint)
+                continue
+            spec = getattr(value.sharding, "spec", None)
+            try:
+                target = NamedSharding(hint, spec) if spec is not None else None
+                if target is not None:
+                    target.shard_shape(value.shape)  # raises if it does not fit
+            except (ValueError, KeyError, TypeError):
+                target = None
+            targets.append(target or NamedSharding(hint, PartitionSpec()))
+        return targets
+
+    def __call__(self, args: Sequence[Any]) -> list[Any]:
+        env: list[Any] = [None] * len(self._slots)
+        for slot, value in self._consts.items():
+            env[slot] = value
+        self._place_inputs(env, args)
+        timeline = _RECORDING.timeline
+        for op in self.ops:
+            start = time.perf_counter() if timeline is not None else 0.0
+            values = [env[s] for s in op.ins]
+            if op.kind == RUN:
+                results = op.fn(*values)
+            else:
+                if op.shardings is None:
+                    op.shardings = self._put_targets(op, values)
+                results = jax.device_put(values, op.shardings)
+            for s, r in zip(op.outs, results, strict=True):
+                env[s] = r
+            for s in op.frees:
+                env[s] = None
+            if timeline is not None:
+                jax.block_until_ready(results)
+                kind = "run" if op.kind == RUN else "transfer"
+                timeline.events.append(
+                    TimelineEvent(op.place, kind, op.name, start, time.perf_counter())
+                )
+        return [env[s] for s in self.output_slots]
+
+    # --- inspection ---
+
+    def compile_count(self) -> int:
+        """How many XLA executables the fragments of this program hold right now."""
+        fns = {id(op.fn): op.fn for op in self.ops if op.kind == RUN}
+        return sum(fn._cache_size() for fn in fns.values())
+
+    def transfer_bytes(self) -> int:
+        """Bytes moved between submeshes per call."""
+        var_of = {slot: var for (var, _), slot in self._slots.items()}
+        return sum(
+            _partition.nbytes(var_of[s]) for op in self.ops if op.kind == PUT for s in op.outs
+        )
+
+    def describe(self) -> str:
+        """A readable dump: fragments (submesh, equations), transfers (bytes), compiles."""
+        var_of = {slot: var for (var, _), slot in self._slots.items()}
+        frag_of = {self._fragment_name(f): f for f in self.partition.fragments}
+        lines = []
+        for op in self.ops:
+            if op.kind == RUN:
+                frag = frag_of[op.name]
+                lines.append(
+                    f"run  {op.name:<24} on devices {list(op.place)}: {len(frag.eqns)} eqns, "
+                    f"{len(op.ins)} in, {len(op.outs)} out"
+                )
+            else:
+                size = sum(_partition.nbytes(var_of[s]) for s in op.outs)
+                lines.append(
+                    f"put  {len(op.outs)} value(s) to devices {list(op.place)}: {size} bytes"
+                )
+        runs = sum(op.kind == RUN for op in self.ops)
+        lines.append(
+            f"{runs} fragments, {len(self.ops) - runs} transfers "
+            f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables"
+        )
+        return "\n".join(lines)

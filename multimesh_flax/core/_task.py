@@ -1,0 +1,341 @@
+"""Tasks: where a piece of a program runs, and the logical rules it shards with.
+
+``Task`` is a plain description (a mesh or a ``MultiMesh`` slice, plus logical rules).
+``task(fun, ...)`` returns a function that, when traced, runs ``fun`` inside a reserved named
+scope -- its *marker* -- with the task's rules active for ``with_sharding_constraint``. JAX keeps
+name scopes on every equation, also through ``jax.grad`` (the backward appears as
+``transpose(jvp(<marker>))``), so the partitioner can later colour each equation by the task
+whose marker is innermost in its name stack.
+
+At trace time a ``Task`` is *resolved* into a ``ResolvedTask``: a concrete
+``jax.sharding.Mesh`` and a flat rule list. Resolution happens per call, so a ``TaskMesh``
+follows the executable's device list and a ``mesh_slice`` follows the current ``MultiMesh``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _mesh
+
+Rule = tuple[str, "str | tuple[str, ...] | None"]
+MARKER_RE = re.compile(r"mmtask(\d+)_")
+
+
+def _normalise_rules(rules: Any, argument: str) -> tuple[Rule, ...]:
+    if rules is None:
+        return ()
+    try:
+        pairs = [tuple(r) for r in rules]
+    except TypeError:
+        pairs = None
+    bad = pairs is None or any(len(p) != 2 or not isinstance(p[0], str) for p in pairs)
+    if not bad:
+        bad = any(not (p[1] is None or isinstance(p[1], (str, tuple))) for p in pairs)
+    if bad:
+        raise errors.LogicalRulesError(
+            f"Expected `{argument}` as a sequence of (logical_name, mesh_axis) pairs, got "
+            f"{rules!r}. Example: (('batch', 'x'), ('model', 'y'))."
+        )
+    return tuple(pairs)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Task:
+    """Everything that says where a task runs and how it shards.
+
+    Args:
+        name: a display name (used in program dumps, timelines and tables).
+        mesh: a ``TaskMesh`` (positions in the executable's device list) or a
+            ``jax.sharding.Mesh``. ``None`` with no ``mesh_slice``: the whole current
+            ``MultiMesh``, else all devices of the executable as one axis ``"devices"``.
+        logical_axes: priority-ordered ``(logical_name, mesh_axis)`` pairs; default: the
+            identity over the mesh's axis names.
+        mesh_slice: ``{axis: index}`` of the current ``MultiMesh``.
+        extra_axes: rules appended after ``logical_axes``.
+        split_backprop: ``(critical_suffix, noncritical_suffix)`` names of the two halves of
+            the backward task (activation gradients, weight gradients).
+        loop_dependent_mesh_slice: ``i -> {axis: index}``, the slice microbatch ``i`` uses.
+
+    Raises:
+        InvalidTaskError: both ``mesh`` and ``mesh_slice``.
+        TaskTypeError: ``mesh`` is neither a ``TaskMesh`` nor a ``jax.sharding.Mesh``.
+        LogicalRulesError: malformed ``logical_axes`` or ``extra_axes``.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> t = mm.Task(name="head", mesh=mm.TaskMesh(devices=[4, 5, 6, 7]),
+        ...             logical_axes=[("batch", "devices")])
+        >>> t.logical_axes
+        (('batch', 'devices'),)
+    """
+
+    name: str | None = None
+    mesh: _mesh.TaskMesh | Mesh | None = None
+    logical_axes: Sequence[Rule] | None = None
+    mesh_slice: Mapping[str, int] | None = None
+    extra_axes: Sequence[Rule] | None = None
+    split_backprop: tuple[str, str] | None = None
+    loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mesh is not None and not isinstance(self.mesh, (_mesh.TaskMesh, Mesh)):
+            raise errors.TaskTypeError(
+                f"Expected `mesh` to be a TaskMesh or jax.sharding.Mesh, got "
+                f"{type(self.mesh).__name__}: {self.mesh!r}."
+            )
+        if self.mesh is not None and self.mesh_slice is not None:
+            raise errors.InvalidTaskError(
+                f"Expected either `mesh` or `mesh_slice`, got both (`mesh_slice`="
+                f"{dict(self.mesh_slice)!r}). A mesh slice already names the devices; drop one."
+            )
+        if self.logical_axes is not None:
+            rules = _normalise_rules(self.logical_axes, "logical_axes")
+            object.__setattr__(self, "logical_axes", rules)
+        if self.extra_axes is not None:
+            object.__setattr__(self, "extra_axes", _normalise_rules(self.extra_axes, "extra_axes"))
+        if self.mesh_slice is not None:
+            object.__setattr__(self, "mesh_slice", dict(self.mesh_slice))
+        sb = self.split_backprop
+        if sb is not None and (len(sb) != 2 or not all(isinstance(s, str) for s in sb)):
+            raise errors.InvalidTaskError(
+                f"Expected `split_backprop` as two name suffixes (critical, noncritical), "
+                f"got {sb!r}."
+            )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResolvedTask:
+    """A task bound to concrete devices for one trace: its mesh, rules and marker."""
+
+    uid: int
+    name: str
+    mesh: Mesh
+    rules: tuple[Rule, ...]
+    task: Task
+
+    @property
+    def marker(self) -> str:
+        """The named-scope component that tags this task's equations."""
+        return f"mmtask{self.uid}_{self.name}"
+
+
+def _resolve_mesh(spec: Task) -> tuple[Mesh, tuple[Rule, ...]]:
+    multi = _mesh.get_multi_mesh()
+    if spec.mesh_slice is not None:
+        if multi is None:
+            raise errors.NoMultiMeshError(
+                f"Task {spec.name!r} has `mesh_slice`={spec.mesh_slice!r} but no MultiMesh "
+                "is active. Call it inside `with multi_mesh:` or give it a `mesh`."
+            )
+        identity = tuple((n, n) for n in multi.axis_names)
+        return multi.slice(**spec.mesh_slice), identity
+    if isinstance(spec.mesh, _mesh.TaskMesh):
+        mesh = spec.mesh.to_mesh()
+    elif isinstance(spec.mesh, Mesh):
+        mesh = _mesh.make_auto_mesh(spec.mesh.devices, spec.mesh.axis_names)
+    elif multi is not None:
+        mesh = multi.mesh
+    else:
+        mesh = _mesh.make_auto_mesh(np.array(_mesh.get_device_list(), dtype=object), ("devices",))
+    return mesh, tuple((n, n) for n in mesh.axis_names)
+
+
+def _check_rules(rules: tuple[Rule, ...], mesh: Mesh, name: str) -> None:
+    for logical, axes in rules:
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        unknown = [a for a in names if a not in mesh.axis_names]
+        if unknown:
+            raise errors.LogicalRulesError(
+                f"Rule ({logical!r}, {axes!r}) of task {name!r} names mesh axis "
+                f"{unknown[0]!r}, but the task mesh has axes {tuple(mesh.axis_names)}. "
+                "Map logical names onto those axes."
+            )
+
+
+_UIDS = itertools.count(1)
+
+
+def resolve_task(spec: Task, fallback_name: str = "task") -> ResolvedTask:
+    """Binds ``spec`` to concrete devices and rules for the current trace.
+
+    Raises:
+        NoMultiMeshError: ``mesh_slice`` with no active ``MultiMesh``.
+        LogicalRulesError: a rule names a mesh axis the task mesh lacks.
+    """
+    mesh, identity = _resolve_mesh(spec)
+    rules = spec.logical_axes if spec.logical_axes is not None else identity
+    rules = tuple(rules) + tuple(spec.extra_axes or ())
+    name = re.sub(r"\W", "_", spec.name or fallback_name)
+    _check_rules(rules, mesh, name)
+    return ResolvedTask(uid=next(_UIDS), name=name, mesh=mesh, rules=rules, task=spec)
+
+
+# --- trace sessions and the task stack ------------------------------------------------------
+
+
+class TraceSession:
+    """Collects the tasks entered while ``jit``/``parallelize`` traces a program."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, ResolvedTask] = {}
+
+
+class _TaskState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[ResolvedTask] = []
+        self.sessions: list[TraceSession] = []
+
+
+_STATE = _TaskState()
+
+
+def current_task() -> ResolvedTask | None:
+    """The innermost task being traced, or ``None`` outside every task."""
+    return _STATE.stack[-1] if _STATE.stack else None
+
+
+def current_session() -> TraceSession | None:
+    return _STATE.sessions[-1] if _STATE.sessions else None
+
+
+@contextlib.contextmanager
+def trace_session() -> Iterator[TraceSession]:
+    """Opens a session that records every task traced inside it."""
+    session = TraceSession()
+    _STATE.sessions.append(session)
+    try:
+        yield session
+    finally:
+        _STATE.sessions.pop()
+
+
+@contextlib.contextmanager
+def enter_task(resolved: ResolvedTask) -> Iterator[ResolvedTask]:
+    """Runs the body as ``resolved``: its marker scope, its rules, its registration."""
+    session = current_session()
+    if session is not None:
+        session.tasks[resolved.uid] = resolved
+    _STATE.stack.append(resolved)
+    try:
+        with jax.named_scope(resolved.marker):
+            yield resolved
+    finally:
+        _STATE.stack.pop()
+
+
+# --- task(fun) ------------------------------------------------------------------------------
+
+
+def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh:
+    grid = np.asarray(devices, dtype=object)
+    if device_axes is None:
+        names = ("devices",) if grid.ndim == 1 else tuple(f"axis_{i}" for i in range(grid.ndim))
+    else:
+        names = tuple(device_axes)
+    if len(names) != grid.ndim:
+        raise errors.MeshShapeError(
+            f"Expected one name per axis of `devices` (shape {grid.shape}), got "
+            f"`device_axes`={names!r}."
+        )
+    return _mesh.make_auto_mesh(grid, names)
+
+
+def make_task(name: str | None, task: Task | None, kwargs: dict[str, Any]) -> Task:
+    """Builds the ``Task`` described by ``task(...)``'s arguments.
+
+    ``kwargs`` are ``Task`` fields, or ``devices`` (+ ``device_axes``) standing for a mesh.
+    With ``devices`` but no ``device_axes``, constraints inside the task replicate.
+    """
+    if task is not None:
+        if kwargs:
+            raise errors.InvalidTaskError(
+                f"Expected either `task` or task options, got both (options "
+                f"{sorted(kwargs)}). Put the options into the Task."
+            )
+        if not isinstance(task, Task):
+            raise errors.TaskTypeError(f"Expected `task` to be a Task, got {task!r}.")
+        return task if name is None else dataclasses.replace(task, name=name)
+    kwargs = dict(kwargs)
+    devices, device_axes = kwargs.pop("devices", None), kwargs.pop("device_axes", None)
+    if devices is not None:
+        if kwargs.get("mesh") is not None:
+            raise errors.InvalidTaskError("Expected either `mesh` or `devices`, got both.")
+        kwargs["mesh"] = _mesh_from_devices(devices, device_axes)
+        if device_axes is None and kwargs.get("logical_axes") is None:
+            kwargs["logical_axes"] = ()
+    fields = {f.name for f in dataclasses.fields(Task)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise errors.InvalidTaskError(
+            f"Unknown task option {unknown[0]!r}; expected one of {sorted(fields)} or "
+            "`devices`/`device_axes`."
+        )
+    return Task(name=name, **kwargs)
+
+
+def _contains_tracer(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
+
+
+def task(
+    fun: Callable[..., Any], name: str | None = None, *, task: Task | None = None, **kwargs: Any
+) -> Callable[..., Any]:
+    """Wraps ``fun`` so that it (forward and backward) runs on the task's submesh.
+
+    Inside ``jit``/``parallelize`` the task becomes its own units of the MPMD program. Called
+    eagerly, the task runs as a one-task program: inputs move to its submesh and the result
+    stays there. Under ``ignore_transforms`` it is ``fun`` itself.
+
+    Args:
+        fun: the function to run as a task.
+        name: display name (default: ``fun.__name__``).
+        task: a ready ``Task``; exclusive with ``kwargs``.
+        **kwargs: ``Task`` fields (``mesh``, ``logical_axes``, ``mesh_slice``, ...), or
+            ``devices`` (an array of jax devices) with ``device_axes``.
+
+    Returns:
+        A function with ``fun``'s signature.
+
+    Raises:
+        InvalidTaskError: contradictory options.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> g = mm.task(lambda x: x + 1, mesh=mm.TaskMesh(devices=[1]))
+        >>> y = g(jnp.zeros(3))
+        >>> y.tolist(), [d.id for d in y.devices()]
+        ([1.0, 1.0, 1.0], [1])
+    """
+    spec = make_task(name, task, kwargs)
+    display = spec.name or getattr(fun, "__name__", "task")
+    eager_cache: dict[str, Any] = {}
+
+    @functools.wraps(fun)
+    def run_task(*args: Any, **kw: Any) -> Any:
+        if _config.get_flag("ignore_transforms"):
+            return fun(*args, **kw)
+        if current_session() is None and not _contains_tracer((args, kw)):
+            if "jit" not in eager_cache:
+                from multimesh_flax.core._jit import jit
+
+                eager_cache["jit"] = jit(run_task)
+            return eager_cache["jit"](*args, **kw)
+        body = jax.checkpoint(fun) if _config.get_flag("enable_recomputation") else fun
+        with enter_task(resolve_task(spec, display)):
+            return body(*args, **kw)
+
+    run_task.task = spec  # type: ignore[attr-defined]
+    return run_task

@@ -1,0 +1,164 @@
+"""Tracing: capture a program once as a flat jaxpr and colour every equation by task.
+
+``trace_program`` runs ``jax.make_jaxpr`` inside a trace session (so each task call records
+its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
+boundaries become visible at the top level, and labels every equation with
+``(task uid, phase)`` -- phase ``"fwd"`` or ``"bwd"`` (the name stack shows ``transpose(``
+before the task's marker) -- or ``None`` for glue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _mesh, _task
+
+# Call-like primitives whose body is inlined (evaluation only: our programs are not
+# differentiated after tracing, so dropping custom derivative rules is exact).
+_INLINE_PARAM = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
+
+Label = tuple[int, str] | None
+
+
+@dataclasses.dataclass
+class TracedProgram:
+    """A flat jaxpr of the program with a task label per equation."""
+
+    jaxpr: jex.Jaxpr
+    consts: list[Any]
+    labels: list[Label]
+    tasks: dict[int, _task.ResolvedTask]
+    out_tree: Any
+
+
+def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
+    if isinstance(jaxpr, jex.ClosedJaxpr):
+        return jaxpr.jaxpr, list(jaxpr.consts)
+    return jaxpr, []
+
+
+class _Inliner:
+    """Rebuilds a jaxpr with call primitives inlined and full name stacks kept."""
+
+    def __init__(self) -> None:
+        self.eqns: list[Any] = []
+        self.stacks: list[str] = []
+        self.consts: dict[Any, Any] = {}
+
+    def run(
+        self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: str
+    ) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+        env.update(zip(jaxpr.invars, args, strict=True))
+
+        def read(a: Any) -> Any:
+            return a if isinstance(a, jex.Literal) else env[a]
+
+        for eqn in jaxpr.eqns:
+            stack = _join(prefix, str(eqn.source_info.name_stack))
+            invars = [read(a) for a in eqn.invars]
+            key = _INLINE_PARAM.get(eqn.primitive.name)
+            if key is not None and key in eqn.params:
+                inner, inner_consts = _open(eqn.params[key])
+                const_vars = [self._const(c) for c in inner_consts]
+                outs = self.run(inner, const_vars, invars, stack)
+                env.update(zip(eqn.outvars, outs, strict=True))
+                continue
+            _check_no_inner_tasks(eqn)
+            outvars = [jex.Var(v.aval) for v in eqn.outvars]
+            env.update(zip(eqn.outvars, outvars, strict=True))
+            self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
+            self.stacks.append(stack)
+        return [read(a) for a in jaxpr.outvars]
+
+    def _const(self, value: Any) -> Any:
+        var = jex.Var(jax.core.get_aval(value))
+        self.consts[var] = value
+        return var
+
+
+def _join(prefix: str, stack: str) -> str:
+    if not prefix:
+        return stack
+    return f"{prefix}/{stack}" if stack else prefix
+
+
+def _inner_stacks(eqn: Any) -> list[str]:
+    found = []
+    for sub in jex.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            found.append(str(inner.source_info.name_stack))
+            found.extend(_inner_stacks(inner))
+    return found
+
+
+def _check_no_inner_tasks(eqn: Any) -> None:
+    for stack in _inner_stacks(eqn):
+        if _task.MARKER_RE.search(stack):
+            raise errors.TaskInControlFlowError(
+                f"A task is called inside `{eqn.primitive.name}` (scope {stack!r}). A loop or "
+                "conditional runs as one unit on one submesh, so it cannot contain a task "
+                "boundary. Unroll the loop in Python, or make the whole loop one task."
+            )
+
+
+def _label(stack: str, tasks: dict[int, _task.ResolvedTask]) -> Label:
+    matches = [m for m in _task.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
+    if not matches:
+        return None
+    last = matches[-1]
+    phase = "bwd" if "transpose(" in stack[: last.start()] else "fwd"
+    return int(last.group(1)), phase
+
+
+def trace_program(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    devices: Any = None,
+) -> TracedProgram:
+    """Traces ``fun(*args)`` (args: pytrees of arrays or ``ShapeDtypeStruct``s).
+
+    The program's inputs are the flattened leaves of ``args``; its outputs the flattened
+    leaves of the result, whose tree is ``out_tree``.
+    """
+    with _mesh.use_device_list(devices), _config.autoshard(), _task.trace_session() as session:
+        # A fresh wrapper: jax caches traces per function object, and our contexts (task
+        # stack, flags) are not part of its cache key.
+        closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*args)
+    inliner = _Inliner()
+    outer, consts = _open(closed)
+    const_vars = [inliner._const(c) for c in consts]
+    in_vars = [jex.Var(v.aval) for v in outer.invars]
+    outs = inliner.run(outer, const_vars, in_vars, "")
+    const_items = list(inliner.consts.items())
+    jaxpr = jex.Jaxpr(
+        constvars=[v for v, _ in const_items],
+        invars=in_vars,
+        outvars=outs,
+        eqns=inliner.eqns,
+        effects=frozenset().union(*(e.effects for e in inliner.eqns)),
+    )
+    labels = [_label(s, session.tasks) for s in inliner.stacks]
+    return TracedProgram(
+        jaxpr=jaxpr,
+        consts=[c for _, c in const_items],
+        labels=labels,
+        tasks=session.tasks,
+        out_tree=jax.tree_util.tree_structure(out_shape),
+    )
