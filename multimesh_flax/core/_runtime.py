@@ -28,7 +28,7 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core import _partition
+from multimesh_flax.core import _partition, _trace
 
 RUN, PUT = 0, 1
 
@@ -103,12 +103,8 @@ def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
 
 
 def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
-    return jex.Jaxpr(
-        constvars=[],
-        invars=list(frag.invars),
-        outvars=list(frag.outvars),
-        eqns=list(frag.eqns),
-        effects=frozenset().union(*(e.effects for e in frag.eqns)),
+    return _trace.make_jaxpr_object(
+        [], list(frag.invars), list(frag.outvars), list(frag.eqns), f"fragment {frag.index}"
     )
 
 

@@ -155,7 +155,7 @@ def make_schedule(
     * ``"zero-bubble-h2"``: backward split into ``B`` and ``W``; each row keeps up to
       ``2 R - 1`` microbatches in flight and puts ``W`` ops into what would be bubbles
       (after ZB-H2 in Qi et al., "Zero Bubble Pipeline Parallelism", 2023). One stage per
-      row; with equal costs its bubble is ``(R - 1) / (3 m + R - 1)``.
+      row; with equal costs and ``m >= R`` its bubble is ``(R - 1) / (3 m + R - 1)``.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any
@@ -320,9 +320,9 @@ def _zero_bubble_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_
     At every time step an idle row runs, in priority order: its next backward if that is
     ready; its next forward if ready and fewer than ``2 rows - 1`` microbatches hold
     activations on the row (ZB-H2's memory budget; an activation is freed by ``W``); its
-    oldest pending weight gradient. With equal costs this gives ZB-H2's parallelogram:
-    row ``r`` works without a gap from ``r`` to ``r + 3m``. The order is deadlock-free by
-    construction, since every op ran after its dependencies.
+    oldest pending weight gradient. With equal costs and ``m >= rows`` this gives ZB-H2's
+    parallelogram: row ``r`` works without a gap from ``r`` to ``r + 3m``. The order is
+    deadlock-free by construction, since every op ran after its dependencies.
     """
     done_at: dict[ScheduleOp, int] = {}
     out: _Rows = [[] for _ in range(rows)]
@@ -408,9 +408,9 @@ def validate_schedule(schedule: Schedule) -> None:
 
     Example:
       >>> from multimesh_flax.core._schedules import Schedule, ScheduleOp, validate_schedule
-      >>> ops = lambda *names: [ScheduleOp.parse(n) for n in names]
+      >>> ops = lambda *names: tuple(ScheduleOp.parse(n) for n in names)
       >>> stuck = Schedule(
-      ...     rows=[ops("F0.0", "B0.0"), ops("B1.0", "F1.0")],
+      ...     rows=(ops("F0.0", "B0.0"), ops("B1.0", "F1.0")),
       ...     num_stages=2, num_microbatches=1, split_backward=False, name="custom",
       ...     stage_to_row=(0, 1))
       >>> validate_schedule(stuck)

@@ -28,12 +28,33 @@ _INLINE_PARAM = {
     "core_call": "call_jaxpr",
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
 
 Label = tuple[int, str] | None
+
+
+def make_jaxpr_object(
+    constvars: list[Any], invars: list[Any], outvars: list[Any], eqns: list[Any], what: str
+) -> jex.Jaxpr:
+    """A ``Jaxpr`` with its effects and a ``DebugInfo`` naming what it is."""
+    debug = jex.DebugInfo(
+        "multimesh_flax",
+        what,
+        tuple(f"in{i}" for i in range(len(invars))),
+        tuple(f"out{i}" for i in range(len(outvars))),
+    )
+    return jex.Jaxpr(
+        constvars=constvars,
+        invars=invars,
+        outvars=outvars,
+        eqns=eqns,
+        effects=frozenset().union(*(e.effects for e in eqns)),
+        debug_info=debug,
+    )
 
 
 @dataclasses.dataclass
@@ -147,13 +168,7 @@ def trace_program(
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
     const_items = list(inliner.consts.items())
-    jaxpr = jex.Jaxpr(
-        constvars=[v for v, _ in const_items],
-        invars=in_vars,
-        outvars=outs,
-        eqns=inliner.eqns,
-        effects=frozenset().union(*(e.effects for e in inliner.eqns)),
-    )
+    jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, inliner.eqns, "program")
     labels = [_label(s, session.tasks) for s in inliner.stacks]
     return TracedProgram(
         jaxpr=jaxpr,
