@@ -9,6 +9,9 @@ from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax.core import (
     MultiMesh,
+    Schedule,
+    ScheduleOp,
+    SimulationResult,
     Task,
     TaskMesh,
     Timeline,
@@ -20,15 +23,21 @@ from multimesh_flax.core import (
     ignore_transforms,
     jit,
     logical_to_mesh_spec,
+    make_schedule,
     parallelize,
     record_timeline,
+    simulate,
     slice_global_mesh,
     task,
+    validate_schedule,
     with_sharding_constraint,
 )
 
 __all__ = [
     "MultiMesh",
+    "Schedule",
+    "ScheduleOp",
+    "SimulationResult",
     "Task",
     "TaskMesh",
     "Timeline",
@@ -42,9 +51,12 @@ __all__ = [
     "ignore_transforms",
     "jit",
     "logical_to_mesh_spec",
+    "make_schedule",
     "parallelize",
     "record_timeline",
+    "simulate",
     "slice_global_mesh",
     "task",
+    "validate_schedule",
     "with_sharding_constraint",
 ]

@@ -1,4 +1,5 @@
-"""Pure-JAX machinery: meshes, tasks, logical sharding, contexts, ``jit``/``parallelize``."""
+"""Pure-JAX machinery: meshes, tasks, logical sharding, contexts, ``jit``/``parallelize``,
+pipeline schedules and their simulator."""
 
 from multimesh_flax.core._config import autoshard as autoshard
 from multimesh_flax.core._config import context as context
@@ -19,5 +20,11 @@ from multimesh_flax.core._parallelize import parallelize as parallelize
 from multimesh_flax.core._runtime import Timeline as Timeline
 from multimesh_flax.core._runtime import TimelineEvent as TimelineEvent
 from multimesh_flax.core._runtime import record_timeline as record_timeline
+from multimesh_flax.core._schedules import Schedule as Schedule
+from multimesh_flax.core._schedules import ScheduleOp as ScheduleOp
+from multimesh_flax.core._schedules import make_schedule as make_schedule
+from multimesh_flax.core._schedules import validate_schedule as validate_schedule
+from multimesh_flax.core._simulator import SimulationResult as SimulationResult
+from multimesh_flax.core._simulator import simulate as simulate
 from multimesh_flax.core._task import Task as Task
 from multimesh_flax.core._task import task as task

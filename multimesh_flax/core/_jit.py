@@ -37,8 +37,14 @@ def _leaf_key(x: Any) -> Hashable:
 
 
 class _FastPath:
-    def __init__(self, fun: Callable[..., Any], donate: tuple[int, ...]) -> None:
-        self.jitted = jax.jit(fun, donate_argnums=donate)
+    """A program without tasks: one ``jax.jit``, traced under ``autoshard`` like the rest."""
+
+    def __init__(self, fun: Callable[..., Any], donate: tuple[int, ...], devices: Any) -> None:
+        def traced_under_autoshard(*leaves: Any) -> Any:
+            with _config.autoshard(), _mesh.use_device_list(devices):
+                return fun(*leaves)
+
+        self.jitted = jax.jit(traced_under_autoshard, donate_argnums=donate)
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
         return jax.tree_util.tree_leaves(self.jitted(*leaves))
@@ -139,7 +145,7 @@ class MpmdJit:
         flat_fun = self._flat_fun(in_tree, statics)
         traced = _trace.trace_program(flat_fun, leaves, self.devices)
         if not traced.tasks and _config.get_flag("enable_fast_path"):
-            return _Entry(_FastPath(flat_fun, donate), traced.out_tree)
+            return _Entry(_FastPath(flat_fun, donate, self.devices), traced.out_tree)
         part = _partition.partition(traced, self.devices)
         return _Entry(_runtime.MpmdExecutable(part, donate), traced.out_tree)
 

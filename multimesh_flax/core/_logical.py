@@ -66,9 +66,9 @@ def logical_to_mesh_spec(
     Example:
         >>> rules = [("batch", "x"), ("model", "x")]
         >>> logical_to_mesh_spec(P("batch", "model"), (16, 8), {"x": 8}, rules)
-        PartitionSpec('x', None)
+        P('x', None)
         >>> logical_to_mesh_spec(P(None, "model"), (16, 8), {"x": 8}, rules)
-        PartitionSpec(None, 'x')
+        P(None, 'x')
     """
     entries = tuple(logical)
     if len(entries) > len(shape):
@@ -77,6 +77,7 @@ def logical_to_mesh_spec(
             f"got {logical}. Drop the extra entries."
         )
     dims = [_entry_names(e) for e in entries] + [()] * (len(shape) - len(entries))
+    _check_rule_axes(rules, mesh_shape)
     assigned: list[list[str]] = [[] for _ in shape]
     used: set[str] = set()
     for name, axes in rules:
@@ -100,6 +101,16 @@ def logical_to_mesh_spec(
                 f"of {count} or map {entries[d]!r} to a smaller mesh axis."
             )
     return PartitionSpec(*(_spec_entry(a) for a in assigned))
+
+
+def _check_rule_axes(rules: Sequence[tuple[str, Any]], mesh_shape: Mapping[str, int]) -> None:
+    for name, axes in rules:
+        unknown = [a for a in _rule_axes(axes) if a not in mesh_shape]
+        if unknown:
+            raise errors.LogicalRulesError(
+                f"Rule ({name!r}, {axes!r}) names mesh axis {unknown[0]!r}, but the mesh has "
+                f"axes {tuple(mesh_shape)}. Map logical names onto those axes."
+            )
 
 
 def _spec_entry(axes: list[str]) -> Any:
@@ -140,7 +151,7 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         ...     return mm.with_sharding_constraint(x, P("batch", None)) * 2
         >>> f_task = mm.task(f, mesh=mesh, logical_axes=[("batch", "x")])
         >>> mm.jit(f_task)(jnp.ones((8, 2))).sharding.spec
-        PartitionSpec('x', None)
+        P('x', None)
     """
     if _config.get_flag("ignore_transforms"):
         return x

@@ -263,6 +263,8 @@ class MultiMesh:
             )
         sizes, names = tuple(axis_sizes), tuple(axis_names)
         _check_names_sizes(sizes, names)
+        if devices is not None and not isinstance(devices, np.ndarray):
+            devices = list(devices)
         pool = np.asarray(jax.devices() if devices is None else devices, dtype=object)
         flat = pool.reshape(-1)
         if devices is None and flat.size > math.prod(sizes):

@@ -44,7 +44,7 @@ def sharded_initializer(init: Callable[[], Any], shardings: Any) -> Callable[[],
         >>> mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
         >>> init = sharded_initializer(lambda: jnp.zeros((8, 2)), NamedSharding(mesh, P("x")))
         >>> init().sharding.spec
-        PartitionSpec('x',)
+        P('x',)
     """
     flat, treedef = jax.tree_util.tree_flatten(shardings)
     groups: dict[Any, list[int]] = {}
@@ -123,7 +123,7 @@ def parallelize(
         >>> sh_f, init_w, get_x = mm.parallelize(
         ...     f, init_params=lambda: jnp.ones((4, 8)), get_input_batch=lambda: jnp.ones((8, 4)))
         >>> init_w().sharding.spec, get_x().sharding.spec
-        (PartitionSpec(None, 'x'), PartitionSpec('x', None))
+        (P(None, 'x'), P('x', None))
         >>> float(sh_f(init_w(), get_x()).sum())
         256.0
     """

@@ -132,12 +132,12 @@ class ResolvedTask:
         return f"mmtask{self.uid}_{self.name}"
 
 
-def _resolve_mesh(spec: Task) -> tuple[Mesh, tuple[Rule, ...]]:
+def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
     multi = _mesh.get_multi_mesh()
     if spec.mesh_slice is not None:
         if multi is None:
             raise errors.NoMultiMeshError(
-                f"Task {spec.name!r} has `mesh_slice`={spec.mesh_slice!r} but no MultiMesh "
+                f"Task {name!r} has `mesh_slice`={spec.mesh_slice!r} but no MultiMesh "
                 "is active. Call it inside `with multi_mesh:` or give it a `mesh`."
             )
         identity = tuple((n, n) for n in multi.axis_names)
@@ -175,10 +175,10 @@ def resolve_task(spec: Task, fallback_name: str = "task") -> ResolvedTask:
         NoMultiMeshError: ``mesh_slice`` with no active ``MultiMesh``.
         LogicalRulesError: a rule names a mesh axis the task mesh lacks.
     """
-    mesh, identity = _resolve_mesh(spec)
+    name = re.sub(r"\W", "_", spec.name or fallback_name)
+    mesh, identity = _resolve_mesh(spec, name)
     rules = spec.logical_axes if spec.logical_axes is not None else identity
     rules = tuple(rules) + tuple(spec.extra_axes or ())
-    name = re.sub(r"\W", "_", spec.name or fallback_name)
     _check_rules(rules, mesh, name)
     return ResolvedTask(uid=next(_UIDS), name=name, mesh=mesh, rules=rules, task=spec)
 

@@ -1,0 +1,137 @@
+"""Tests for the schedule simulator (``multimesh_flax.core._simulator``).
+
+Expected values come from closed-form pipeline analysis, not from the simulator: GPipe and
+1F1B idle ``(p - 1) / (m + p - 1)`` of the time with equal per-stage costs.
+"""
+
+import numpy as np
+import pytest
+
+from multimesh_flax import errors
+from multimesh_flax.core._schedules import Schedule, ScheduleOp, make_schedule
+from multimesh_flax.core._simulator import SimulationResult, simulate
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_bubble_of_gpipe_and_1f1b(name, p, m):
+    # Unsplit backward costs B + W = 2 and forward 1: every stage is a uniform (1, 2) step,
+    # so the formula holds unchanged.
+    result = simulate(make_schedule(name, p, m))
+    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), atol=0.02)
+    np.testing.assert_allclose(result.makespan, 3 * (m + p - 1))
+    np.testing.assert_allclose(result.busy_time, [3.0 * m] * p)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_bubble_formula_with_unequal_forward_and_backward(name):
+    p, m = 4, 8
+    result = simulate(make_schedule(name, p, m), costs={"F": 1.0, "B": 2.5, "W": 0.5})
+    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), atol=0.02)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [4, 8, 16])  # m >= p
+def test_zero_bubble_beats_1f1b(p, m):
+    zb = simulate(make_schedule("zero-bubble-h2", p, m))
+    one_f_one_b = simulate(make_schedule("1f1b", p, m))
+    assert zb.bubble_fraction < one_f_one_b.bubble_fraction
+    # Equal costs: every row works without a gap from r to r + 3m (only the ramp is idle).
+    np.testing.assert_allclose(zb.makespan, 3 * m + p - 1)
+    assert max(zb.peak_in_flight) <= 2 * p - 1
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("multiple", [1, 2])
+def test_interleaved_beats_1f1b(p, v, multiple):
+    m = multiple * p
+    interleaved = simulate(make_schedule("interleaved-1f1b", v * p, m, interleave=v))
+    one_f_one_b = simulate(make_schedule("1f1b", p, m))
+    assert interleaved.bubble_fraction < one_f_one_b.bubble_fraction
+    # Megatron-LM's estimate: the bubble shrinks by the number of chunks per row.
+    np.testing.assert_allclose(interleaved.bubble_fraction, (p - 1) / (v * m + p - 1), atol=0.02)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [2, 4, 8])
+def test_peak_in_flight(p, m):
+    assert simulate(make_schedule("gpipe", p, m)).peak_in_flight == (m,) * p
+    peaks = simulate(make_schedule("1f1b", p, m)).peak_in_flight
+    assert max(peaks) <= p
+    assert peaks == tuple(min(p - r, m) for r in range(p))
+
+
+def test_transfer_cost_adds_to_cross_row_edges():
+    p, m, transfer = 4, 8, 0.5
+    base = simulate(make_schedule("gpipe", p, m))
+    slow = simulate(make_schedule("gpipe", p, m), costs={"transfer": transfer})
+    # The critical path crosses p - 1 boundaries forward and p - 1 backward.
+    np.testing.assert_allclose(slow.makespan, base.makespan + 2 * (p - 1) * transfer)
+    np.testing.assert_allclose(slow.busy_time, base.busy_time)
+
+
+def test_callable_costs_and_unsplit_backward():
+    schedule = make_schedule("gpipe", 2, 1)
+    costs = {"F": 1.0, "B": 2.0, "W": 3.0, "transfer": 0.25}
+    result = simulate(schedule, costs=lambda stage, phase: costs[phase] * (stage + 1))
+    # F0 [0, 1], F1 [1.25, 3.25], B1 costs 2 * (2 + 3) = 10: [3.25, 13.25],
+    # B0 costs 5 and waits for the gradient transfer 0.5: [13.75, 18.75].
+    ends = {str(op): (start, end) for _, op, start, end in result.timeline}
+    assert ends == {
+        "F0.0": (0.0, 1.0),
+        "F1.0": (1.25, 3.25),
+        "B1.0": (3.25, 13.25),
+        "B0.0": (13.75, 18.75),
+    }
+    assert result.makespan == 18.75
+
+
+def test_split_and_unsplit_backward_compare_on_equal_terms():
+    split = simulate(make_schedule("zero-bubble-h2", 2, 4))
+    unsplit = simulate(make_schedule("1f1b", 2, 4))
+    assert split.busy_time == unsplit.busy_time
+
+
+def test_result_is_frozen_and_timeline_sorted():
+    result = simulate(make_schedule("1f1b", 3, 3))
+    assert isinstance(result, SimulationResult)
+    starts = [(start, row) for row, _, start, _ in result.timeline]
+    assert starts == sorted(starts)
+    assert len(result.timeline) == 3 * 3 * 2
+    with pytest.raises(AttributeError):
+        result.makespan = 0.0  # pyright: ignore[reportAttributeAccessIssue]
+
+
+@pytest.mark.parametrize(
+    ("costs", "match"),
+    [
+        ({"F": -1.0}, "non-negative"),
+        ({"X": 1.0}, "Unknown keys"),
+        ({"B": float("nan")}, "finite"),
+        (lambda stage, phase: -1.0, "non-negative"),
+        (3.0, "Expected `costs`"),
+    ],
+)
+def test_bad_costs_raise(costs, match):
+    with pytest.raises(errors.InvalidScheduleError, match=match):
+        simulate(make_schedule("1f1b", 2, 2), costs=costs)
+
+
+def test_simulate_validates_first():
+    broken = Schedule(
+        rows=((ScheduleOp(0, 0, "F"),), (ScheduleOp(1, 0, "F"), ScheduleOp(1, 0, "B"))),
+        num_stages=2,
+        num_microbatches=1,
+        split_backward=False,
+        name="custom",
+        stage_to_row=(0, 1),
+    )
+    with pytest.raises(errors.InvalidScheduleError, match="lacks"):
+        simulate(broken)
+
+
+def test_zero_costs_give_zero_bubble():
+    result = simulate(make_schedule("1f1b", 2, 2), costs={"F": 0, "B": 0, "W": 0})
+    assert result.makespan == 0.0 and result.bubble_fraction == 0.0
