@@ -10,9 +10,11 @@ buffers as soon as the computations using them finish. Calling the executable di
 every op in order and returns without waiting: each device runs its queue in dispatch order,
 so the op order *is* the pipeline schedule.
 
-Fragments are compiled through a process-wide cache keyed by (fragment jaxpr, place,
-donation), so identical fragments -- the same stage for every microbatch, or the same step
-function traced twice -- share one ``jax.jit`` and compile once per input sharding.
+Fragments are compiled through a process-wide cache keyed by (fragment jaxpr, donation),
+with sharding constraints rewritten onto abstract meshes, so identical fragments -- the same
+stage for every microbatch, identical blocks on different submeshes, or the same step traced
+twice -- share one ``jax.jit``: traced and lowered once, compiled once per device set and
+input sharding.
 """
 
 from __future__ import annotations
@@ -102,9 +104,28 @@ def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
     return fragment
 
 
+def _abstract_constraint(eqn: Any) -> Any:
+    """The equation with a concrete-mesh sharding constraint rewritten onto the abstract mesh.
+
+    Identical stages on different submeshes then have identical fragment jaxprs, so they share
+    one ``jax.jit``: traced and lowered once, compiled once per device set.
+    """
+    sharding = eqn.params.get("sharding")
+    if eqn.primitive.name != "sharding_constraint" or not isinstance(sharding, NamedSharding):
+        return eqn
+    if not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return eqn
+    abstract = NamedSharding(
+        sharding.mesh.abstract_mesh, sharding.spec, memory_kind=sharding.memory_kind
+    )
+    return eqn.replace(params={**eqn.params, "sharding": abstract})
+
+
 def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
+    """The fragment as a closed-over-nothing jaxpr, sharding constraints on abstract meshes."""
+    eqns = [_abstract_constraint(e) for e in frag.eqns]
     return _trace.make_jaxpr_object(
-        [], list(frag.invars), list(frag.outvars), list(frag.eqns), f"fragment {frag.index}"
+        [], list(frag.invars), list(frag.outvars), eqns, f"fragment {frag.index}"
     )
 
 
@@ -116,7 +137,7 @@ def compile_fragment(
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
         out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
-    key = (str(jaxpr), frag.place, donate, out_shardings)
+    key = (str(jaxpr), donate, out_shardings)
     jitted = _FRAGMENT_CACHE.get(key)
     if jitted is None:
         jitted = jax.jit(_as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings)

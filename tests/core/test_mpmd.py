@@ -140,13 +140,13 @@ def test_inputs_on_wrong_devices_are_resharded():
 
 
 @contextlib.contextmanager
-def _count_compiles():
+def _jax_log():
+    """Collects JAX's compile-log messages (tracing, lowering, compiling) inside the block."""
     messages: list[str] = []
 
     class Handler(logging.Handler):
         def emit(self, record):
-            if "Compiling" in record.getMessage():
-                messages.append(record.getMessage())
+            messages.append(record.getMessage())
 
     handler = Handler(level=logging.DEBUG)
     root = logging.getLogger("jax")
@@ -161,22 +161,30 @@ def _count_compiles():
         root.setLevel(old_level)
 
 
+def _compiles(messages):
+    return [m for m in messages if m.startswith("Compiling")]
+
+
+def _lowerings(messages):
+    return [m for m in messages if "to MLIR module conversion" in m]
+
+
 def test_repeated_calls_compile_nothing():
     loss, params, batch, _ = _chain("2x2_then_4x1")
     step = mm.jit(_train_step(loss, optax.adam(1e-2)))
     state = optax.adam(1e-2).init(params)
     _, params, state = step(params, state, batch)
-    with _count_compiles() as compiles:
+    with _jax_log() as messages:
         for _ in range(3):
             _, params, state = step(params, state, batch)
         jax.block_until_ready(params)
-    assert compiles == []
+    assert _compiles(messages) == []
 
 
 def test_compile_counter_sees_compiles():
-    with _count_compiles() as compiles:
+    with _jax_log() as messages:
         jax.jit(lambda x: x * 3.5 + 1)(jnp.ones(3))
-    assert compiles, "the counter used by test_repeated_calls_compile_nothing must work"
+    assert _compiles(messages) and _lowerings(messages), "the log counters must work"
 
 
 def test_value_used_twice_on_another_submesh_is_transferred_once():
@@ -276,3 +284,33 @@ def test_unhashable_static_argument_is_rejected():
     program = mm.jit(lambda x, n: x, static_argnums=1)
     with pytest.raises(errors.StaticArgumentError, match=r"\[1, 2\]"):
         program(jnp.ones(2), [1, 2])
+
+
+def test_identical_stages_on_different_submeshes_lower_once():
+    stage = mm.TaskMesh(devices=[0, 1], axis_names=("x",))
+    blocks = [
+        mm.task(
+            _layer,
+            name=f"block{i}",
+            mesh=stage.place(pos),
+            logical_axes=[("batch", "x"), ("model", "x")],
+        )
+        for i, pos in enumerate(([0, 1], [2, 3], [4, 5]))
+    ]
+
+    def forward(ws, x):
+        for block, w in zip(blocks, ws, strict=True):
+            x = block(w, x)
+        return x
+
+    ws = [jnp.eye(8) * (i + 1) for i in range(3)]
+    x = jnp.ones((4, 8))
+    with _jax_log() as messages:
+        out = mm.jit(forward)(ws, x)
+    with mm.ignore_transforms():
+        np.testing.assert_allclose(out, forward(ws, x), **TOL)
+    fragment_compiles = [m for m in messages if "XLA compilation of jit(fragment)" in m]
+    fragment_lowerings = [m for m in _lowerings(messages) if "jit(fragment)" in m]
+    assert len(fragment_compiles) == 3, "one executable per submesh"
+    assert len(fragment_lowerings) == 1, "traced and lowered once for all three"
+    assert _devices(out) == [4, 5]
