@@ -7,6 +7,7 @@ task runs on its own submesh, with SPMD sharding inside it.
 
 from multimesh_flax import core as core
 from multimesh_flax import errors as errors
+from multimesh_flax import layers as layers
 from multimesh_flax.core import (
     MultiMesh,
     Schedule,
@@ -32,6 +33,7 @@ from multimesh_flax.core import (
     validate_schedule,
     with_sharding_constraint,
 )
+from multimesh_flax.layers import shard_axes
 
 __all__ = [
     "MultiMesh",
@@ -50,10 +52,12 @@ __all__ = [
     "errors",
     "ignore_transforms",
     "jit",
+    "layers",
     "logical_to_mesh_spec",
     "make_schedule",
     "parallelize",
     "record_timeline",
+    "shard_axes",
     "simulate",
     "slice_global_mesh",
     "task",

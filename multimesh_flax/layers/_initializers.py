@@ -1,0 +1,48 @@
+"""Parameter initializers that carry logical partitioning metadata.
+
+``shard_axes("embed", "mlp")`` is an initializer whose parameters are boxed with logical axis
+names (Flax's ``LogicallyPartitioned``), so that ``parallelize`` and ``model.tabulate`` know
+how each parameter is laid out: Flax's table shows it as ``P(embed, mlp)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import linen as nn
+
+from multimesh_flax import errors
+
+Initializer = Callable[..., Any]
+
+
+def shard_axes(*names: str | None, init: Initializer | None = None) -> Initializer:
+    """An initializer whose parameters carry the logical axis ``names``.
+
+    Args:
+        *names: one logical axis name (or ``None``, replicated) per parameter dimension.
+        init: the base initializer; default Xavier normal.
+
+    Returns:
+        A Flax initializer ``(key, shape, dtype) -> LogicallyPartitioned``.
+
+    Raises:
+        LogicalRulesError: a name that is neither a string nor ``None``.
+
+    Example:
+        >>> from flax import linen as nn
+        >>> from multimesh_flax.layers import shard_axes
+        >>> dense = nn.Dense(16, kernel_init=shard_axes("x", None))
+        >>> params = dense.init(jax.random.key(0), jnp.ones((4, 9)))["params"]
+        >>> params["kernel"].names, params["kernel"].value.shape
+        (('x', None), (9, 16))
+    """
+    bad = [n for n in names if n is not None and not isinstance(n, str)]
+    if bad:
+        raise errors.LogicalRulesError(
+            f"Expected logical axis names as strings or None, got {bad[0]!r} in "
+            f"shard_axes{names!r}. Example: shard_axes('embed', 'mlp')."
+        )
+    base = nn.initializers.xavier_normal() if init is None else init
+    return nn.with_logical_partitioning(base, tuple(names))
