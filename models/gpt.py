@@ -1,0 +1,253 @@
+"""GPT-2 style decoder: learned positions, LayerNorm, GELU MLP and a tied output head.
+
+The model is a sequence of named stages, so a pipeline can cut it anywhere:
+
+* `GPTEmbed` -- token table ``embed`` plus learned position table ``pos_embed``, then
+  dropout. Returns the residual stream ``(batch, length, embed_dim)``.
+* `GPTBlock` -- pre-norm transformer block (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``).
+* `GPTHead` -- ``final_norm`` then logits against the token table, which is passed in: the
+  output head has no weights of its own (the input and output embeddings are tied).
+
+`GPT` chains them. Its parameter tree has the top-level keys ``embed``, ``pos_embed``,
+``blocks_0`` ... ``blocks_{L-1}`` and ``final_norm``; the stem and head share GPT's scope
+(`nn.share_scope`), so each stage's parameters are a sub-dict of the full tree with the same
+keys: ``GPTEmbed`` takes ``{embed, pos_embed}``, ``GPTBlock`` takes ``params["blocks_i"]`` and
+``GPTHead`` takes ``{final_norm}`` plus ``params["embed"]["embedding"]`` as an argument.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ._attention import Attention
+from ._layers import (
+    BATCH,
+    EMBED,
+    HIDDEN,
+    INIT_STD,
+    LENGTH,
+    MLP,
+    VOCAB,
+    constrain,
+    default_positions,
+    dense,
+    layer_norm,
+    partitioned,
+    residual_std,
+    token_embedding,
+)
+from .configs import ModelConfig
+
+__all__ = ["GPT", "GPTBlock", "GPTEmbed", "GPTHead"]
+
+
+class GPTEmbed(nn.Module):
+    """Token plus learned position embedding: the first stage of `GPT`.
+
+    Parameters: ``embed/embedding`` ``(vocab, embed)`` and ``pos_embed/embedding``
+    ``(length, embed)``.
+
+    Attributes:
+        config: Model hyperparameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from models import GPTEmbed, get_config
+        >>> stem = GPTEmbed(get_config("gpt-tiny"))
+        >>> tokens = jnp.zeros((2, 8), jnp.int32)
+        >>> params = stem.init(jax.random.key(0), tokens)["params"]
+        >>> sorted(params), stem.apply({"params": params}, tokens).shape
+        (['embed', 'pos_embed'], (2, 8, 64))
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.embed = token_embedding(cfg)
+        self.pos_embed = nn.Embed(
+            cfg.max_len,
+            cfg.embed_dim,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            embedding_init=partitioned(nn.initializers.normal(INIT_STD), (LENGTH, EMBED)),
+        )
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> jax.Array:
+        """Embeds integer `tokens` ``(batch, length)`` at `positions` (default ``0..length-1``)."""
+        positions = default_positions(tokens.shape, positions)
+        x = self.embed(tokens) + self.pos_embed(positions)
+        x = self.dropout(x, deterministic=deterministic)
+        return constrain(x, HIDDEN)
+
+
+class _GeluMLP(nn.Module):
+    """``fc`` (embed -> mlp), GELU, ``proj`` (mlp -> embed)."""
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.fc = dense(cfg, cfg.mlp_dim, (EMBED, MLP), use_bias=True)
+        self.proj = dense(cfg, cfg.embed_dim, (MLP, EMBED), use_bias=True, std=residual_std(cfg))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = constrain(nn.gelu(self.fc(x)), (BATCH, LENGTH, MLP))
+        return constrain(self.proj(h), HIDDEN)
+
+
+class GPTBlock(nn.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``.
+
+    Attributes:
+        config: Model hyperparameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from models import GPTBlock, get_config
+        >>> block = GPTBlock(get_config("gpt-tiny"))
+        >>> x = jnp.ones((2, 8, 64))
+        >>> params = block.init(jax.random.key(0), x)["params"]
+        >>> sorted(params), block.apply({"params": params}, x).shape
+        (['attn', 'attn_norm', 'mlp', 'mlp_norm'], (2, 8, 64))
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.attn_norm = layer_norm(cfg)
+        self.attn = Attention(cfg, use_bias=True, use_rope=False, out_std=residual_std(cfg))
+        self.mlp_norm = layer_norm(cfg)
+        self.mlp = _GeluMLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout_rate)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Updates the residual stream `x` ``(batch, length, embed)``.
+
+        Args:
+            x: The residual stream.
+            positions: Unused by GPT blocks (positions enter in `GPTEmbed`); accepted so
+                every block has the same signature.
+            deterministic: Disables dropout when true.
+            decode: Use and update the ``"cache"`` collection (see `models._attention`).
+
+        Returns:
+            The updated residual stream, same shape as `x`.
+        """
+        positions = default_positions(x.shape, positions)
+        h = self.attn(self.attn_norm(x), positions, deterministic=deterministic, decode=decode)
+        x = x + self.dropout(h, deterministic=deterministic)
+        h = self.mlp(self.mlp_norm(x))
+        return constrain(x + self.dropout(h, deterministic=deterministic), HIDDEN)
+
+
+class GPTHead(nn.Module):
+    """``final_norm`` then logits against the (tied) token table: the last stage of `GPT`.
+
+    Attributes:
+        config: Model hyperparameters.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from models import GPTHead, get_config
+        >>> head = GPTHead(get_config("gpt-tiny"))
+        >>> x, table = jnp.ones((2, 8, 64)), jnp.ones((264, 64))
+        >>> params = head.init(jax.random.key(0), x, table)["params"]
+        >>> sorted(params), head.apply({"params": params}, x, table).shape
+        (['final_norm'], (2, 8, 264))
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        self.final_norm = layer_norm(self.config)
+
+    def __call__(self, x: jax.Array, embedding: jax.Array) -> jax.Array:
+        """Returns logits ``(batch, length, vocab)`` for the residual stream `x`.
+
+        Args:
+            x: The residual stream ``(batch, length, embed)``.
+            embedding: The token table ``(vocab, embed)``, i.e. the (unboxed) value of
+                ``params["embed"]["embedding"]``.
+
+        Returns:
+            Logits in the config's compute dtype.
+        """
+        x = self.final_norm(x)
+        logits = jnp.einsum("bte,ve->btv", x, jnp.asarray(embedding, self.config.dtype))
+        return constrain(logits, (BATCH, LENGTH, VOCAB))
+
+
+class GPT(nn.Module):
+    """GPT-2 style decoder-only transformer: `GPTEmbed`, `GPTBlock` x L, `GPTHead`.
+
+    Parameter tree (top level): ``embed``, ``pos_embed``, ``blocks_0`` ... ``blocks_{L-1}``,
+    ``final_norm``. The output head reuses ``embed`` (tied embeddings).
+
+    Attributes:
+        config: Model hyperparameters; ``config.family`` should be ``Family.GPT``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from models import GPT, get_config
+        >>> model = GPT(get_config("gpt-tiny"))
+        >>> tokens = jnp.zeros((2, 8), jnp.int32)
+        >>> params = model.init(jax.random.key(0), tokens)["params"]
+        >>> list(params)
+        ['embed', 'pos_embed', 'blocks_0', 'blocks_1', 'final_norm']
+        >>> model.apply({"params": params}, tokens).shape
+        (2, 8, 264)
+    """
+
+    config: ModelConfig
+
+    def setup(self):
+        cfg = self.config
+        self.stem = GPTEmbed(cfg)
+        nn.share_scope(self, self.stem)
+        self.blocks = [GPTBlock(cfg) for _ in range(cfg.num_layers)]
+        self.head = GPTHead(cfg)
+        nn.share_scope(self, self.head)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Returns next-token logits ``(batch, length, vocab)`` for integer `tokens`.
+
+        Args:
+            tokens: Token ids, shape ``(batch, length)``.
+            positions: Absolute positions of `tokens`, shape ``(batch, length)``; defaults
+                to ``0 .. length-1``. Pass them when decoding with a cache.
+            deterministic: Disables dropout when true (needs a ``"dropout"`` rng otherwise).
+            decode: Use and update the ``"cache"`` collection (see `models.generate`).
+
+        Returns:
+            Logits in the config's compute dtype.
+        """
+        positions = default_positions(tokens.shape, positions)
+        x = self.stem(tokens, positions, deterministic=deterministic)
+        for block in self.blocks:
+            x = block(x, positions, deterministic=deterministic, decode=decode)
+        return self.head(x, self.stem.embed.embedding)
