@@ -314,3 +314,14 @@ def test_identical_stages_on_different_submeshes_lower_once():
     assert len(fragment_compiles) == 3, "one executable per submesh"
     assert len(fragment_lowerings) == 1, "traced and lowered once for all three"
     assert _devices(out) == [4, 5]
+
+
+def test_vmap_of_a_task_chain_keeps_placement():
+    f = mm.task(lambda x: jnp.sin(x) * 2, mesh=mm.TaskMesh(devices=[0, 1]))
+    g = mm.task(lambda x: x + 1, mesh=mm.TaskMesh(devices=[2]))
+    program = mm.jit(jax.vmap(lambda x: g(f(x))))
+    x = jnp.arange(8.0).reshape(4, 2)
+    out = program(x)
+    np.testing.assert_allclose(out, np.sin(np.asarray(x)) * 2 + 1, **TOL)
+    assert _devices(out) == [2]
+    assert "2 fragments, 1 transfers" in program.describe(x)
