@@ -33,7 +33,7 @@ def _leaf_key(x: Any) -> Hashable:
     shape = getattr(x, "shape", None)
     if shape is None:
         return ("py", type(x))
-    return (tuple(shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
+    return (tuple(shape), x.dtype, bool(getattr(x, "weak_type", False)))
 
 
 class _FastPath:

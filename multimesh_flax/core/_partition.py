@@ -172,10 +172,10 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
         if users.get(v):
             input_place[v] = places[users[v][0]]
             home[v] = input_place[v]
+    by_id = {d.id: d for d in jax.devices()}
     for place in set(places):
         if place not in meshes:
-            ids = {d.id: d for d in np.asarray(jax.devices(), dtype=object).reshape(-1)}
-            grid = np.array([ids[i] for i in place], dtype=object)
+            grid = np.array([by_id[i] for i in place], dtype=object)
             meshes[place] = _mesh.make_auto_mesh(grid, ("devices",))
     return Partition(
         traced=traced,
