@@ -8,11 +8,11 @@ The model is a sequence of named stages, so a pipeline can cut it anywhere:
 * `GPTHead` -- ``final_norm`` then logits against the token table, which is passed in: the
   output head has no weights of its own (the input and output embeddings are tied).
 
-`GPT` chains them. Its parameter tree has the top-level keys ``embed``, ``pos_embed``,
-``blocks_0`` ... ``blocks_{L-1}`` and ``final_norm``; the stem and head share GPT's scope
-(`nn.share_scope`), so each stage's parameters are a sub-dict of the full tree with the same
-keys: ``GPTEmbed`` takes ``{embed, pos_embed}``, ``GPTBlock`` takes ``params["blocks_i"]`` and
-``GPTHead`` takes ``{final_norm}`` plus ``params["embed"]["embedding"]`` as an argument.
+`GPT` chains them. Its parameter tree has the top-level keys ``stem`` (``embed``,
+``pos_embed``), ``blocks_0`` ... ``blocks_{L-1}`` and ``head`` (``final_norm``): each stage's
+parameters are one sub-dict, ``params["stem"]``, ``params["blocks_i"]``, ``params["head"]``;
+``GPTHead`` also takes ``params["stem"]["embed"]["embedding"]`` as an argument. The tree is the
+same whether or not the model is pipelined (``stages``, see `models.pipeline`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from . import pipeline
 from ._attention import Attention
 from ._layers import (
     BATCH,
@@ -198,11 +199,13 @@ class GPTHead(nn.Module):
 class GPT(nn.Module):
     """GPT-2 style decoder-only transformer: `GPTEmbed`, `GPTBlock` x L, `GPTHead`.
 
-    Parameter tree (top level): ``embed``, ``pos_embed``, ``blocks_0`` ... ``blocks_{L-1}``,
-    ``final_norm``. The output head reuses ``embed`` (tied embeddings).
+    Parameter tree (top level): ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``.
+    The output head reuses ``stem/embed`` (tied embeddings).
 
     Attributes:
         config: Model hyperparameters; ``config.family`` should be ``Family.GPT``.
+        stages: ``None`` (run where called) or a pipeline stage count that divides
+            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -211,20 +214,31 @@ class GPT(nn.Module):
         >>> tokens = jnp.zeros((2, 8), jnp.int32)
         >>> params = model.init(jax.random.key(0), tokens)["params"]
         >>> list(params)
-        ['embed', 'pos_embed', 'blocks_0', 'blocks_1', 'final_norm']
+        ['stem', 'blocks_0', 'blocks_1', 'head']
         >>> model.apply({"params": params}, tokens).shape
         (2, 8, 264)
     """
 
     config: ModelConfig
+    stages: int | None = None
 
     def setup(self):
         cfg = self.config
-        self.stem = GPTEmbed(cfg)
-        nn.share_scope(self, self.stem)
-        self.blocks = [GPTBlock(cfg) for _ in range(cfg.num_layers)]
-        self.head = GPTHead(cfg)
-        nn.share_scope(self, self.head)
+        stages = self.stages
+        if stages is not None:
+            pipeline.check_stages(cfg.num_layers, stages)
+        last = 0 if stages is None else stages - 1
+        self.stem = pipeline.on_stage(GPTEmbed, 0, stages)(cfg)
+        self.blocks = [
+            pipeline.on_stage(GPTBlock, self._stage_of(i), stages)(cfg)
+            for i in range(cfg.num_layers)
+        ]
+        self.head = pipeline.on_stage(GPTHead, last, stages)(cfg)
+
+    def _stage_of(self, index: int) -> int:
+        if self.stages is None:
+            return 0
+        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
 
     def __call__(
         self,

@@ -8,10 +8,10 @@ is a sequence of named stages, so a pipeline can cut it anywhere:
   the tokens' positions for the rotary embedding.
 * `LlamaHead` -- ``final_norm`` then ``lm_head``; returns logits.
 
-`Llama` chains them. Its parameter tree has the top-level keys ``embed``, ``blocks_0`` ...
-``blocks_{L-1}``, ``final_norm`` and ``lm_head``; the stem and head share Llama's scope
-(`nn.share_scope`), so ``LlamaEmbed`` takes ``{embed}``, ``LlamaBlock`` takes
-``params["blocks_i"]`` and ``LlamaHead`` takes ``{final_norm, lm_head}``.
+`Llama` chains them. Its parameter tree has the top-level keys ``stem`` (``embed``),
+``blocks_0`` ... ``blocks_{L-1}`` and ``head`` (``final_norm``, ``lm_head``): each stage's
+parameters are one sub-dict. The tree is the same whether or not the model is pipelined
+(``stages``, see `models.pipeline`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
+from . import pipeline
 from ._attention import Attention
 from ._layers import (
     BATCH,
@@ -180,11 +181,12 @@ class LlamaHead(nn.Module):
 class Llama(nn.Module):
     """Llama style decoder-only transformer: `LlamaEmbed`, `LlamaBlock` x L, `LlamaHead`.
 
-    Parameter tree (top level): ``embed``, ``blocks_0`` ... ``blocks_{L-1}``,
-    ``final_norm``, ``lm_head``.
+    Parameter tree (top level): ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``.
 
     Attributes:
         config: Model hyperparameters; ``config.family`` should be ``Family.LLAMA``.
+        stages: ``None`` (run where called) or a pipeline stage count that divides
+            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -193,20 +195,31 @@ class Llama(nn.Module):
         >>> tokens = jnp.zeros((2, 8), jnp.int32)
         >>> params = model.init(jax.random.key(0), tokens)["params"]
         >>> list(params)
-        ['embed', 'blocks_0', 'blocks_1', 'final_norm', 'lm_head']
+        ['stem', 'blocks_0', 'blocks_1', 'head']
         >>> model.apply({"params": params}, tokens).shape
         (2, 8, 264)
     """
 
     config: ModelConfig
+    stages: int | None = None
 
     def setup(self):
         cfg = self.config
-        self.stem = LlamaEmbed(cfg)
-        nn.share_scope(self, self.stem)
-        self.blocks = [LlamaBlock(cfg) for _ in range(cfg.num_layers)]
-        self.head = LlamaHead(cfg)
-        nn.share_scope(self, self.head)
+        stages = self.stages
+        if stages is not None:
+            pipeline.check_stages(cfg.num_layers, stages)
+        last = 0 if stages is None else stages - 1
+        self.stem = pipeline.on_stage(LlamaEmbed, 0, stages)(cfg)
+        self.blocks = [
+            pipeline.on_stage(LlamaBlock, self._stage_of(i), stages)(cfg)
+            for i in range(cfg.num_layers)
+        ]
+        self.head = pipeline.on_stage(LlamaHead, last, stages)(cfg)
+
+    def _stage_of(self, index: int) -> int:
+        if self.stages is None:
+            return 0
+        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
 
     def __call__(
         self,

@@ -5,10 +5,13 @@ axis names (``with_sharding_constraint``), and compile with ``jit``/``paralleliz
 task runs on its own submesh, with SPMD sharding inside it.
 """
 
+from multimesh_flax import checkpoint as checkpoint
 from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax import layers as layers
+from multimesh_flax._front import task
 from multimesh_flax.core import (
+    Context,
     MultiMesh,
     Schedule,
     ScheduleOp,
@@ -25,17 +28,22 @@ from multimesh_flax.core import (
     jit,
     logical_to_mesh_spec,
     make_schedule,
+    measured_costs,
+    microbatch,
     parallelize,
+    plot_timeline,
     record_timeline,
+    recorded_bubble,
+    register_task,
     simulate,
     slice_global_mesh,
-    task,
     validate_schedule,
     with_sharding_constraint,
 )
-from multimesh_flax.layers import shard_axes
+from multimesh_flax.layers import parallelize_step, shard_axes, tabulate
 
 __all__ = [
+    "Context",
     "MultiMesh",
     "Schedule",
     "ScheduleOp",
@@ -45,6 +53,7 @@ __all__ = [
     "Timeline",
     "TimelineEvent",
     "autoshard",
+    "checkpoint",
     "context",
     "core",
     "enable_fast_path",
@@ -55,11 +64,18 @@ __all__ = [
     "layers",
     "logical_to_mesh_spec",
     "make_schedule",
+    "measured_costs",
+    "microbatch",
     "parallelize",
+    "parallelize_step",
+    "plot_timeline",
     "record_timeline",
+    "recorded_bubble",
+    "register_task",
     "shard_axes",
     "simulate",
     "slice_global_mesh",
+    "tabulate",
     "task",
     "validate_schedule",
     "with_sharding_constraint",

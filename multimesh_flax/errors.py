@@ -136,3 +136,117 @@ class InvalidScheduleError(MultiMeshError, ValueError):
     and says how to fix it; most often, reorder the row so every op comes after the ops it
     depends on.
     """
+
+
+# --- checkpoints ----------------------------------------------------------------------------
+
+
+class CheckpointNotFoundError(MultiMeshError, ValueError):
+    """No finalized checkpoint exists where one was asked for.
+
+    Raised when the directory does not exist or holds no finalized step (a save that was
+    interrupted midway does not count), or when the requested ``step`` is not among the
+    saved ones. The message lists the saved steps; pass one of them, or ``None`` for the
+    latest.
+    """
+
+
+class CheckpointStepError(MultiMeshError, ValueError):
+    """A checkpoint was saved under a step that is not new.
+
+    Steps must be non-negative integers, each greater than the latest saved step (orbax
+    would otherwise skip the save silently). Save under a larger step, or into a fresh
+    directory.
+    """
+
+
+class CheckpointMismatchError(MultiMeshError, ValueError):
+    """A restore ``target`` does not have the saved state's tree paths, shapes or dtypes.
+
+    The message names the first mismatching path with the saved and the received shape and
+    dtype. Build the target from the same model and optimizer configuration as the saved
+    state (the metadata saved with the checkpoint can hold that configuration).
+    """
+
+
+class CheckpointMetadataError(MultiMeshError, TypeError):
+    """Checkpoint metadata is not a JSON-serializable dict.
+
+    Metadata is stored as JSON. Convert arrays with ``.tolist()``, dataclasses with
+    ``dataclasses.asdict``, and keep keys strings.
+    """
+
+
+class CheckpointReadOnlyError(MultiMeshError, ValueError):
+    """``save`` was called on a ``Checkpointer`` opened with ``read_only=True``.
+
+    A read-only checkpointer restores without creating, writing or cleaning up anything.
+    Open the directory with ``Checkpointer(directory)`` to save into it.
+    """
+
+
+# --- microbatching --------------------------------------------------------------------------
+
+
+class UnevenMicrobatchError(MultiMeshError, ValueError):
+    """``microbatch``'s ``size`` does not divide the batch, or the batch leaves disagree.
+
+    Every leaf of the split argument must have the same length along ``dim``, and that
+    length must be a multiple of ``size`` (nothing is dropped silently). Pick a ``size``
+    that divides the batch, or pad or trim the batch to a multiple of ``size``.
+    """
+
+
+class MicrobatchAxisError(MultiMeshError, ValueError):
+    """``microbatch`` cannot find the axis or argument to split.
+
+    ``dim`` must be an axis of every array leaf of argument ``argnum`` (negative values count
+    from the end), and ``argnum`` must name a positional argument of the call. Fix ``dim``
+    or ``argnum``, or pass the batch positionally.
+    """
+
+
+class MicrobatchArgumentError(MultiMeshError, ValueError):
+    """``microbatch`` was given an option it cannot use.
+
+    ``size``, ``num_stages`` and ``interleave`` are positive integers, ``reduce`` is
+    ``"sum"`` or ``"mean"``, and ``custom_schedule`` goes with ``schedule="custom"``. The
+    message names the argument and the accepted values.
+    """
+
+
+# --- name-based tasks -----------------------------------------------------------------------
+
+
+class InvalidMatcherError(MultiMeshError, ValueError):
+    """A ``register_task`` matcher is not a valid regular expression (or not a string).
+
+    Matchers are regexes matched in full against named-scope names and Flax module paths.
+    Fix the pattern, or wrap a literal name in ``re.escape``.
+    """
+
+
+class TaskRegistrationError(MultiMeshError, ValueError):
+    """``register_task`` got neither or both of ``callback`` and ``task``.
+
+    Pass ``task=Task(...)`` to run every matched name as that task, or
+    ``callback=fn`` with ``fn(matched_name, backprop) -> Task`` to choose per name and pass.
+    """
+
+
+class TaskCallbackError(MultiMeshError, TypeError):
+    """A ``register_task`` callback is not callable or did not return a ``Task``.
+
+    The callback is called as ``callback(matched_name, backprop)`` while a program is traced
+    and must return a ``Task`` (for example ``Task(mesh_slice={"stage": 0})``). The message
+    names the matcher, the matched name and what the callback returned.
+    """
+
+
+class TimelineDataError(MultiMeshError, ValueError):
+    """A recorded timeline lacks what was asked of it.
+
+    Raised when the timeline holds no events (nothing ran inside ``record_timeline``), when
+    ``call`` names a call that was not recorded, or when a bubble is asked of a call that ran
+    no pipeline unit. Record a ``jit`` call of a function that uses ``microbatch`` with tasks.
+    """

@@ -16,7 +16,10 @@ from multimesh_flax.core._mesh import TaskMesh as TaskMesh
 from multimesh_flax.core._mesh import get_device_list as get_device_list
 from multimesh_flax.core._mesh import get_multi_mesh as get_multi_mesh
 from multimesh_flax.core._mesh import slice_global_mesh as slice_global_mesh
+from multimesh_flax.core._microbatch import microbatch as microbatch
 from multimesh_flax.core._parallelize import parallelize as parallelize
+from multimesh_flax.core._registry import Context as Context
+from multimesh_flax.core._registry import register_task as register_task
 from multimesh_flax.core._runtime import Timeline as Timeline
 from multimesh_flax.core._runtime import TimelineEvent as TimelineEvent
 from multimesh_flax.core._runtime import record_timeline as record_timeline
@@ -28,3 +31,6 @@ from multimesh_flax.core._simulator import SimulationResult as SimulationResult
 from multimesh_flax.core._simulator import simulate as simulate
 from multimesh_flax.core._task import Task as Task
 from multimesh_flax.core._task import task as task
+from multimesh_flax.core._timeline_plot import measured_costs as measured_costs
+from multimesh_flax.core._timeline_plot import plot_timeline as plot_timeline
+from multimesh_flax.core._timeline_plot import recorded_bubble as recorded_bubble

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _partition, _runtime, _trace
+from multimesh_flax.core import _config, _mesh, _partition, _registry, _runtime, _trace
 
 
 def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int, ...]:
@@ -113,6 +113,7 @@ class MpmdJit:
             statics,
             self.devices or _mesh.get_device_list(),
             id(_mesh.get_multi_mesh()),
+            _registry.fingerprint(),  # registered tasks change the program
             _config.get_flag("enable_recomputation"),
             _config.get_flag("enable_fast_path"),
         )

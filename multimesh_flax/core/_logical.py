@@ -26,7 +26,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _task
+from multimesh_flax.core import _config, _named_tasks, _task
 
 
 def _entry_names(entry: Any) -> tuple[str, ...]:
@@ -132,7 +132,8 @@ def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.Resolved
 def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
     """Applies logical sharding annotations to ``x`` (an array or pytree).
 
-    Inside a task, logical names resolve through the task's rules against its submesh.
+    Inside a task (explicit, or registered with ``register_task`` and matched by a named
+    scope or Flax module), logical names resolve through the task's rules against its submesh.
     Under ``autoshard`` outside every task, ``x`` is returned unchanged (replicated
     placement is decided by the program). Under ``ignore_transforms`` it is the identity.
     Otherwise it is ``jax.lax.with_sharding_constraint``.
@@ -151,11 +152,11 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         ...     return mm.with_sharding_constraint(x, P("batch", None)) * 2
         >>> f_task = mm.task(f, mesh=mesh, logical_axes=[("batch", "x")])
         >>> mm.jit(f_task)(jnp.ones((8, 2))).sharding.spec
-        P('x', None)
+        P('x',)
     """
     if _config.get_flag("ignore_transforms"):
         return x
-    resolved = _task.current_task()
+    resolved = _named_tasks.current_task()
     if resolved is None:
         if _config.get_flag("autoshard"):
             return x

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from multimesh_flax import errors
+from multimesh_flax.core._registry import Context, TaskCallback
 
 
 def make_auto_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
@@ -214,12 +215,14 @@ class TaskMesh:
 # --- MultiMesh ------------------------------------------------------------------------------
 
 
-class MultiMesh:
+class MultiMesh(Context):
     """A global device mesh with named submeshes.
 
     Builds a mesh from ``axis_sizes``/``axis_names`` (devices default to ``jax.devices()``,
-    reshaped) or wraps ``global_mesh``. Used as a context manager it turns on autosharding and
-    becomes the mesh that ``Task(mesh_slice=...)`` and ``slice_global_mesh`` slice.
+    reshaped) or wraps ``global_mesh``. Used as a context manager it turns on autosharding,
+    becomes the mesh that ``Task(mesh_slice=...)`` and ``slice_global_mesh`` slice, and
+    activates the tasks registered with :meth:`register_task` (a ``MultiMesh`` is a
+    ``Context``).
 
     Args:
         axis_sizes: the size of each global axis.
@@ -247,6 +250,7 @@ class MultiMesh:
         devices: Sequence[jax.Device] | np.ndarray | None = None,
         global_mesh: Mesh | None = None,
     ) -> None:
+        super().__init__()
         self._exits: list[Any] = []
         if global_mesh is not None:
             if axis_sizes is not None or axis_names is not None or devices is not None:
@@ -342,16 +346,45 @@ class MultiMesh:
             axis_names=self.axis_names,
         )
 
+    def register_task(
+        self, matcher: Any, *, callback: TaskCallback | None = None, task: Any = None
+    ) -> None:
+        """Registers a name-based task, active inside ``with self:`` (see ``register_task``).
+
+        A ``task`` with a ``mesh_slice`` is checked against this mesh right away.
+
+        Raises:
+            UnknownMeshAxisError: ``task.mesh_slice`` names an axis this mesh lacks.
+            MeshIndexError: ``task.mesh_slice`` indexes outside an axis.
+
+        Example:
+            >>> import multimesh_flax as mm
+            >>> mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+            >>> mesh.register_task("head", task=mm.Task(mesh_slice={"stage": 1}))
+            >>> def f(x):
+            ...     with jax.named_scope("head"):
+            ...         return x * 2
+            >>> with mesh:
+            ...     y = mm.jit(f)(jnp.ones(4))
+            >>> sorted(d.id for d in y.devices())
+            [4, 5, 6, 7]
+        """
+        if task is not None and getattr(task, "mesh_slice", None) is not None:
+            self._slice_index(**task.mesh_slice)
+        super().register_task(matcher, callback=callback, task=task)
+
     def __enter__(self) -> MultiMesh:
         from multimesh_flax.core import _config
 
         autoshard = _config.autoshard()
         autoshard.__enter__()
         _STATE.multi_meshes.append(self)
+        super().__enter__()
         self._exits.append(autoshard)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         _STATE.multi_meshes.pop()
         self._exits.pop().__exit__(*exc)
 

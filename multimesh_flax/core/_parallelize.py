@@ -23,7 +23,7 @@ from multimesh_flax import errors
 from multimesh_flax.core import _jit, _partition, _runtime, _trace
 
 
-def _derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
+def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
     traced = _trace.trace_program(fun, args, devices)
     part = _partition.partition(traced, devices)
     shardings = [_runtime.input_sharding(part, v) for v in traced.jaxpr.invars]
@@ -123,7 +123,7 @@ def parallelize(
         >>> sh_f, init_w, get_x = mm.parallelize(
         ...     f, init_params=lambda: jnp.ones((4, 8)), get_input_batch=lambda: jnp.ones((8, 4)))
         >>> init_w().sharding.spec, get_x().sharding.spec
-        (P(None, 'x'), P('x', None))
+        (P(None, 'x'), P('x',))
         >>> float(sh_f(init_w(), get_x()).sum())
         256.0
     """
@@ -138,7 +138,7 @@ def parallelize(
     args = tuple(
         a for a, used in ((params_shape, init_params is not None), (batch_shape, has_batch)) if used
     )
-    flat_shardings = _derive_shardings(fun, args, devices)
+    flat_shardings = derive_shardings(fun, args, devices)
     shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_shardings)
     sharded_fun = _jit.jit(fun, devices=devices)
     parts = iter(shardings)

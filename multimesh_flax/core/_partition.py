@@ -12,12 +12,20 @@ of a submesh):
 Fragmenting then cuts the equation list into fragments, each a run of same-place equations
 that one ``jax.jit`` executes. A task equation joins the latest fragment of the same
 ``(task, phase)``, glue joins the latest fragment on its place -- in both cases only if every
-input of the equation is produced by that fragment or an earlier one, which keeps the
-fragment order a valid execution order.
+input of the equation is produced by that fragment or an earlier one, so every dependency
+points from a lower fragment index to a higher one and the fragments form a DAG.
+
+With microbatching (``microbatch``, see ``_pipeline``) the keys are finer: a task equation
+joins the latest fragment of its unit ``(stage, microbatch, phase)``, glue of a microbatch
+the latest fragments of that microbatch on its place, and glue outside every microbatch only
+other such glue. Under a schedule, sums over microbatches are first re-associated into the
+schedule's order (``_accumulate``), and ``_pipeline.dispatch_order`` finally reorders the
+fragments, so glue merges only where that adds no ordering constraint (see ``_Cutter``).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +34,7 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from multimesh_flax.core import _mesh, _trace
+from multimesh_flax.core import _accumulate, _mesh, _pipeline, _trace
 
 Place = tuple[int, ...]
 
@@ -51,6 +59,8 @@ class Fragment:
     eqns: list[Any] = dataclasses.field(default_factory=list)
     invars: list[Any] = dataclasses.field(default_factory=list)
     outvars: list[Any] = dataclasses.field(default_factory=list)
+    unit: _pipeline.Unit | None = None  # (region, stage, microbatch, phase) when pipelined
+    microbatch: int | None = None
 
 
 @dataclasses.dataclass
@@ -63,6 +73,7 @@ class Partition:
     home: dict[Any, Place]  # every non-literal var -> where it is produced
     place_meshes: dict[Place, jax.sharding.Mesh]  # a mesh per place for default shardings
     default_place: Place
+    plan: _pipeline.PipelinePlan | None = None  # microbatches, stages, schedules
 
 
 def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[int]]:
@@ -117,25 +128,121 @@ def _place_equations(traced: _trace.TracedProgram, default: Place) -> list[Place
     return places  # type: ignore[return-value]
 
 
-def _fragment(traced: _trace.TracedProgram, places: list[Place]) -> list[Fragment]:
-    fragments: list[Fragment] = []
-    made_in: dict[Any, int] = {}  # var -> fragment index producing it
-    latest: dict[Any, int] = {}  # (place, label) or place -> latest fragment index
-    for eqn, label, place in zip(traced.jaxpr.eqns, traced.labels, places, strict=True):
-        deps = [made_in[v] for v in eqn.invars if not isinstance(v, jex.Literal) and v in made_in]
-        earliest = max(deps, default=-1)
-        key = (place, label) if label is not None else place
-        candidate = latest.get(key)
-        if candidate is None or candidate < earliest:
-            candidate = len(fragments)
-            fragments.append(Fragment(index=candidate, place=place, label=label))
-            latest[(place, label)] = candidate
-        latest[place] = max(latest.get(place, -1), candidate)
-        fragments[candidate].eqns.append(eqn)
+_Lookup = tuple[Any, bool]  # (key, join only if order-neutral)
+
+
+def _keys(
+    i: int, place: Place, label: _trace.Label, plan: _pipeline.PipelinePlan | None
+) -> tuple[list[_Lookup], list[Any]]:
+    """Where equation ``i`` may join (in preference order) and which keys it updates."""
+    if plan is None:
+        if label is None:
+            return [(("p", place), False)], [("p", place)]
+        return [(("t", place, label), False)], [("t", place, label), ("p", place)]
+    strict = plan.scheduled  # fragments get reordered: glue may only merge neutrally
+    mb, unit = plan.microbatch[i], plan.units[i]
+    if unit is not None:
+        return [(("u", place, unit), False)], [("u", place, unit), ("m", place, mb)]
+    if label is not None:
+        return [(("t", place, label, mb), False)], [("t", place, label, mb), ("m", place, mb)]
+    if mb is None:
+        return [(("n", place), strict)], [("n", place)]
+    return [(("m", place, mb), strict)], [("m", place, mb)]
+
+
+class _Cutter:
+    """Cuts equations into fragments; every dependency points to a lower fragment index.
+
+    An equation joins a candidate fragment only if the candidate's index is at least that of
+    every fragment producing its inputs. A *neutral* join (``strict``: when a schedule will
+    reorder the fragments) also needs the equation's ancestors -- the fragments it depends
+    on, transitively -- to be the candidate's ancestors, plus possibly the candidate: then
+    merging adds no ordering constraint. *Free* fragments (glue depending only on free
+    fragments, such as batch slicing) do not count: they are dispatched first anyway, and
+    glue that only needs free fragments joins the latest free fragment on its place.
+    """
+
+    def __init__(self, strict: bool, pool_free: bool) -> None:
+        self.strict = strict
+        self.pool_free = pool_free  # join glue that only needs free fragments to them
+        self.fragments: list[Fragment] = []
+        self.made_in: dict[Any, int] = {}  # var -> index of the fragment producing it
+        self.ancestors: list[int] = []  # per fragment, a bit set of fragment indices
+        self.free = 0  # bit set of free fragments
+        self.latest: dict[Any, list[int]] = {}  # key -> fragments under it, ascending
+
+    def _inputs(self, eqn: Any) -> tuple[int, int]:
+        """``(highest producing fragment index, ancestor bit set)`` of an equation."""
+        earliest, bits = -1, 0
+        for v in eqn.invars:
+            f = None if isinstance(v, jex.Literal) else self.made_in.get(v)
+            if f is not None:
+                earliest, bits = max(earliest, f), bits | self.ancestors[f] | (1 << f)
+        return earliest, bits
+
+    def _fits(self, f: int, earliest: int, bits: int, neutral: bool) -> bool:
+        if f < earliest:
+            return False
+        own, bits = self.ancestors[f] & ~self.free, bits & ~self.free
+        return not neutral or (own & ~bits == 0 and bits & ~(own | (1 << f)) == 0)
+
+    def _find(self, lookups: list[_Lookup], earliest: int, bits: int) -> int | None:
+        for key, neutral in lookups:
+            candidates = self.latest.get(key, [])
+            for f in reversed(candidates[-8:] if neutral else candidates[-1:]):
+                if self._fits(f, earliest, bits, neutral):
+                    return f
+        return None
+
+    def add(
+        self, eqn: Any, label: _trace.Label, place: Place, lookups: list[_Lookup], updates: list
+    ) -> Fragment:
+        earliest, bits = self._inputs(eqn)
+        only_free = self.pool_free and label is None and bits & ~self.free == 0
+        if only_free:
+            lookups = [(("s", place), self.strict), *lookups]
+        f = self._find(lookups, earliest, bits)
+        if f is None:
+            f = len(self.fragments)
+            self.fragments.append(Fragment(index=f, place=place, label=label))
+            self.ancestors.append(0)
+            self.free |= (1 << f) if only_free else 0
+        self.ancestors[f] |= bits & ~(1 << f)
+        if self.free >> f & 1:
+            updates = [*updates, ("s", place)]
+        for key in updates:
+            under = self.latest.setdefault(key, [])
+            at = bisect.bisect_left(under, f)
+            if at == len(under) or under[at] != f:
+                under.insert(at, f)
+        frag = self.fragments[f]
+        frag.eqns.append(eqn)
         for v in eqn.outvars:
-            made_in[v] = candidate
-    _assign_boundaries(traced, fragments, made_in)
-    return fragments
+            self.made_in[v] = f
+        return frag
+
+
+def _fragment(
+    traced: _trace.TracedProgram, places: list[Place], plan: _pipeline.PipelinePlan | None
+) -> list[Fragment]:
+    cutter = _Cutter(strict=plan is not None and plan.scheduled, pool_free=plan is not None)
+    eqns = traced.jaxpr.eqns
+    order = range(len(eqns)) if plan is None else _pipeline.equation_order(traced, plan)
+    for i in order:
+        eqn, label, place = eqns[i], traced.labels[i], places[i]
+        if plan is not None and plan.mixed[i]:
+            label = None  # mixes microbatches: glue
+        lookups, updates = _keys(i, place, label, plan)
+        frag = cutter.add(eqn, label, place, lookups, updates)
+        if plan is None:
+            continue
+        if frag.unit is None and plan.units[i] is not None:
+            frag.unit = plan.units[i]
+        mb = plan.microbatch[i]
+        if mb is not None and frag.microbatch is None:
+            frag.microbatch = mb[1]
+    _assign_boundaries(traced, cutter.fragments, cutter.made_in)
+    return cutter.fragments
 
 
 def _assign_boundaries(
@@ -158,9 +265,14 @@ def _assign_boundaries(
 
 def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     """Places and fragments a traced program."""
+    plan = _pipeline.analyze(traced)
+    if plan is not None and plan.scheduled:
+        traced, plan = _accumulate.reassociate_sums(traced, plan)
     meshes, default = _place_meshes(traced, devices)
     places = _place_equations(traced, default)
-    fragments = _fragment(traced, places)
+    fragments = _fragment(traced, places, plan)
+    if plan is not None and plan.scheduled:
+        fragments = _pipeline.dispatch_order(fragments, plan)
     home: dict[Any, Place] = {}
     for frag in fragments:
         for eqn in frag.eqns:
@@ -184,4 +296,5 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
         home=home,
         place_meshes=meshes,
         default_place=default,
+        plan=plan,
     )

@@ -30,7 +30,7 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core import _partition, _trace
+from multimesh_flax.core import _partition, _pipeline, _trace
 
 RUN, PUT = 0, 1
 
@@ -40,13 +40,26 @@ RUN, PUT = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class TimelineEvent:
-    """One executed op: where it ran, what it was, and when (seconds, ``perf_counter``)."""
+    """One executed op: where it ran, what it was, and when (seconds, ``perf_counter``).
+
+    ``stage``, ``microbatch`` and ``phase`` (``"F"``, ``"B"`` or ``"W"``) say which pipeline
+    unit a ``"run"`` executed (``None`` for glue and transfers; ``microbatch`` is also set for
+    glue of one microbatch). ``index`` is the op's position in its program, ``deps`` the
+    positions of the ops whose outputs it reads, and ``call`` counts the program calls
+    recorded into the same timeline.
+    """
 
     place: tuple[int, ...]
     kind: str  # "run" or "transfer"
     name: str
     start: float
     end: float
+    stage: int | None = None
+    microbatch: int | None = None
+    phase: str | None = None
+    index: int = -1
+    deps: tuple[int, ...] = ()
+    call: int = 0
 
 
 @dataclasses.dataclass
@@ -54,6 +67,7 @@ class Timeline:
     """The events recorded inside :func:`record_timeline`."""
 
     events: list[TimelineEvent] = dataclasses.field(default_factory=list)
+    calls: int = 0  # how many program calls were recorded
 
 
 class _Recording(threading.local):
@@ -88,6 +102,24 @@ def record_timeline() -> Iterator[Timeline]:
         yield timeline
     finally:
         _RECORDING.timeline = previous
+
+
+def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
+    kind = "run" if op.kind == RUN else "transfer"
+    stage, microbatch, phase = op.unit
+    return TimelineEvent(
+        op.place,
+        kind,
+        op.name,
+        start,
+        time.perf_counter(),
+        stage=stage,
+        microbatch=microbatch,
+        phase=phase,
+        index=index,
+        deps=op.deps,
+        call=call,
+    )
 
 
 # --- fragment compilation -------------------------------------------------------------------
@@ -159,6 +191,8 @@ class _Op:
     name: str = ""
     shardings: list[Any] | None = None  # PUT targets, fixed on first execution
     hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
+    unit: tuple[Any, Any, Any] = (None, None, None)  # RUN: (stage, microbatch, phase)
+    deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
 
 
 def _first_constraint(frag: _partition.Fragment, var: Any) -> Any:
@@ -168,6 +202,23 @@ def _first_constraint(frag: _partition.Fragment, var: Any) -> Any:
                 return eqn.params["sharding"]
             return None
     return None
+
+
+def canonical_sharding(sharding: Any) -> Any:
+    """``sharding`` with trailing ``None`` entries dropped from its spec.
+
+    ``P('x', None)`` and ``P('x')`` lay an array out identically, but ``jax.jit`` caches
+    executables per spec and returns outputs in the short form; giving inputs the short form
+    too keeps step ``n + 1`` (fed with step ``n``'s outputs) from compiling again.
+    """
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    entries = list(sharding.spec)
+    if not entries or entries[-1] is not None:
+        return sharding
+    while entries and entries[-1] is None:
+        entries.pop()
+    return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
 
 
 def _same_place(sharding: Any, place: tuple[int, ...]) -> bool:
@@ -186,7 +237,7 @@ def input_sharding(part: _partition.Partition, var: Any) -> Any:
     first = next(f for f in part.fragments if var in f.invars and f.place == place)
     constraint = _first_constraint(first, var)
     if constraint is not None and _same_place(constraint, place):
-        return constraint
+        return canonical_sharding(constraint)
     return NamedSharding(part.place_meshes[place], PartitionSpec())
 
 
@@ -222,14 +273,38 @@ class MpmdExecutable:
         return self.partition.place_meshes[frag.place]
 
     def _fragment_name(self, frag: _partition.Fragment) -> str:
+        mb = "" if frag.microbatch is None else f"[{frag.microbatch}]"
         if frag.label is None:
-            return f"glue#{frag.index}"
+            return f"glue{mb}#{frag.index}"
         resolved = self.partition.traced.tasks[frag.label[0]]
-        return f"{resolved.name}.{frag.label[1]}#{frag.index}"
+        phase = frag.label[1]
+        if frag.unit is not None and frag.unit[3] != "F" and self._split(frag.unit[0]):
+            names = resolved.task.split_backprop or _pipeline.SPLIT_NAMES
+            phase = names[frag.unit[3] == "W"]
+        return f"{resolved.name}.{phase}{mb}#{frag.index}"
+
+    def _split(self, region: int) -> bool:
+        plan = self.partition.plan
+        schedule = plan.regions[region].schedule if plan is not None else None
+        return schedule is not None and schedule.split_backward
+
+    @property
+    def schedule(self) -> Any:
+        """The pipeline ``Schedule`` this program dispatches in (``None``: program order)."""
+        plan = self.partition.plan
+        return plan.schedule if plan is not None else None
 
     def _build_ops(self, donate: set[int]) -> list[_Op]:
         part = self.partition
+        reads: dict[int, int] = {}  # home slot -> fragments reading it (directly or via a put)
+        for frag in part.fragments:
+            for v in frag.invars:
+                home = self._slot(v, part.home[v])
+                reads[home] = reads.get(home, 0) + 1
+        # A donated input is only given to its one reader: donating to the first of several
+        # would delete it before the others run.
         donated_slots = {self.input_slots[i] for i in donate}
+        donated_slots = {s for s in donated_slots if reads.get(s, 0) == 1}
         transfers: dict[int, dict[Any, list[tuple[Any, Any]]]] = {}
         producer = {v: f.index for f in part.fragments for v in f.outvars}
         runs: list[_Op] = []
@@ -245,7 +320,11 @@ class MpmdExecutable:
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
             fn = compile_fragment(frag, part.place_meshes[frag.place], don)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
-            runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=self._fragment_name(frag)))
+            unit = (None, frag.microbatch, None)
+            if frag.unit is not None:
+                unit = (frag.unit[1], frag.unit[2], frag.unit[3])
+            name = self._fragment_name(frag)
+            runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=name, unit=unit))
         ops = self._puts(transfers.get(-1, {}))
         for frag, run in zip(part.fragments, runs, strict=True):
             ops.append(run)
@@ -289,8 +368,11 @@ class MpmdExecutable:
         for s, i in last.items():
             if s not in keep:
                 frees.setdefault(i, []).append(s)
+        writer: dict[int, int] = {}
         for i, op in enumerate(self.ops):
             op.frees = tuple(frees.get(i, ()))
+            op.deps = tuple(sorted({writer[s] for s in op.ins if s in writer}))
+            writer.update((s, i) for s in op.outs)
 
     # --- execution ---
 
@@ -334,7 +416,10 @@ class MpmdExecutable:
             env[slot] = value
         self._place_inputs(env, args)
         timeline = _RECORDING.timeline
-        for op in self.ops:
+        call = 0
+        if timeline is not None:
+            call, timeline.calls = timeline.calls, timeline.calls + 1
+        for index, op in enumerate(self.ops):
             start = time.perf_counter() if timeline is not None else 0.0
             values = [env[s] for s in op.ins]
             if op.kind == RUN:
@@ -349,10 +434,7 @@ class MpmdExecutable:
                 env[s] = None
             if timeline is not None:
                 jax.block_until_ready(results)
-                kind = "run" if op.kind == RUN else "transfer"
-                timeline.events.append(
-                    TimelineEvent(op.place, kind, op.name, start, time.perf_counter())
-                )
+                timeline.events.append(_event(op, index, call, start))
         return [env[s] for s in self.output_slots]
 
     # --- inspection ---
@@ -391,4 +473,10 @@ class MpmdExecutable:
             f"{runs} fragments, {len(self.ops) - runs} transfers "
             f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables"
         )
+        if self.schedule is not None:
+            schedule = self.schedule
+            lines.append(
+                f"schedule {schedule.name!r}: {schedule.num_stages} stages on "
+                f"{schedule.num_submeshes} submeshes, {schedule.num_microbatches} microbatches"
+            )
         return "\n".join(lines)

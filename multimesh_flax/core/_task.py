@@ -132,16 +132,31 @@ class ResolvedTask:
         return f"mmtask{self.uid}_{self.name}"
 
 
+def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
+    """``mesh_slice``, or ``loop_dependent_mesh_slice(i)`` in microbatch iteration ``i``.
+
+    Outside microbatching a loop-dependent task uses its ``mesh``/``mesh_slice`` if it has
+    one, else iteration 0's slice.
+    """
+    loop_slice = spec.loop_dependent_mesh_slice
+    index = _STATE.microbatch_index
+    has_home = spec.mesh is not None or spec.mesh_slice is not None
+    if loop_slice is None or (index is None and has_home):
+        return spec.mesh_slice
+    return dict(loop_slice(index or 0))
+
+
 def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
     multi = _mesh.get_multi_mesh()
-    if spec.mesh_slice is not None:
+    mesh_slice = _mesh_slice(spec)
+    if mesh_slice is not None:
         if multi is None:
             raise errors.NoMultiMeshError(
-                f"Task {name!r} has `mesh_slice`={spec.mesh_slice!r} but no MultiMesh "
+                f"Task {name!r} has `mesh_slice`={mesh_slice!r} but no MultiMesh "
                 "is active. Call it inside `with multi_mesh:` or give it a `mesh`."
             )
         identity = tuple((n, n) for n in multi.axis_names)
-        return multi.slice(**spec.mesh_slice), identity
+        return multi.slice(**mesh_slice), identity
     if isinstance(spec.mesh, _mesh.TaskMesh):
         mesh = spec.mesh.to_mesh()
     elif isinstance(spec.mesh, Mesh):
@@ -191,15 +206,29 @@ class TraceSession:
 
     def __init__(self) -> None:
         self.tasks: dict[int, ResolvedTask] = {}
+        # Per-trace memo for callers that resolve one task once per trace (Flax modules).
+        self.cache: dict[Any, ResolvedTask] = {}
 
 
 class _TaskState(threading.local):
     def __init__(self) -> None:
         self.stack: list[ResolvedTask] = []
         self.sessions: list[TraceSession] = []
+        self.microbatch_index: int | None = None
 
 
 _STATE = _TaskState()
+
+
+@contextlib.contextmanager
+def microbatch_iteration(index: int) -> Iterator[None]:
+    """Marks the body as microbatch iteration ``index`` (for ``loop_dependent_mesh_slice``)."""
+    previous = _STATE.microbatch_index
+    _STATE.microbatch_index = index
+    try:
+        yield
+    finally:
+        _STATE.microbatch_index = previous
 
 
 def current_task() -> ResolvedTask | None:

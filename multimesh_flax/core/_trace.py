@@ -4,7 +4,9 @@
 its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
 boundaries become visible at the top level, and labels every equation with
 ``(task uid, phase)`` -- phase ``"fwd"`` or ``"bwd"`` (the name stack shows ``transpose(``
-before the task's marker) -- or ``None`` for glue.
+before the task's marker) -- or ``None`` for glue. Tasks registered by name
+(``register_task``) are entered around matching Flax modules while tracing and matched on name
+stacks afterwards; ``_named_tasks`` does both.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.extend.core as jex
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _task
+from multimesh_flax.core import _config, _mesh, _named_tasks, _task
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
 # differentiated after tracing, so dropping custom derivative rules is exact).
@@ -66,6 +68,7 @@ class TracedProgram:
     labels: list[Label]
     tasks: dict[int, _task.ResolvedTask]
     out_tree: Any
+    stacks: list[str] = dataclasses.field(default_factory=list)  # name stack per equation
 
 
 def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
@@ -109,7 +112,7 @@ class _Inliner:
         return [read(a) for a in jaxpr.outvars]
 
     def _const(self, value: Any) -> Any:
-        var = jex.Var(jax.core.get_aval(value))
+        var = jex.Var(jax.typeof(value))
         self.consts[var] = value
         return var
 
@@ -158,7 +161,12 @@ def trace_program(
     The program's inputs are the flattened leaves of ``args``; its outputs the flattened
     leaves of the result, whose tree is ``out_tree``.
     """
-    with _mesh.use_device_list(devices), _config.autoshard(), _task.trace_session() as session:
+    with (
+        _mesh.use_device_list(devices),
+        _config.autoshard(),
+        _task.trace_session() as session,
+        _named_tasks.intercept_flax_modules(),  # registered Flax modules enter their tasks
+    ):
         # A fresh wrapper: jax caches traces per function object, and our contexts (task
         # stack, flags) are not part of its cache key.
         closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*args)
@@ -167,13 +175,17 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-    const_items = list(inliner.consts.items())
-    jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, inliner.eqns, "program")
     labels = [_label(s, session.tasks) for s in inliner.stacks]
+    # Registered tasks (named scopes, backward callbacks) where they are innermost.
+    labels = _named_tasks.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
+    eqns = _named_tasks.concretise_constraints(inliner.eqns, labels, session)
+    const_items = list(inliner.consts.items())
+    jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, eqns, "program")
     return TracedProgram(
         jaxpr=jaxpr,
         consts=[c for _, c in const_items],
         labels=labels,
         tasks=session.tasks,
         out_tree=jax.tree_util.tree_structure(out_shape),
+        stacks=inliner.stacks,
     )

@@ -1,6 +1,11 @@
-"""The Flax-native layer: logical-partitioning initializers (``shard_axes``) and, built on
-the core, the ``Task[Module]`` wrappers, ``parallelize_step`` and placement-aware
-``tabulate``."""
+"""The Flax-native layer: ``Task[Module]`` wrappers, logical-partitioning initializers
+(``shard_axes``), ``parallelize_step`` and placement-aware ``tabulate``."""
 
 from multimesh_flax.core._logical import with_sharding_constraint as with_sharding_constraint
 from multimesh_flax.layers._initializers import shard_axes as shard_axes
+from multimesh_flax.layers._step import TrainState as TrainState
+from multimesh_flax.layers._step import parallelize_step as parallelize_step
+from multimesh_flax.layers._tabulate import Placement as Placement
+from multimesh_flax.layers._tabulate import get_placement as get_placement
+from multimesh_flax.layers._tabulate import tabulate as tabulate
+from multimesh_flax.layers._task import task as task

@@ -55,9 +55,9 @@ def test_parameters_and_input_are_placed_on_their_submeshes(parallel):
     _, sharded_init, sharded_batch = parallel
     w1, w2 = sharded_init()
     x = sharded_batch()
-    assert _ids(w1) == [0, 1, 2, 3] and w1.sharding.spec == P("x", None)
+    assert _ids(w1) == [0, 1, 2, 3] and w1.sharding.spec == P("x")
     assert _ids(w2) == [4, 5, 6, 7] and w2.sharding.spec == P(None, "x")
-    assert _ids(x) == [0, 1, 2, 3] and x.sharding.spec == P("x", None)
+    assert _ids(x) == [0, 1, 2, 3] and x.sharding.spec == P("x")
     assert w1.addressable_shards[0].data.shape == (4, 32), "rows split over devices 0-3"
     assert w2.addressable_shards[0].data.shape == (32, 2), "columns split over devices 4-7"
 

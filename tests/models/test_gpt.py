@@ -24,8 +24,8 @@ def test_embedding_is_tied_single_copy():
     params = _shapes(config)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     with_vocab = [jax.tree_util.keystr(path) for path, x in flat if config.vocab_size in x.shape]
-    assert with_vocab == ["['embed']['embedding']"]
-    assert params["pos_embed"]["embedding"].shape == (config.max_len, config.embed_dim)
+    assert with_vocab == ["['stem']['embed']['embedding']"]
+    assert params["stem"]["pos_embed"]["embedding"].shape == (config.max_len, config.embed_dim)
 
 
 def test_head_projects_onto_embedding_matrix():
@@ -38,7 +38,7 @@ def test_head_projects_onto_embedding_matrix():
         logits = GPT(config).apply({"params": params}, tokens)
         return cross_entropy_loss(logits, tokens)
 
-    grad = jax.jit(jax.grad(loss))(params)["embed"]["embedding"]
+    grad = jax.jit(jax.grad(loss))(params)["stem"]["embed"]["embedding"]
     assert float(jnp.abs(grad[10:]).sum()) > 0
 
 

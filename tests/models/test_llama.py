@@ -60,8 +60,8 @@ def test_no_biases_and_untied_head():
         for p in path
     }
     assert "bias" not in names
-    assert params["lm_head"]["kernel"].shape == (config.embed_dim, config.vocab_size)
-    assert params["embed"]["embedding"].shape == (config.vocab_size, config.embed_dim)
+    assert params["head"]["lm_head"]["kernel"].shape == (config.embed_dim, config.vocab_size)
+    assert params["stem"]["embed"]["embedding"].shape == (config.vocab_size, config.embed_dim)
 
 
 @pytest.mark.parametrize("shift", [0, 3, 50])

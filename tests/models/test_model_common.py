@@ -69,7 +69,9 @@ def test_top_level_names(name):
     _, variables, _, _ = _init(name)
     head = ["final_norm"] if name.startswith("gpt") else ["final_norm", "lm_head"]
     stem = ["embed", "pos_embed"] if name.startswith("gpt") else ["embed"]
-    assert set(variables["params"]) == {*stem, "blocks_0", "blocks_1", *head}
+    assert set(variables["params"]) == {"stem", "blocks_0", "blocks_1", "head"}
+    assert sorted(variables["params"]["stem"]) == stem
+    assert sorted(variables["params"]["head"]) == head
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -101,18 +103,16 @@ def _run_stages(name, params, tokens):
     """The model run stage by stage, each stage with its own sub-tree of `params`."""
     model = make_model(name)
     gpt = name.startswith("gpt")
-    stem_keys = ("embed", "pos_embed") if gpt else ("embed",)
     stem, block, head = (
         (GPTEmbed, GPTBlock, GPTHead) if gpt else (LlamaEmbed, LlamaBlock, LlamaHead)
     )
-    x = stem(model.config).apply({"params": {k: params[k] for k in stem_keys}}, tokens)
+    x = stem(model.config).apply({"params": params["stem"]}, tokens)
     for i in range(model.config.num_layers):
         x = block(model.config).apply({"params": params[f"blocks_{i}"]}, x)
     if gpt:
-        head_params = {"final_norm": params["final_norm"]}
-        return head(model.config).apply({"params": head_params}, x, params["embed"]["embedding"])
-    head_params = {"final_norm": params["final_norm"], "lm_head": params["lm_head"]}
-    return head(model.config).apply({"params": head_params}, x)
+        table = params["stem"]["embed"]["embedding"]
+        return head(model.config).apply({"params": params["head"]}, x, table)
+    return head(model.config).apply({"params": params["head"]}, x)
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -1,0 +1,35 @@
+"""The front door's ``task``: Flax module classes and plain functions alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flax import linen as nn
+
+from multimesh_flax.core import _task as _core_task
+from multimesh_flax.layers import _task as _flax_task
+
+
+def task(
+    fun: Callable[..., Any] | type[nn.Module],
+    name: str | None = None,
+    *,
+    task: _core_task.Task | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Runs ``fun`` as a task: a Flax module class becomes ``Task[Module]``
+    (:func:`multimesh_flax.layers.task`), anything else a task function
+    (:func:`multimesh_flax.core.task`).
+
+    Example:
+        >>> from flax import linen as nn
+        >>> import multimesh_flax as mm
+        >>> mm.task(nn.Dense, mesh=mm.TaskMesh(devices=[0])).__name__
+        'Task[Dense]'
+        >>> callable(mm.task(lambda x: x, mesh=mm.TaskMesh(devices=[0])))
+        True
+    """
+    if isinstance(fun, type) and issubclass(fun, nn.Module):
+        return _flax_task.task(fun, name, task=task, **kwargs)
+    return _core_task.task(fun, name, task=task, **kwargs)

@@ -1,0 +1,327 @@
+"""Checkpoints of training states whose leaves live on different submeshes (orbax-checkpoint).
+
+An MPMD training state is an ordinary pytree (for example a
+``flax.training.train_state.TrainState``) whose arrays each sit on their own submesh. Orbax
+saves every array through its own sharding and stores it as one full logical array, so a
+checkpoint does not depend on the layout it was written from: restoring takes a *target*
+tree whose leaves (arrays, or ``jax.ShapeDtypeStruct`` with a ``sharding``) say where each
+array goes, which may be the saved layout, more or fewer pipeline stages, another
+data × tensor split, or a single device.
+
+``Checkpointer`` wraps ``orbax.checkpoint.CheckpointManager``: one step directory per
+``save``, holding the state and a JSON metadata dict (model config, layout, ...). Orbax
+writes a step into a temporary directory and renames it when complete, so a save that dies
+midway leaves earlier checkpoints intact and is never listed. ``save_checkpoint``,
+``restore_checkpoint``, ``restore_metadata`` and ``latest_step`` are one-call shortcuts.
+
+Example:
+  >>> import tempfile
+  >>> from multimesh_flax import checkpoint
+  >>> tmp = tempfile.TemporaryDirectory()
+  >>> state = {"w": jnp.arange(4.0), "step": 3}
+  >>> checkpoint.save_checkpoint(tmp.name, 3, state, metadata={"lr": 0.1})
+  >>> checkpoint.latest_step(tmp.name)
+  3
+  >>> one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  >>> target = {"w": jax.ShapeDtypeStruct((4,), jnp.float32, sharding=one_device), "step": 0}
+  >>> checkpoint.restore_checkpoint(tmp.name, target)
+  {'step': 3, 'w': Array([0., 1., 2., 3.], dtype=float32)}
+  >>> checkpoint.restore_metadata(tmp.name)
+  {'lr': 0.1}
+  >>> tmp.cleanup()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from multimesh_flax import errors
+
+__all__ = [
+    "Checkpointer",
+    "latest_step",
+    "restore_checkpoint",
+    "restore_metadata",
+    "save_checkpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+_STATE = "state"
+_METADATA = "metadata"
+
+
+class Checkpointer:
+    """Saves and restores numbered checkpoints of a pytree state in one directory.
+
+    Args:
+      directory: where the step directories live; created unless ``read_only``.
+      max_to_keep: keep only this many newest checkpoints (``None`` keeps all).
+      async_save: if true, ``save`` returns once the arrays are copied to host and writes
+        in the background; ``wait_until_finished`` (or ``close``) waits for it.
+      read_only: open an existing directory for restoring only: nothing is created,
+        written or cleaned up, and ``save`` raises.
+
+    Example:
+      >>> import tempfile
+      >>> from multimesh_flax.checkpoint import Checkpointer
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> with Checkpointer(tmp.name, max_to_keep=2) as ckpt:
+      ...     for step in (1, 2, 3):
+      ...         ckpt.save(step, {"w": jnp.full(2, float(step))}, metadata={"step": step})
+      ...     ckpt.wait_until_finished()
+      ...     print(ckpt.all_steps(), ckpt.metadata())
+      ...     print(ckpt.restore(target={"w": jnp.zeros(2)}))
+      [2, 3] {'step': 3}
+      {'w': Array([3., 3.], dtype=float32)}
+      >>> tmp.cleanup()
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        async_save: bool = True,
+        read_only: bool = False,
+    ) -> None:
+        self.directory = epath.Path(directory)
+        if read_only and not self.directory.is_dir():
+            raise errors.CheckpointNotFoundError(
+                f"Expected a checkpoint directory, but `directory`='{self.directory}' does "
+                "not exist. Pass the directory given to `save`."
+            )
+        self.read_only = read_only
+        # Orbax's own read_only mode logs warnings on every open; these options write nothing.
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else max_to_keep,
+            create=not read_only,
+            save_root_metadata=not read_only,
+            cleanup_tmp_directories=not read_only,
+            enable_async_checkpointing=async_save,
+        )
+        handlers = {_STATE: ocp.StandardCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_handlers=handlers
+        )
+
+    def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None) -> None:
+        """Saves ``state`` and JSON ``metadata`` as checkpoint ``step``.
+
+        Every array is written through its own sharding, so leaves may live on different
+        submeshes. With ``async_save`` this returns once the arrays are copied to host.
+
+        Args:
+          step: a non-negative integer greater than every saved step.
+          state: any pytree of ``jax.Array``, numpy arrays and Python scalars.
+          metadata: a JSON-serializable dict (model config, layout, ...); ``None`` saves ``{}``.
+
+        Raises:
+          CheckpointStepError: ``step`` is not an integer greater than the latest saved step.
+          CheckpointMetadataError: ``metadata`` is not a JSON-serializable dict.
+          CheckpointReadOnlyError: this checkpointer was opened with ``read_only=True``.
+        """
+        if self.read_only:
+            raise errors.CheckpointReadOnlyError(
+                f"Cannot save step {step}: '{self.directory}' was opened with `read_only=True`. "
+                "Open it with `Checkpointer(directory)` to save."
+            )
+        step = self._check_new_step(step)
+        metadata = _check_metadata(metadata)
+        args = ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(state), _METADATA: ocp.args.JsonSave(metadata)}
+        )
+        if not self._manager.save(step, args=args):
+            raise errors.CheckpointStepError(
+                f"orbax declined to save step {step} in '{self.directory}' (its save policy "
+                "skipped it). Save under a larger step."
+            )
+        logger.info("Saving checkpoint step %d to %s", step, self.directory)
+
+    def restore(self, step: int | None = None, target: Any = None) -> Any:
+        """Restores the state saved as ``step`` (default: the latest) onto ``target``'s layout.
+
+        Args:
+          step: which checkpoint; ``None`` means the latest finalized one.
+          target: a pytree with the saved structure whose leaves are ``jax.Array`` (their
+            ``sharding`` is used, their values are not), ``jax.ShapeDtypeStruct`` with a
+            ``sharding`` (without one, orbax places it on the default device), numpy arrays
+            or Python scalars. The result has ``target``'s tree type. ``None`` returns the
+            raw tree (dicts and lists) placed as saved, which needs the saving devices.
+
+        Raises:
+          CheckpointNotFoundError: no checkpoint, or none for ``step``.
+          CheckpointMismatchError: ``target``'s paths, shapes or dtypes differ from the saved.
+        """
+        step = self._resolve_step(step)
+        if target is not None:
+            target = jax.tree.map(_as_abstract, target)
+            saved = self._manager.item_metadata(step)[_STATE]
+            _check_target(saved.tree, target, f"step {step} in '{self.directory}'")
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+        return self._manager.restore(step, args=args)[_STATE]
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """Returns the JSON metadata saved with ``step`` (default: the latest)."""
+        step = self._resolve_step(step)
+        args = ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+        return self._manager.restore(step, args=args)[_METADATA]
+
+    def latest_step(self) -> int | None:
+        """The newest finalized step, or ``None`` when there is none."""
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """All finalized steps, oldest first; interrupted saves are not listed."""
+        return sorted(self._manager.all_steps())
+
+    def wait_until_finished(self) -> None:
+        """Blocks until a background save has been written and finalized."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for pending saves and releases the manager."""
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_new_step(self, step: int) -> int:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise errors.CheckpointStepError(
+                f"Expected `step` to be a non-negative integer, got {step!r}."
+            )
+        latest = self._manager.latest_step()
+        if latest is not None and step <= latest:
+            raise errors.CheckpointStepError(
+                f"Expected `step` greater than the latest saved step {latest} in "
+                f"'{self.directory}', got {step}. Save under a larger step, or into a "
+                "fresh directory."
+            )
+        return int(step)
+
+    def _resolve_step(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise errors.CheckpointNotFoundError(
+                f"Expected a finalized checkpoint in '{self.directory}', found none "
+                "(interrupted saves do not count). Check the directory, or start from scratch."
+            )
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise errors.CheckpointNotFoundError(
+                f"Expected `step` to be one of the saved steps {steps} in '{self.directory}', "
+                f"got {step!r}. Pass one of them, or None for the latest."
+            )
+        return int(step)
+
+
+def save_checkpoint(
+    directory: str | os.PathLike[str],
+    step: int,
+    state: Any,
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
+    """Saves ``state`` and ``metadata`` as ``step`` in ``directory`` and waits until written.
+
+    See ``Checkpointer.save``.
+    """
+    with Checkpointer(directory, async_save=False) as ckpt:
+        ckpt.save(step, state, metadata)
+
+
+def restore_checkpoint(
+    directory: str | os.PathLike[str], target: Any = None, step: int | None = None
+) -> Any:
+    """Restores ``step`` (default: the latest) from ``directory`` onto ``target``'s layout.
+
+    See ``Checkpointer.restore``.
+    """
+    with Checkpointer(directory, read_only=True) as ckpt:
+        return ckpt.restore(step, target)
+
+
+def restore_metadata(directory: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
+    """Returns the JSON metadata saved with ``step`` (default: the latest) in ``directory``."""
+    with Checkpointer(directory, read_only=True) as ckpt:
+        return ckpt.metadata(step)
+
+
+def latest_step(directory: str | os.PathLike[str]) -> int | None:
+    """The newest finalized step in ``directory``, or ``None`` (also for a missing directory).
+
+    Interrupted saves (orbax's temporary directories) are ignored.
+    """
+    if not epath.Path(directory).is_dir():
+        return None
+    steps = ocp.utils.checkpoint_steps(directory)
+    return max(steps) if steps else None
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, Mapping):
+        raise errors.CheckpointMetadataError(
+            f"Expected `metadata` to be a dict, got {type(metadata).__name__}."
+        )
+    try:
+        return json.loads(json.dumps(dict(metadata)))
+    except (TypeError, ValueError) as e:
+        raise errors.CheckpointMetadataError(
+            f"Expected `metadata` to be JSON-serializable, but {e}. Convert arrays with "
+            "`.tolist()` and dataclasses with `dataclasses.asdict`."
+        ) from e
+
+
+def _as_abstract(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    return leaf
+
+
+def _describe(leaf: Any) -> str:
+    if isinstance(leaf, (bool, int, float, complex)):
+        return f"Python {type(leaf).__name__}"
+    if leaf is None or not hasattr(leaf, "shape"):
+        return "missing"
+    return f"shape {tuple(leaf.shape)} {np.dtype(leaf.dtype).name}"
+
+
+def _leaf_mismatch(saved: Any, target: Any) -> bool:
+    if saved is None or target is None:
+        return True
+    if isinstance(target, (bool, int, float, complex)):
+        return tuple(getattr(saved, "shape", ())) != ()
+    if not hasattr(saved, "shape") or not hasattr(target, "shape"):
+        return False
+    same_dtype = np.dtype(saved.dtype) == np.dtype(target.dtype)
+    return tuple(saved.shape) != tuple(target.shape) or not same_dtype
+
+
+def _check_target(saved_tree: Any, target: Any, where: str) -> None:
+    saved = ocp.tree.to_flat_dict(saved_tree)
+    received = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(target, keep_empty_nodes=True))
+    paths = list(saved) + [p for p in received if p not in saved]
+    bad = [p for p in paths if _leaf_mismatch(saved.get(p), received.get(p))]
+    if bad:
+        path = bad[0]
+        raise errors.CheckpointMismatchError(
+            f"`target` does not match checkpoint {where} at "
+            f"{len(bad)} path(s); first at `{'.'.join(map(str, path))}`: expected "
+            f"{_describe(saved.get(path))} (as saved), received "
+            f"{_describe(received.get(path))}. Build `target` from the same model and "
+            "optimizer config as the saved state (see `Checkpointer.metadata`)."
+        )

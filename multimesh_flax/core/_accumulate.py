@@ -1,0 +1,160 @@
+"""Gradient accumulation in schedule order: re-associating sums over microbatches.
+
+A backward taken outside ``microbatch`` sums each parameter's gradient as a chain of
+additions in *reverse* microbatch order (``((g7 + g6) + g5) + ...``: the transpose walks the
+program backwards), and ``microbatch`` itself reduces in microbatch order. Under a schedule
+the microbatches finish their backward in yet another order (1F1B finishes microbatch 0
+first), and a chain in the wrong order cannot start before its first operands exist: the
+whole sum becomes a tail of additions after the last backward.
+
+:func:`reassociate_sums` rebuilds every such sum -- a tree of ``add``/``add_any`` glue with
+equal operand types over values of at least two microbatches -- as a chain in the order the
+schedule's simulation predicts its operands to be ready, so each addition can run as soon as
+its microbatch's contribution exists. The result is the same sum, up to floating-point
+rounding of the new association order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.extend.core as jex
+
+from multimesh_flax.core import _pipeline, _trace
+
+_SUMS = ("add", "add_any")
+_EARLY = (-1, float("-inf"))
+
+
+def _ready_times(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> dict[Any, Any]:
+    """Per variable, the predicted ``(region rank, end)`` of the last unit it waits for."""
+    ends = {unit: (rank, end) for unit, (rank, _, end) in _pipeline.unit_times(plan).items()}
+    ready: dict[Any, Any] = {}
+    for eqn, unit in zip(traced.jaxpr.eqns, plan.units, strict=True):
+        time = ends.get(unit, _EARLY) if unit is not None else _EARLY
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                time = max(time, ready.get(v, _EARLY))
+        for v in eqn.outvars:
+            ready[v] = time
+    return ready
+
+
+def _is_sum(eqn: Any, mb: Any) -> bool:
+    if eqn.primitive.name not in _SUMS or mb is not None or len(eqn.invars) != 2:
+        return False
+    aval = eqn.outvars[0].aval
+    return all(not isinstance(v, jex.Literal) and v.aval == aval for v in eqn.invars)
+
+
+@dataclasses.dataclass
+class _Tree:
+    root: int
+    nodes: list[int]
+    leaves: list[Any]
+
+
+def _sum_trees(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> list[_Tree]:
+    eqns = traced.jaxpr.eqns
+    producer: dict[Any, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    uses: dict[Any, int] = {v: 1 for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    for e in eqns:
+        for v in e.invars:
+            if not isinstance(v, jex.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    sums = {i for i, e in enumerate(eqns) if _is_sum(e, plan.microbatch[i])}
+    inner = {
+        producer[v]
+        for i in sums
+        for v in eqns[i].invars
+        if producer.get(v) in sums and uses[v] == 1
+    }
+    trees = []
+    for root in sorted(sums - inner):
+        tree = _Tree(root, [], [])
+        stack: list[tuple[bool, Any]] = [(True, root)]
+        while stack:  # in order: leaves come out left to right
+            is_node, item = stack.pop()
+            if not is_node:
+                tree.leaves.append(item)
+                continue
+            tree.nodes.append(item)
+            for v in reversed(eqns[item].invars):
+                j = producer.get(v)
+                stack.append((True, j) if j in inner else (False, v))
+        trees.append(tree)
+    return trees
+
+
+def _microbatches(traced: _trace.TracedProgram, leaves: list[Any]) -> set[Any]:
+    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
+    found = set()
+    for v in leaves:
+        if v in producer:
+            found.add(_pipeline.microbatch_of(traced.stacks[producer[v]]))
+    found.discard(None)
+    return found
+
+
+def _chain(template: Any, leaves: list[Any], out: Any) -> list[Any]:
+    """``leaves[0] + leaves[1] + ...`` left to right, the last addition writing ``out``."""
+    eqns, acc = [], leaves[0]
+    for k, leaf in enumerate(leaves[1:], start=2):
+        result = out if k == len(leaves) else jex.Var(out.aval)
+        eqns.append(template.replace(invars=[acc, leaf], outvars=[result]))
+        acc = result
+    return eqns
+
+
+def reassociate_sums(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan
+) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    """Rewrites sums over microbatches as chains in predicted-ready order (see module doc).
+
+    Returns the rewritten program and plan (new equations are glue outside every
+    microbatch); both unchanged when no sum needs it.
+    """
+    ready = _ready_times(traced, plan)
+    eqns = traced.jaxpr.eqns
+    replaced: dict[int, list[Any]] = {}  # root index -> new chain; other nodes -> []
+    for tree in _sum_trees(traced, plan):
+        if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves)) < 2:
+            continue
+        order = sorted(tree.leaves, key=lambda v: ready.get(v, _EARLY))
+        if order == tree.leaves:
+            continue
+        for i in tree.nodes:
+            replaced[i] = []
+        replaced[tree.root] = _chain(eqns[tree.root], order, eqns[tree.root].outvars[0])
+    if not replaced:
+        return traced, plan
+    return _rebuild(traced, plan, replaced)
+
+
+def _rebuild(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, replaced: dict[int, list[Any]]
+) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    new_eqns: list[Any] = []
+    columns: dict[str, list[Any]] = {"labels": [], "stacks": [], "mb": [], "units": [], "mixed": []}
+    for i, eqn in enumerate(traced.jaxpr.eqns):
+        chain = replaced.get(i, [eqn])
+        glue = i in replaced
+        for new in chain:
+            new_eqns.append(new)
+            columns["labels"].append(None if glue else traced.labels[i])
+            columns["stacks"].append(traced.stacks[i])
+            columns["mb"].append(None if glue else plan.microbatch[i])
+            columns["units"].append(None if glue else plan.units[i])
+            columns["mixed"].append(glue or plan.mixed[i])
+    jaxpr = traced.jaxpr
+    program = _trace.make_jaxpr_object(
+        list(jaxpr.constvars), list(jaxpr.invars), list(jaxpr.outvars), new_eqns, "program"
+    )
+    traced = dataclasses.replace(
+        traced, jaxpr=program, labels=columns["labels"], stacks=columns["stacks"]
+    )
+    plan = dataclasses.replace(
+        plan, microbatch=columns["mb"], units=columns["units"], mixed=columns["mixed"]
+    )
+    return traced, plan

@@ -1,0 +1,334 @@
+"""``microbatch``: unroll a function over slices of its batch, optionally pipelined.
+
+``microbatch(fun, dim, size)`` returns a function that splits one argument (a pytree) along
+``dim`` into ``m = length // size`` chunks, calls ``fun`` on each chunk and reduces the
+outputs (sum or mean). The loop is unrolled at trace time: chunk ``k`` runs inside the
+reserved named scope ``mmmb<uid>_<k>``, which JAX keeps on every equation, also on the
+backward of a ``jax.grad`` taken outside (``transpose(jvp(mmmb<uid>_<k>))``). Under ``jit``
+the partitioner (``_pipeline``) reads these scopes to cut the program into one fragment per
+(stage, microbatch, phase) and to dispatch them in the order of the schedule registered
+here under ``uid``. Outside ``jit`` -- plain JAX, eager, ``ignore_transforms`` -- the loop
+computes the same values and the schedule plays no part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from multimesh_flax import errors
+from multimesh_flax.core import _logical, _schedules, _task
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
+_REDUCTIONS = ("sum", "mean")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """The schedule options of one ``microbatch`` transform."""
+
+    schedule: str | None
+    num_stages: int | None
+    interleave: int | None
+    custom_schedule: tuple[tuple[Any, ...], ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchCall:
+    """One traced call of a microbatched function: its options and microbatch count."""
+
+    options: PipelineOptions
+    num_microbatches: int
+
+
+# Calls traced inside a ``jit``/``parallelize`` trace, by the uid in their scope names.
+_CALLS: dict[int, MicrobatchCall] = {}
+_UIDS = itertools.count(1)
+
+
+def get_call(uid: int) -> MicrobatchCall | None:
+    """The registered call whose chunks run in scopes ``mmmb<uid>_<k>``, if any."""
+    return _CALLS.get(uid)
+
+
+def _register(options: PipelineOptions, num_microbatches: int) -> int:
+    if _task.current_session() is None:  # plain JAX or eager: nothing will read the scopes
+        return 0
+    uid = next(_UIDS)
+    _CALLS[uid] = MicrobatchCall(options, num_microbatches)
+    return uid
+
+
+# --- argument checks ------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_positive(**values: Any) -> None:
+    for name, value in values.items():
+        if value is not None and (not _is_int(value) or value < 1):
+            raise errors.MicrobatchArgumentError(
+                f"Expected `{name}` to be a positive integer, got {value!r}."
+            )
+
+
+def _check_custom_entry(entry: Any) -> None:
+    if isinstance(entry, (_schedules.ScheduleOp, str)):
+        if isinstance(entry, str):
+            _schedules.ScheduleOp.parse(entry)
+        return
+    if isinstance(entry, (tuple, list)) and len(entry) == 3:
+        stage, microbatch, phase = entry
+        named = _is_int(stage) or isinstance(stage, str)
+        if named and _is_int(microbatch) and phase in ("F", "B", "W"):
+            return
+    raise errors.InvalidScheduleError(
+        "Expected each `custom_schedule` entry to be a ScheduleOp, a string like 'F0.3' or "
+        f"a tuple (stage index or task name, microbatch, phase in 'F'/'B'/'W'), got {entry!r}."
+    )
+
+
+def _normalise_custom(custom: Any) -> tuple[tuple[Any, ...], ...]:
+    if isinstance(custom, (str, bytes)) or not isinstance(custom, Sequence):
+        raise errors.InvalidScheduleError(
+            "Expected `custom_schedule` as one sequence of ops per submesh, got "
+            f"{type(custom).__name__}: {custom!r}."
+        )
+    rows = []
+    for row in custom:
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise errors.InvalidScheduleError(
+                f"Expected each row of `custom_schedule` to be a sequence of ops, got {row!r}."
+            )
+        for entry in row:
+            _check_custom_entry(entry)
+        rows.append(tuple(tuple(e) if isinstance(e, list) else e for e in row))
+    return tuple(rows)
+
+
+def _make_options(
+    schedule: str | None,
+    num_stages: int | None,
+    interleave: int | None,
+    custom_schedule: Any,
+) -> PipelineOptions:
+    if custom_schedule is not None and schedule is None:
+        schedule = "custom"
+    if schedule is not None and schedule not in SCHEDULES:
+        raise errors.InvalidScheduleError(
+            f"Unknown `schedule`={schedule!r}. Use one of {list(SCHEDULES)}, or None for "
+            "program order."
+        )
+    if (schedule == "custom") != (custom_schedule is not None):
+        raise errors.MicrobatchArgumentError(
+            f"`custom_schedule` goes with `schedule`='custom' and only with it; got "
+            f"`schedule`={schedule!r} and `custom_schedule` "
+            f"{'given' if custom_schedule is not None else 'missing'}."
+        )
+    _check_positive(num_stages=num_stages, interleave=interleave)
+    custom = None if custom_schedule is None else _normalise_custom(custom_schedule)
+    return PipelineOptions(schedule, num_stages, interleave, custom)
+
+
+# --- splitting and reducing -----------------------------------------------------------------
+
+
+def _leaf_axis(leaf: Any, dim: int, path: str) -> int:
+    ndim = np.ndim(leaf)
+    if not -ndim <= dim < ndim:
+        raise errors.MicrobatchAxisError(
+            f"Expected `dim`={dim} to be an axis of every leaf of the split argument, but "
+            f"leaf {path or '<root>'} has shape {tuple(np.shape(leaf))}. Use a `dim` in "
+            f"[-{ndim}, {ndim}) for it, or split another argument (`argnum`)."
+        )
+    return dim % ndim
+
+
+def _num_microbatches(batch: Any, dim: int, size: int) -> int:
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise errors.MicrobatchAxisError(
+            "Expected the split argument to hold at least one array, got an empty pytree "
+            f"({batch!r}). Check `argnum`."
+        )
+    lengths = {}
+    for path, leaf in leaves:
+        name = jax.tree_util.keystr(path)
+        lengths[name] = np.shape(leaf)[_leaf_axis(leaf, dim, name)]
+    if len(set(lengths.values())) > 1:
+        raise errors.UnevenMicrobatchError(
+            f"Expected every leaf of the split argument to have the same length along "
+            f"`dim`={dim}, got {lengths}. Split arguments of one batch size only."
+        )
+    length = next(iter(lengths.values()))
+    if length % size:
+        raise errors.UnevenMicrobatchError(
+            f"`size`={size} does not divide the batch length {length} along `dim`={dim} "
+            f"({length % size} example(s) would be left over). Use a `size` that divides "
+            f"{length}, or pad or trim the batch to a multiple of {size}."
+        )
+    return length // size
+
+
+def _chunk(batch: Any, k: int, dim: int, size: int) -> Any:
+    def take(leaf: Any) -> Any:
+        axis = dim % np.ndim(leaf)
+        return jax.lax.slice_in_dim(leaf, k * size, (k + 1) * size, axis=axis)
+
+    return jax.tree_util.tree_map(take, batch)
+
+
+def _reduce(outs: list[Any], reduce: str, m: int) -> Any:
+    total = jax.tree_util.tree_map(lambda *xs: functools.reduce(operator.add, xs), *outs)
+    if reduce == "mean":
+        total = jax.tree_util.tree_map(lambda x: x / m, total)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    dim: int
+    size: int
+    argnum: int
+    arg_shardings: Any
+    reduce: str
+
+
+def _run(
+    fun: Callable[..., Any],
+    split: _Split,
+    options: PipelineOptions,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    if split.argnum >= len(args):
+        raise errors.MicrobatchAxisError(
+            f"`argnum`={split.argnum} names the split argument, but the call has "
+            f"{len(args)} positional argument(s). Pass the batch positionally."
+        )
+    batch = args[split.argnum]
+    m = _num_microbatches(batch, split.dim, split.size)
+    uid = _register(options, m)
+    outs = []
+    for k in range(m):
+        with jax.named_scope(f"mmmb{uid}_{k}"), _task.microbatch_iteration(k):
+            chunk = _chunk(batch, k, split.dim, split.size)
+            if split.arg_shardings is not None:
+                chunk = _logical.with_sharding_constraint(chunk, split.arg_shardings)
+            chunk_args = (*args[: split.argnum], chunk, *args[split.argnum + 1 :])
+            outs.append(fun(*chunk_args, **kwargs))
+    return _reduce(outs, split.reduce, m)
+
+
+def microbatch(
+    fun: Callable[..., Any],
+    dim: int,
+    size: int,
+    argnum: int = 0,
+    *,
+    schedule: str | None = None,
+    num_stages: int | None = None,
+    interleave: int | None = None,
+    custom_schedule: Sequence[Sequence[Any]] | None = None,
+    arg_shardings: Any = None,
+    reduce: str = "sum",
+) -> Callable[..., Any]:
+    """Unrolls ``fun`` over microbatches of one argument and reduces the results.
+
+    The returned function splits argument ``argnum`` (a pytree) along ``dim`` into chunks
+    of ``size``, calls ``fun`` on each chunk (other arguments unchanged) and sums the
+    outputs (``reduce="mean"``: divides the sum by the number of chunks). It works with
+    ``jax.value_and_grad`` inside (``microbatch(value_and_grad(loss))`` accumulates
+    gradients) or outside, with or without tasks, under ``jit`` or plain JAX.
+
+    Under :func:`jit`, the tasks ``fun`` runs, in order of first forward use, are the
+    pipeline stages; ``schedule`` orders the (stage, microbatch, phase) units:
+
+    * ``None``: program order (all forwards, then the backwards; GPipe-like);
+    * ``"gpipe"``, ``"1f1b"``: one stage per submesh (GPipe also allows several);
+    * ``"interleaved-1f1b"``: ``interleave`` stages per submesh, stage ``s`` on the same
+      submesh as stage ``s % num_submeshes``;
+    * ``"zero-bubble-h2"``: each task's backward is split into its activation-gradient part
+      (what the previous stage waits for) and its weight-gradient part, which fills bubbles;
+      ``Task.split_backprop`` names the two halves;
+    * ``"custom"``: ``custom_schedule``, one sequence per submesh of ops ``"F0.3"``,
+      ``ScheduleOp``\\ s or ``(stage index or task name, microbatch, phase)`` tuples.
+
+    Args:
+        fun: the function to run per microbatch.
+        dim: the axis of every leaf of the split argument to split along.
+        size: the microbatch size; it must divide the length along ``dim``.
+        argnum: the position of the argument to split.
+        schedule: the pipeline schedule name, or ``None``.
+        num_stages: the expected number of stages (checked against the tasks found).
+        interleave: stages per submesh, for ``"interleaved-1f1b"``.
+        custom_schedule: the per-submesh order for ``"custom"`` (implies it).
+        arg_shardings: a logical ``PartitionSpec`` pytree (prefix) applied to each chunk
+            with ``with_sharding_constraint``.
+        reduce: ``"sum"`` or ``"mean"``.
+
+    Returns:
+        A function with ``fun``'s signature.
+
+    Raises:
+        MicrobatchArgumentError: a malformed option (also when the function is created).
+        InvalidScheduleError: an unknown schedule name or a malformed custom schedule; at
+            ``jit`` time also a schedule that does not fit the program's stages.
+        UnevenMicrobatchError: ``size`` does not divide the batch (raised when called).
+        MicrobatchAxisError: ``dim`` or ``argnum`` does not exist (raised when called).
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> def loss(w, x):
+        ...     return jnp.mean((x @ w) ** 2)
+        >>> w, x = jnp.ones((3, 1)), jnp.arange(12.0).reshape(4, 3)
+        >>> mb_loss = mm.microbatch(loss, 0, 2, argnum=1, reduce="mean")
+        >>> bool(jnp.allclose(mb_loss(w, x), loss(w, x)))
+        True
+
+        A two-stage pipeline, run in 1F1B order on devices 0 and 1:
+
+        >>> layer0 = mm.task(lambda w, h: jnp.tanh(h @ w), name="layer0",
+        ...                  mesh=mm.TaskMesh(devices=[0]))
+        >>> layer1 = mm.task(lambda w, h: h @ w, name="layer1", mesh=mm.TaskMesh(devices=[1]))
+        >>> def net(ws, x):
+        ...     return jnp.mean(layer1(ws[1], layer0(ws[0], x)) ** 2)
+        >>> ws = [jnp.ones((3, 3)) / 3, jnp.ones((3, 1))]
+        >>> step = mm.jit(jax.grad(mm.microbatch(net, 0, 1, argnum=1, schedule="1f1b",
+        ...                                     reduce="mean")))
+        >>> grads = step(ws, x)
+        >>> bool(jnp.allclose(grads[0], jax.grad(net)(ws, x)[0], atol=1e-5))
+        True
+    """
+    if not callable(fun):
+        raise errors.MicrobatchArgumentError(
+            f"Expected `fun` to be callable, got {type(fun).__name__}."
+        )
+    if not _is_int(dim):
+        raise errors.MicrobatchAxisError(f"Expected `dim` to be an int, got {dim!r}.")
+    _check_positive(size=size)
+    if not _is_int(argnum) or argnum < 0:
+        raise errors.MicrobatchAxisError(
+            f"Expected `argnum` to be a non-negative int, got {argnum!r}."
+        )
+    if reduce not in _REDUCTIONS:
+        raise errors.MicrobatchArgumentError(
+            f"Expected `reduce` in {list(_REDUCTIONS)}, got {reduce!r}."
+        )
+    options = _make_options(schedule, num_stages, interleave, custom_schedule)
+    split = _Split(int(dim), int(size), int(argnum), arg_shardings, reduce)
+
+    @functools.wraps(fun)
+    def microbatched(*args: Any, **kwargs: Any) -> Any:
+        return _run(fun, split, options, args, kwargs)
+
+    return microbatched

@@ -1,0 +1,348 @@
+"""Registered tasks during a trace: matching names, entering tasks, colouring equations.
+
+``_registry`` stores matchers; this module makes them act while ``jit``/``parallelize``
+trace a program, so that a registered task behaves like an explicit ``task``:
+
+* **Flax modules.** ``trace_program`` traces under :func:`intercept_flax_modules`, a
+  ``flax.linen.intercept_methods`` interceptor. A module method whose module path
+  (``"/".join(module.path)``, e.g. ``block/layer_0``) or name (``layer_0``; the class name for
+  the top-level module -- exactly the scope Flax adds to JAX's name stack) matches runs inside
+  the task: its marker scope, its rules for ``with_sharding_constraint``, and
+  :func:`flax_rules` for Flax's own ``nn.with_logical_constraint`` and
+  ``LogicallyPartitioned`` parameters.
+* **Named scopes.** JAX offers no hook when a ``jax.named_scope`` opens, so scopes are matched
+  from name stacks: at trace time by :func:`current_task` (which ``with_sharding_constraint``
+  uses), after tracing by :func:`label_equations`, which colours every equation by the
+  innermost explicit marker or matching scope component of its name stack. Under
+  ``transpose(`` the component belongs to the backward pass, which runs as
+  ``callback(name, True)``'s task.
+
+Each (registration, matched name, backprop) is resolved once per trace session; labels are
+cached per name-stack string, so colouring costs one regex pass per distinct stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+from flax import linen as nn
+from jax._src import source_info_util
+from jax.sharding import AbstractMesh, NamedSharding
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _mesh, _registry, _task
+
+Label = tuple[int, str] | None
+_TRANSFORM = re.compile(r"^\w+\((.*)\)$")
+_EMPTY_MESH = AbstractMesh((), ())
+
+
+def _current_name_stack() -> str:
+    # JAX has no public accessor for the name stack being traced; ``source_info_util`` is
+    # where ``jax.named_scope`` keeps it. Its string is the one equations carry.
+    return str(source_info_util.current_name_stack())
+
+
+def _components(stack: str) -> list[tuple[str, int]]:
+    """``(scope name, offset in stack)`` per component, transform wrappers removed."""
+    found, offset = [], 0
+    for part in stack.split("/"):
+        start, name = offset, part
+        wrapped = _TRANSFORM.match(name)
+        while wrapped:
+            start += name.index("(") + 1
+            name = wrapped.group(1)
+            wrapped = _TRANSFORM.match(name)
+        if name:
+            found.append((name, start))
+        offset += len(part) + 1
+    return found
+
+
+def _same_task(a: _task.Task, b: _task.Task) -> bool:
+    if a is b:
+        return True
+    return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a))
+
+
+class _SessionState:
+    """The registered tasks of one trace session, and caches for matching."""
+
+    def __init__(self, session: _task.TraceSession) -> None:
+        self.session = session
+        self.resolved: dict[tuple[Any, str, bool], _task.ResolvedTask] = {}
+        self.origin: dict[int, _registry.Match] = {}  # uid -> the match it was made for
+        self.matches: dict[Any, _registry.Match | None] = {}
+        self.labels: dict[str, Label] = {}
+
+    def match(self, *names: str) -> _registry.Match | None:
+        """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
+        if names not in self.matches:
+            self.matches[names] = _registry.find_match(*names)
+        return self.matches[names]
+
+    def resolve(self, match: _registry.Match, backprop: bool) -> _task.ResolvedTask:
+        """The task of ``match`` for the forward or backward pass (resolved once)."""
+        key = (match.registration, match.name, backprop)
+        if key not in self.resolved:
+            spec = _task_for(match, backprop)
+            fwd = self.resolve(match, False) if backprop else None
+            if fwd is not None and _same_task(spec, fwd.task):
+                self.resolved[key] = fwd
+            else:
+                resolved = _resolve(spec, match)
+                self.session.tasks[resolved.uid] = resolved
+                self.origin[resolved.uid] = match
+                self.resolved[key] = resolved
+        return self.resolved[key]
+
+    def stack_label(self, stack: str) -> Label:
+        """The label of an equation with name stack ``stack`` (innermost task wins)."""
+        if stack not in self.labels:
+            self.labels[stack] = self._find_label(stack)
+        return self.labels[stack]
+
+    def _find_label(self, stack: str) -> Label:
+        for name, offset in reversed(_components(stack)):
+            backprop = "transpose(" in stack[:offset]
+            marker = _task.MARKER_RE.match(name)
+            if marker is not None:
+                uid = int(marker.group(1))
+                if uid not in self.session.tasks:
+                    continue
+                if backprop and uid in self.origin:
+                    uid = self.resolve(self.origin[uid], True).uid
+            else:
+                match = self.match(name)
+                if match is None:
+                    continue
+                uid = self.resolve(match, backprop).uid
+            return uid, "bwd" if backprop else "fwd"
+        return None
+
+
+_STATES: weakref.WeakKeyDictionary[_task.TraceSession, _SessionState] = weakref.WeakKeyDictionary()
+
+
+def _state(session: _task.TraceSession) -> _SessionState:
+    if session not in _STATES:
+        _STATES[session] = _SessionState(session)
+    return _STATES[session]
+
+
+def _task_for(match: _registry.Match, backprop: bool) -> _task.Task:
+    registration = match.registration
+    if registration.task is not None:
+        return registration.task
+    spec = registration.callback(match.name, backprop)  # type: ignore[misc]
+    if not isinstance(spec, _task.Task):
+        raise errors.TaskCallbackError(
+            f"The callback of matcher {registration.pattern.pattern!r} returned "
+            f"{type(spec).__name__}: {spec!r} for matched name {match.name!r} "
+            f"(backprop={backprop}); expected a Task. Return e.g. "
+            "`Task(mesh_slice={'stage': 0})`."
+        )
+    return spec
+
+
+def _resolve(spec: _task.Task, match: _registry.Match) -> _task.ResolvedTask:
+    try:
+        return _task.resolve_task(spec, match.name)
+    except errors.MultiMeshError as e:
+        raise type(e)(
+            f"{e} (task registered for matcher {match.registration.pattern.pattern!r}, "
+            f"matched name {match.name!r})"
+        ) from e
+
+
+# --- trace time -----------------------------------------------------------------------------
+
+
+def current_task() -> _task.ResolvedTask | None:
+    """The innermost task being traced: explicit, registered Flax module, or named scope.
+
+    Without active registrations this is ``_task.current_task()``. With them, the current
+    name stack decides; the explicit task stack is the fallback (a nested ``jax.jit`` starts
+    a fresh name stack).
+    """
+    explicit = _task.current_task()
+    session = _task.current_session()
+    if session is None or not _registry.has_registrations():
+        return explicit
+    label = _state(session).stack_label(_current_name_stack())
+    return explicit if label is None else session.tasks[label[0]]
+
+
+class _FlaxActive(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[int] = []
+
+
+_FLAX_ACTIVE = _FlaxActive()
+
+
+@contextlib.contextmanager
+def flax_rules(resolved: _task.ResolvedTask) -> Iterator[None]:
+    """Makes Flax's logical API resolve through ``resolved``'s rules onto its mesh.
+
+    Sets ``nn.logical_axis_rules`` and the task's abstract mesh (which Flax requires before
+    it applies any logical constraint). The abstract mesh passes through the empty mesh
+    because ``jax.sharding.use_abstract_mesh`` refuses to change a mesh's size directly.
+    Constraints made this way name the abstract mesh; :func:`concretise_constraints` puts
+    them back on the task's devices after tracing.
+    """
+    _FLAX_ACTIVE.stack.append(resolved.uid)
+    try:
+        with (
+            nn.logical_axis_rules(resolved.rules),
+            jax.sharding.use_abstract_mesh(_EMPTY_MESH),
+            jax.sharding.use_abstract_mesh(resolved.mesh.abstract_mesh),
+        ):
+            yield
+    finally:
+        _FLAX_ACTIVE.stack.pop()
+
+
+def _module_names(module: nn.Module) -> tuple[str, ...]:
+    name = module.name or type(module).__name__
+    path = tuple(module.path) if module.scope is not None else ()
+    return ("/".join(path), name) if path else (name,)
+
+
+def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+    session = _task.current_session()
+    if session is None or _config.get_flag("ignore_transforms"):
+        return next_fun(*args, **kwargs)
+    state = _state(session)
+    match = state.match(*_module_names(context.module))
+    if match is not None:
+        resolved = state.resolve(match, False)
+        if _task.current_task() is not resolved:
+            with _task.enter_task(resolved), flax_rules(resolved):
+                return next_fun(*args, **kwargs)
+    else:
+        resolved = current_task()  # a matched named scope around this module
+        active = _FLAX_ACTIVE.stack[-1] if _FLAX_ACTIVE.stack else None
+        if resolved is not None and resolved.uid in state.origin and resolved.uid != active:
+            with flax_rules(resolved):
+                return next_fun(*args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def intercept_flax_modules() -> Iterator[None]:
+    """Runs matched Flax module methods as their registered tasks (while registrations exist)."""
+    if not _registry.has_registrations():
+        yield
+        return
+    with nn.intercept_methods(_intercept):
+        yield
+
+
+# --- after tracing --------------------------------------------------------------------------
+
+
+def _inner_stacks(eqn: Any) -> list[str]:
+    found = []
+    for sub in jex.jaxprs_in_params(eqn.params):
+        for inner in sub.eqns:
+            found.append(str(inner.source_info.name_stack))
+            found.extend(_inner_stacks(inner))
+    return found
+
+
+def _check_control_flow(eqn: Any, label: Label, state: _SessionState) -> None:
+    for stack in _inner_stacks(eqn):
+        for name, _ in _components(stack):
+            match = state.match(name)
+            if match is None:
+                continue
+            backprop = label is not None and label[1] == "bwd"
+            if label is None or state.resolve(match, backprop).uid != label[0]:
+                raise errors.TaskInControlFlowError(
+                    f"Registered task {match.name!r} (matcher "
+                    f"{match.registration.pattern.pattern!r}) starts inside "
+                    f"`{eqn.primitive.name}` (inner scope {stack!r}). A loop or conditional "
+                    "runs as one unit on one submesh, so it cannot contain a task boundary. "
+                    "Unroll the loop in Python, or match the whole loop instead."
+                )
+
+
+def label_equations(
+    eqns: Sequence[Any],
+    stacks: Sequence[str],
+    labels: Sequence[Any],
+    session: _task.TraceSession,
+    devices: Any,
+) -> list[Any]:
+    """Relabels equations where a registered task is the innermost task of their name stack.
+
+    ``labels`` are the labels from explicit markers alone; an equation keeps its label where
+    the innermost task is that marker's (forward, or a backward that is the same task), and
+    gets ``(task uid, "fwd" | "bwd")`` of the registered task otherwise. Backward tasks of
+    registrations are resolved here, against ``devices``.
+
+    Raises:
+        TaskInControlFlowError: a registered scope starts inside a loop or conditional.
+    """
+    if not _registry.has_registrations() and session not in _STATES:
+        return list(labels)
+    state = _state(session)
+    out: list[Any] = []
+    with _mesh.use_device_list(devices):
+        for eqn, stack, label in zip(eqns, stacks, labels, strict=True):
+            mine = state.stack_label(stack)
+            if jex.jaxprs_in_params(eqn.params):
+                _check_control_flow(eqn, mine, state)
+            keep = mine is None or (label is not None and tuple(label[:2]) == mine)
+            out.append(label if keep else mine)
+    return out
+
+
+def _retarget(eqn: Any, mesh: jax.sharding.Mesh) -> Any:
+    sharding = eqn.params["sharding"]
+    source = sharding.mesh
+    abstract = source.abstract_mesh if isinstance(source, jax.sharding.Mesh) else source
+    spec = sharding.spec
+    if abstract != mesh.abstract_mesh:  # made for another mesh shape: replicate here
+        spec = jax.sharding.PartitionSpec()
+    params = {**eqn.params, "sharding": NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)}
+    context = eqn.params.get("context_mesh")
+    if isinstance(context, AbstractMesh) and not context.empty:
+        params["context_mesh"] = mesh.abstract_mesh
+    return eqn.replace(params=params)
+
+
+def concretise_constraints(
+    eqns: Sequence[Any], labels: Sequence[Any], session: _task.TraceSession
+) -> list[Any]:
+    """Puts Flax's and registered tasks' sharding constraints onto the task's own mesh.
+
+    Flax constraints name the task's abstract mesh (see :func:`flax_rules`); they get its
+    devices. In a registered task, a constraint made for a mesh of another shape -- the
+    forward's, transposed into a backward task placed elsewhere -- replicates on the
+    backward's mesh instead. Other constraints of explicit tasks are left as they are.
+    """
+    origin = _STATES[session].origin if session in _STATES else {}
+    tasks = session.tasks
+    out = []
+    for eqn, label in zip(eqns, labels, strict=True):
+        sharding = eqn.params.get("sharding")
+        if (
+            label is not None
+            and eqn.primitive.name == "sharding_constraint"
+            and isinstance(sharding, NamedSharding)
+            and (label[0] in origin or isinstance(sharding.mesh, AbstractMesh))
+            and sharding.mesh != tasks[label[0]].mesh
+        ):
+            eqn = _retarget(eqn, tasks[label[0]].mesh)
+        out.append(eqn)
+    return out

@@ -1,0 +1,420 @@
+"""Pipelining: microbatches, stages and phases of a traced program, and its dispatch order.
+
+A program traced through ``microbatch`` holds the equations of chunk ``k`` under the scope
+``mmmb<uid>_<k>`` (one *region* per ``uid``). :func:`analyze` gives every equation:
+
+* its microbatch ``(uid, k)`` -- read from the innermost such scope; an equation that mixes
+  values of different microbatches (gradient accumulation, which a backward taken outside
+  ``microbatch`` puts into a chunk's scope) belongs to none and is glue;
+* its *unit* ``(uid, stage, k, phase)`` when it belongs to a task: the stages of a region are
+  its tasks in order of first forward use within each microbatch (tasks with a
+  ``loop_dependent_mesh_slice`` move between submeshes and are not stages); the phase is
+  ``"F"`` or ``"B"``, and under a split-backward schedule a backward is cut into ``"B"``
+  (the equations that the cotangent sent to another task needs) and ``"W"`` (the rest,
+  chiefly weight gradients).
+
+For a region with a ``schedule`` it builds the :class:`~._schedules.Schedule` from the stages
+found (stage ``s`` must share its submesh with stage ``s % num_submeshes``). The partitioner
+then cuts one fragment per unit (visiting equations in :func:`equation_order`, which moves
+each unit's ``W`` equations after its ``B`` ones), and :func:`dispatch_order` sorts the
+fragments: a topological order of their data dependencies that takes units by their start
+time in the schedule's simulation and everything else as soon as its inputs exist. Each
+submesh runs its queue in dispatch order, so this realises every submesh's row of the
+schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core as jex
+
+from multimesh_flax import errors
+from multimesh_flax.core import _microbatch, _schedules, _simulator, _trace
+
+MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")
+Place = tuple[int, ...]
+Microbatch = tuple[int, int]  # (region uid, k)
+Unit = tuple[int, int, int, str]  # (region uid, stage, k, phase)
+SPLIT_NAMES = ("bwd_act", "bwd_weight")
+
+
+@dataclasses.dataclass
+class Region:
+    """One traced ``microbatch`` call: its options, stages and schedule."""
+
+    uid: int
+    call: _microbatch.MicrobatchCall
+    stage_tasks: list[Any]  # a ResolvedTask per stage (microbatch 0's)
+    stage_places: list[Place]
+    schedule: _schedules.Schedule | None = None
+
+
+@dataclasses.dataclass
+class PipelinePlan:
+    """Per-equation microbatch and unit, and the regions they belong to."""
+
+    microbatch: list[Microbatch | None]
+    units: list[Unit | None]
+    mixed: list[bool]  # True: mixes microbatches, so glue whatever its task label
+    regions: dict[int, Region]
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether some region has a schedule (so fragments are cut per unit and reordered)."""
+        return any(r.schedule is not None for r in self.regions.values())
+
+    @property
+    def schedule(self) -> _schedules.Schedule | None:
+        """The schedule of the first scheduled region."""
+        return next((r.schedule for r in self.regions.values() if r.schedule), None)
+
+
+# --- analysis -------------------------------------------------------------------------------
+
+
+def microbatch_of(stack: str) -> Microbatch | None:
+    """The ``(uid, k)`` of the innermost registered microbatch scope in a name stack."""
+    for match in reversed(list(MICROBATCH_RE.finditer(stack))):
+        uid, k = int(match.group(1)), int(match.group(2))
+        if _microbatch.get_call(uid) is not None:
+            return uid, k
+    return None
+
+
+_MIXED = (-1, -1)  # the "microbatch" of a value computed from several microbatches
+
+
+def _drop_mixing(jaxpr: jex.Jaxpr, mbs: list[Microbatch | None]) -> list[bool]:
+    """Clears the microbatch of equations that read values of other microbatches.
+
+    Such values -- gradient sums, and whatever is computed from them -- are *mixed*; an
+    equation of microbatch ``k`` that reads one is mixed too, and becomes glue.
+    """
+    of_var: dict[Any, Microbatch | None] = {}
+    mixed = [False] * len(mbs)
+    for i, eqn in enumerate(jaxpr.eqns):
+        ins = {of_var.get(v) for v in eqn.invars if not isinstance(v, jex.Literal)}
+        ins.discard(None)
+        out = mbs[i]
+        if mbs[i] is not None and ins - {mbs[i]}:
+            mixed[i], mbs[i], out = True, None, _MIXED
+        elif mbs[i] is None and (len(ins) > 1 or _MIXED in ins):
+            out = _MIXED
+        for v in eqn.outvars:
+            of_var[v] = out
+    return mixed
+
+
+def _stage_ranks(
+    traced: _trace.TracedProgram, mbs: list[Microbatch | None], mixed: list[bool]
+) -> dict[tuple[int, int], list[int]]:
+    """Per microbatch ``(uid, k)``: its stage tasks (uids) in order of first forward use."""
+    order: dict[tuple[int, int], list[int]] = {}
+    seen_specs: dict[tuple[int, int], list[Any]] = {}
+    for label, mb, mixes in zip(traced.labels, mbs, mixed, strict=True):
+        if label is None or label[1] != "fwd" or mb is None or mixes:
+            continue
+        resolved = traced.tasks[label[0]]
+        if resolved.task.loop_dependent_mesh_slice is not None:
+            continue
+        uids, specs = order.setdefault(mb, []), seen_specs.setdefault(mb, [])
+        if label[0] in uids:
+            continue
+        if any(spec is resolved.task for spec in specs):  # a task called twice: one stage
+            continue
+        uids.append(label[0])
+        specs.append(resolved.task)
+    return order
+
+
+def _regions(
+    traced: _trace.TracedProgram,
+    order: dict[tuple[int, int], list[int]],
+    places_of: dict[int, Place],
+) -> dict[int, Region]:
+    regions: dict[int, Region] = {}
+    for (uid, k), uids in sorted(order.items()):
+        call = _microbatch.get_call(uid)
+        assert call is not None
+        tasks = [traced.tasks[t] for t in uids]
+        if uid not in regions:
+            regions[uid] = Region(uid, call, tasks, [places_of[t] for t in uids])
+        elif call.options.schedule is not None:
+            _check_same_stages(regions[uid], k, tasks, [places_of[t] for t in uids])
+    return regions
+
+
+def _check_same_stages(region: Region, k: int, tasks: list[Any], places: list[Place]) -> None:
+    first = [(t.name, p) for t, p in zip(region.stage_tasks, region.stage_places, strict=True)]
+    this = [(t.name, p) for t, p in zip(tasks, places, strict=True)]
+    if first != this:
+        raise errors.InvalidScheduleError(
+            f"A pipeline schedule needs every microbatch to run the same stages on the same "
+            f"submeshes; microbatch 0 runs (task, devices) {first}, microbatch {k} runs "
+            f"{this}. Give the tasks fixed meshes, or use `schedule`=None."
+        )
+
+
+def _units(
+    traced: _trace.TracedProgram,
+    mbs: list[Microbatch | None],
+    order: dict[tuple[int, int], list[int]],
+) -> list[Unit | None]:
+    stage_of = {(mb, t): s for mb, uids in order.items() for s, t in enumerate(uids)}
+    spec_stage = {
+        (mb, id(traced.tasks[t].task)): s for mb, uids in order.items() for s, t in enumerate(uids)
+    }
+    units: list[Unit | None] = []
+    for label, mb in zip(traced.labels, mbs, strict=True):
+        if label is None or mb is None:
+            units.append(None)
+            continue
+        stage = stage_of.get((mb, label[0]))
+        if stage is None:
+            stage = spec_stage.get((mb, id(traced.tasks[label[0]].task)))
+        phase = "F" if label[1] == "fwd" else "B"
+        units.append(None if stage is None else (mb[0], stage, mb[1], phase))
+    return units
+
+
+def _place_of(mesh: Any) -> Place:
+    return tuple(sorted(int(i) for i in mesh.device_ids.reshape(-1)))
+
+
+def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
+    """The microbatch and unit of every equation, or ``None`` without microbatching.
+
+    Raises:
+        InvalidScheduleError: a region's schedule does not fit its stages.
+    """
+    if not traced.stacks:
+        return None
+    mbs = [microbatch_of(s) for s in traced.stacks]
+    if not any(mbs):
+        return None
+    mixed = _drop_mixing(traced.jaxpr, mbs)
+    order = _stage_ranks(traced, mbs, mixed)
+    places_of = {uid: _place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
+    regions = _regions(traced, order, places_of)
+    for region in regions.values():
+        if region.call.options.schedule is not None:
+            region.schedule = _region_schedule(region)
+    units = _units(traced, mbs, order)
+    plan = PipelinePlan(microbatch=mbs, units=units, mixed=mixed, regions=regions)
+    split = {uid for uid, r in regions.items() if r.schedule and r.schedule.split_backward}
+    if split:
+        _split_backward(traced, plan, split)
+    return plan
+
+
+# --- schedules for regions ------------------------------------------------------------------
+
+
+def _region_schedule(region: Region) -> _schedules.Schedule:
+    options = region.call.options
+    names = [t.name for t in region.stage_tasks]
+    count = len(names)
+    if options.num_stages is not None and options.num_stages != count:
+        raise errors.InvalidScheduleError(
+            f"`num_stages`={options.num_stages}, but `fun` runs {count} task(s) per "
+            f"microbatch: {names}. Pass `num_stages`={count}, or change the tasks."
+        )
+    rows = list(dict.fromkeys(region.stage_places))
+    for s, place in enumerate(region.stage_places):
+        if place != region.stage_places[s % len(rows)]:
+            raise errors.InvalidScheduleError(
+                f"Pipeline schedules put stage s on the submesh of stage s % "
+                f"{len(rows)} (the number of distinct submeshes); stage {s} ({names[s]!r}) "
+                f"runs on devices {list(place)}, stage {s % len(rows)} on devices "
+                f"{list(region.stage_places[s % len(rows)])}. Place stage s on submesh "
+                f"s % {len(rows)}."
+            )
+    if options.interleave is not None and options.interleave * len(rows) != count:
+        raise errors.InvalidScheduleError(
+            f"`interleave`={options.interleave}, but the {count} stages run on {len(rows)} "
+            f"submeshes ({count // len(rows)} per submesh). Pass `interleave`="
+            f"{count // len(rows)}."
+        )
+    custom = None
+    if options.schedule == "custom":
+        custom = _custom_ops(options.custom_schedule or (), names)
+    return _schedules.make_schedule(
+        options.schedule or "gpipe",
+        count,
+        region.call.num_microbatches,
+        num_submeshes=len(rows),
+        custom=custom,
+    )
+
+
+def _custom_ops(rows: Sequence[Sequence[Any]], names: list[str]) -> list[list[Any]]:
+    """Replaces task names in ``(task, microbatch, phase)`` entries by stage indices."""
+    out = []
+    for row in rows:
+        resolved_row = []
+        for entry in row:
+            if isinstance(entry, tuple) and isinstance(entry[0], str):
+                entry = (_stage_index(entry[0], names), int(entry[1]), entry[2])
+            elif isinstance(entry, tuple):
+                entry = (int(entry[0]), int(entry[1]), entry[2])
+            resolved_row.append(entry)
+        out.append(resolved_row)
+    return out
+
+
+def _stage_index(name: str, names: list[str]) -> int:
+    matches = [s for s, n in enumerate(names) if n == name]
+    if len(matches) != 1:
+        problem = "names no stage" if not matches else f"names stages {matches}"
+        raise errors.InvalidScheduleError(
+            f"Task name {name!r} in `custom_schedule` {problem}; the stages are {names} "
+            "(in order). Use one of these names, or stage indices."
+        )
+    return matches[0]
+
+
+# --- split backward -------------------------------------------------------------------------
+
+
+def _cap(items: set[Any]) -> set[Any]:
+    """At most two distinct items: enough to tell whether a set holds one other than x."""
+    return items if len(items) <= 2 else set(list(items)[:2])
+
+
+def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
+    owners = []
+    for label, mb, mixed in zip(traced.labels, plan.microbatch, plan.mixed, strict=True):
+        is_bwd = label is not None and label[1] == "bwd" and not mixed
+        owners.append((label[0], mb) if is_bwd else None)  # type: ignore[index]
+    return owners
+
+
+def _reaches_other_backward(traced: _trace.TracedProgram, owners: list[Any]) -> list[bool]:
+    """Per equation: does an output feed (transitively) the backward of another task call?"""
+    reach: dict[Any, set[Any]] = {}
+    critical = [False] * len(owners)
+    for i in reversed(range(len(owners))):
+        eqn = traced.jaxpr.eqns[i]
+        out: set[Any] = set()
+        for v in eqn.outvars:
+            out |= reach.get(v, set())
+        critical[i] = bool(out - {owners[i]})
+        mine = _cap(out | ({owners[i]} if owners[i] is not None else set()))
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                reach[v] = _cap(reach.get(v, set()) | mine)
+    return critical
+
+
+def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: set[int]) -> None:
+    """Relabels the weight-gradient part of every backward unit in ``regions`` as ``"W"``."""
+    critical = _reaches_other_backward(traced, _bwd_owners(traced, plan))
+    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
+    needed: set[int] = set()
+    stack = [
+        i
+        for i, u in enumerate(plan.units)
+        if u is not None and u[3] == "B" and u[0] in regions and critical[i]
+    ]
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        for v in traced.jaxpr.eqns[i].invars:
+            j = producer.get(v) if not isinstance(v, jex.Literal) else None
+            if j is not None and plan.units[j] == plan.units[i]:
+                stack.append(j)
+    for i, unit in enumerate(plan.units):
+        if unit is not None and unit[3] == "B" and unit[0] in regions and i not in needed:
+            plan.units[i] = (*unit[:3], "W")
+
+
+def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int]:
+    """A valid equation order that puts each unit's ``W`` equations after its ``B`` ones.
+
+    A backward interleaves activation- and weight-gradient equations. Each ``W`` equation
+    (and glue that reads it, such as a gradient sum) is deferred past the following ``B``
+    equations of its unit -- which never read it -- so each half becomes one fragment.
+    """
+    order: list[int] = []
+    deferred: list[int] = []
+    produced: set[Any] = set()
+    current: tuple[int, int, int] | None = None
+    for i, eqn in enumerate(traced.jaxpr.eqns):
+        unit = plan.units[i]
+        reads = any(not isinstance(v, jex.Literal) and v in produced for v in eqn.invars)
+        if unit is not None and unit[3] == "W" and (current is None or unit[:3] == current):
+            current = unit[:3]
+        elif reads and unit is None:
+            pass  # glue reading a deferred W: deferred with it
+        elif unit is not None and unit[3] == "B" and unit[:3] == current and not reads:
+            order.append(i)
+            continue
+        else:
+            order.extend(deferred)
+            deferred, produced, current = [], set(), None
+            if unit is not None and unit[3] == "W":
+                current = unit[:3]
+            else:
+                order.append(i)
+                continue
+        deferred.append(i)
+        produced.update(eqn.outvars)
+    return order + deferred
+
+
+# --- dispatch order -------------------------------------------------------------------------
+
+
+def unit_times(plan: PipelinePlan) -> dict[Unit, tuple[int, float, float]]:
+    """``(region rank, start, end)`` of every scheduled unit in its schedule's simulation."""
+    times: dict[Unit, tuple[int, float, float]] = {}
+    for rank, region in enumerate(plan.regions.values()):
+        if region.schedule is None:
+            continue
+        for _, op, start, end in _simulator.simulate(region.schedule).timeline:
+            times[(region.uid, op.stage, op.microbatch, op.phase)] = (rank, start, end)
+    return times
+
+
+def dispatch_order(fragments: Sequence[Any], plan: PipelinePlan) -> list[Any]:
+    """Sorts fragments for dispatch: schedule order for units, glue as soon as possible.
+
+    A topological order of the fragments' data dependencies (list scheduling): among the
+    fragments whose inputs are all produced, it takes the one whose unit starts first in
+    the simulated schedule, or any glue fragment before that.
+    """
+    keys = {unit: (rank, start) for unit, (rank, start, _) in unit_times(plan).items()}
+    producer = {v: f.index for f in fragments for v in f.outvars}
+    by_index = {f.index: f for f in fragments}
+    waiting: dict[int, int] = {}
+    users: dict[int, list[int]] = {}
+    for f in fragments:
+        deps = {producer[v] for v in f.invars if v in producer}
+        waiting[f.index] = len(deps)
+        for d in deps:
+            users.setdefault(d, []).append(f.index)
+
+    def key(index: int) -> tuple[tuple[float, ...], int]:
+        unit = by_index[index].unit
+        return keys.get(unit, (-math.inf,)) if unit is not None else (-math.inf,), index
+
+    ready = [key(i) for i, n in waiting.items() if n == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, index = heapq.heappop(ready)
+        order.append(by_index[index])
+        for user in users.get(index, ()):
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, key(user))
+    assert len(order) == len(fragments), "fragment dependencies are acyclic by construction"
+    return order

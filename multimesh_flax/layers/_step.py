@@ -1,0 +1,352 @@
+"""``parallelize_step``: one call from a Flax model and an optax optimizer to a placed,
+compiled training step.
+
+The step is ``loss, grads = value_and_grad(loss)(params)`` followed by the optimizer update,
+compiled by ``multimesh_flax.jit`` as one MPMD program. Placement:
+
+* a parameter of a ``Task[Module]`` sits on that task's submesh, sharded by its logical
+  names (``shard_axes``) through the task's rules; optimizer-state leaves that mirror a
+  parameter (Adam's moments, momentum) sit exactly like it;
+* everything else (step counter, optimizer counters, parameters outside every task) sits
+  where the program first uses it.
+
+The state is created directly in those shardings (one ``jax.jit`` per submesh with
+``out_shardings``), and the step constrains its outputs to the same shardings, so the next
+call moves nothing.
+
+**The loss.** ``loss_fn(model_fn, batch) -> scalar``: ``model_fn(*args, **kwargs)`` applies
+the model with the current parameters, rngs and mutable collections. Without ``loss_fn`` the
+model's output is the loss: ``model_fn(*batch)`` for a tuple batch, else ``model_fn(batch)``.
+The same ``loss_fn`` initializes the model (``model_fn`` then runs ``init``), so no separate
+example input is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import numpy as np
+import optax
+from flax import linen as nn
+from flax.training import train_state
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _jit, _mesh, _parallelize
+from multimesh_flax.layers import _placement
+
+LossFn = Callable[[Callable[..., Any], Any], Any]
+
+
+class TrainState(train_state.TrainState):
+    """Flax's ``TrainState`` plus the model's non-parameter collections (e.g. ``batch_stats``).
+
+    ``model_state`` is ``{}`` for models with parameters only.
+    """
+
+    model_state: Any = flax.struct.field(default_factory=dict)
+
+
+def default_loss(model_fn: Callable[..., Any], batch: Any) -> Any:
+    """The model's output is the loss: ``model_fn(*batch)`` for tuples, else ``model_fn(batch)``."""
+    return model_fn(*batch) if isinstance(batch, tuple) else model_fn(batch)
+
+
+def _split_rng(rng: Any) -> tuple[Any, Any]:
+    key = jax.random.key(0) if rng is None else rng
+    if not jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(np.asarray(key, dtype=np.uint32))
+    params_key, dropout_key = jax.random.split(key)
+    return params_key, dropout_key
+
+
+class _Model:
+    """Initializes and applies ``model`` for ``loss_fn`` (``model_fn`` is what it sees)."""
+
+    def __init__(self, model: nn.Module, loss_fn: LossFn, rng: Any) -> None:
+        self.model = model
+        self.loss_fn = loss_fn
+        self.params_key, self.dropout_key = _split_rng(rng)
+
+    def init_variables(self, batch: Any) -> Any:
+        captured: dict[str, Any] = {}
+
+        def model_fn(*args: Any, **kwargs: Any) -> Any:
+            rngs = {"params": self.params_key, "dropout": self.dropout_key}
+            out, variables = self.model.init_with_output(rngs, *args, **kwargs)
+            captured.setdefault("variables", variables)
+            return out
+
+        self.loss_fn(model_fn, batch)
+        if "variables" not in captured:
+            raise errors.ParallelizeArgumentError(
+                "Expected `loss_fn(model_fn, batch)` to call `model_fn` (the model) at least "
+                "once, but it never did. Call `model_fn(inputs)` inside it."
+            )
+        return captured["variables"]
+
+    def loss(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
+        rngs = {"dropout": jax.random.fold_in(self.dropout_key, step)}
+        updates: dict[str, Any] = {}
+
+        def model_fn(*args: Any, **kwargs: Any) -> Any:
+            variables = {"params": params, **model_state}
+            if not model_state:
+                return self.model.apply(variables, *args, rngs=rngs, **kwargs)
+            out, new = self.model.apply(
+                variables, *args, rngs=rngs, mutable=list(model_state), **kwargs
+            )
+            updates.update(new)
+            return out
+
+        loss = self.loss_fn(model_fn, batch)
+        return loss, {**model_state, **updates}
+
+
+def _check_batches(global_batch: Any, local_batch: Any) -> Any:
+    if (global_batch is None) == (local_batch is None):
+        got = "both" if global_batch is not None else "neither"
+        raise errors.ParallelizeArgumentError(
+            f"Expected exactly one of `global_batch` or `local_batch` (an example batch), got "
+            f"{got}. Pass `global_batch` for single-process training."
+        )
+    if local_batch is None:
+        return global_batch
+    count = jax.process_count()
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct((np.shape(x)[0] * count, *np.shape(x)[1:]), x.dtype),
+        local_batch,
+    )
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+def _devices_of(mesh: Any) -> tuple[Any, Any, jax.sharding.Mesh]:
+    """``(device list, MultiMesh or None, the mesh to return)`` for the ``mesh`` argument."""
+    if mesh is None:
+        mesh = _mesh.get_multi_mesh()
+    if mesh is None:
+        pool = np.array(jax.devices(), dtype=object)
+        return None, None, _mesh.make_auto_mesh(pool, ("devices",))
+    if isinstance(mesh, _mesh.MultiMesh):
+        return list(mesh.devices.flat), mesh, mesh.mesh
+    if isinstance(mesh, jax.sharding.Mesh):
+        return list(mesh.devices.flat), None, mesh
+    raise errors.ParallelizeArgumentError(
+        f"Expected `mesh` to be None, a jax.sharding.Mesh or a MultiMesh, got "
+        f"{type(mesh).__name__}: {mesh!r}."
+    )
+
+
+def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise errors.ParallelizeArgumentError(
+            f"Expected `model` to be a Flax module instance (e.g. `MLP(features=16)`), got "
+            f"{model!r}. Instantiate the class first."
+        )
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise errors.ParallelizeArgumentError(
+            f"Expected `optimizer` to be an optax GradientTransformation (e.g. "
+            f"`optax.adamw(1e-3)`), got {type(optimizer).__name__}: {optimizer!r}."
+        )
+
+
+def _zeros(shapes: Any) -> Any:
+    return jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+
+
+def _check_scalar_loss(runner: _Model, state: Any, batch: Any) -> None:
+    with _config.ignore_transforms():
+        loss, _ = jax.eval_shape(
+            lambda st, b: runner.loss(st.params, st.model_state, b, st.step), state, batch
+        )
+    if loss.shape != () or not jax.numpy.issubdtype(loss.dtype, jax.numpy.floating):
+        raise errors.ParallelizeArgumentError(
+            f"Expected the loss to be a float scalar, got {loss.dtype}{list(loss.shape)}. "
+            "Reduce it (e.g. `.mean()`) in the model or in `loss_fn`."
+        )
+
+
+def _shard_leading(sharding: Any, shape: tuple[int, ...]) -> Any:
+    """``sharding``'s mesh, leading dimension split over all its axes (data parallel)."""
+    mesh = sharding.mesh
+    if sharding.spec != jax.sharding.PartitionSpec() or not shape:
+        return sharding
+    if shape[0] % mesh.size:
+        raise errors.ParallelizeArgumentError(
+            f"`replicate_inputs=False` splits each batch leaf's leading dimension over the "
+            f"{mesh.size} devices of its submesh, but a leaf has shape {shape}. Use a batch "
+            f"size that is a multiple of {mesh.size}, or `replicate_inputs=True`."
+        )
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(tuple(mesh.axis_names)))
+
+
+class _Setup:
+    """Everything ``parallelize_step`` derives before the first step."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: LossFn, rng: Any) -> None:
+        self.runner = _Model(model, loss_fn, rng)
+        self.model, self.optimizer = model, optimizer
+        self.state_constraints: Any = None
+        self.state_owners: Any = None
+        self.batch_constraints: Any = None
+
+    def make_state(self, batch_shape: Any) -> Any:
+        with _config.ignore_transforms():
+            variables = nn.meta.unbox(self.runner.init_variables(_zeros(batch_shape)))
+        variables = dict(variables)
+        params = variables.pop("params", {})
+        return TrainState.create(
+            apply_fn=self.model.apply, params=params, tx=self.optimizer, model_state=variables
+        )
+
+    def derive_constraints(self, batch_shape: Any, devices: Any) -> Any:
+        boxed, owners = _placement.trace_variables(self.runner.init_variables, batch_shape)
+        param_sh, param_owners = _placement.owner_shardings(
+            boxed.get("params", {}), owners, devices
+        )
+        state = jax.eval_shape(lambda: self.make_state(batch_shape))
+        nothing = jax.tree_util.tree_map(lambda _: None, state.model_state)
+
+        def per_leaf(per_param: Any) -> Any:
+            mirrored = _placement.mirror(state.opt_state, state.params, per_param)
+            return state.replace(
+                step=None, params=per_param, opt_state=mirrored, model_state=nothing
+            )
+
+        self.state_constraints = per_leaf(param_sh)
+        self.state_owners = per_leaf(param_owners)
+        return state
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        state = _placement.constrain(state, self.state_constraints, self.state_owners)
+        if self.batch_constraints is not None:
+            batch = _placement.constrain(batch, self.batch_constraints)
+        grad_fn = jax.value_and_grad(self.runner.loss, has_aux=True)
+        (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, state.step)
+        new_state = state.apply_gradients(grads=grads, model_state=model_state)
+        return loss, _placement.constrain(new_state, self.state_constraints)
+
+
+class StepFn:
+    """The training step ``parallelize_step`` returns: ``step_fn(state, batch)``.
+
+    ``describe``/``executable`` show the compiled MPMD program; every method runs inside the
+    ``MultiMesh`` the step was built with.
+    """
+
+    def __init__(self, jitted: _jit.MpmdJit, multi: _mesh.MultiMesh | None) -> None:
+        self.jitted = jitted
+        self._multi = multi
+
+    def _context(self) -> Any:
+        return self._multi if self._multi is not None else _config.context()
+
+    def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        """One training step: ``(loss, new_state)``; ``state`` is donated."""
+        with self._context():
+            return self.jitted(state, batch)
+
+    def executable(self, state: Any, batch: Any) -> Any:
+        """The ``MpmdExecutable`` for these argument shapes (compiled on first use)."""
+        with self._context():
+            return self.jitted.executable(state, batch)
+
+    def describe(self, state: Any, batch: Any) -> str:
+        """A readable dump of the program: fragments, transfers, compiles."""
+        with self._context():
+            return self.jitted.describe(state, batch)
+
+
+def _derive(setup: _Setup, state: Any, batch_shape: Any, devices: Any) -> tuple[Any, Any]:
+    flat = _parallelize.derive_shardings(setup.step, (state, batch_shape), devices)
+    tree = jax.tree_util.tree_structure((state, batch_shape))
+    return jax.tree_util.tree_unflatten(tree, flat)
+
+
+def parallelize_step(
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh | _mesh.MultiMesh | None = None,
+    global_batch: Any = None,
+    local_batch: Any = None,
+    replicate_inputs: bool = True,
+    *,
+    loss_fn: LossFn | None = None,
+    rng: jax.Array | None = None,
+) -> tuple[Any, ...]:
+    """Builds a placed training state and a compiled MPMD training step.
+
+    Args:
+        model: a Flax module instance; its ``Task[Module]`` submodules decide placement.
+        optimizer: any optax ``GradientTransformation`` (sgd, adamw, chains, schedules).
+        mesh: the devices to run on: a ``jax.sharding.Mesh`` (``TaskMesh`` positions index
+            its devices), a ``MultiMesh`` (also made current while tracing, for
+            ``mesh_slice`` tasks), or ``None`` (the current ``MultiMesh``, else all devices).
+        global_batch: an example global batch (arrays or ``jax.ShapeDtypeStruct``s).
+        local_batch: instead of ``global_batch``, this process's part of a batch; the global
+            batch stacks every process's part along the leading dimension.
+        replicate_inputs: ``True``: batch leaves that the model does not constrain are
+            replicated on the submesh that first uses them. ``False``: their leading
+            dimension is split over that submesh's devices.
+        loss_fn: ``loss_fn(model_fn, batch) -> scalar``; ``model_fn(*args, **kwargs)`` runs
+            the model. Default: the model's output is the loss.
+        rng: a PRNG key for initialization and dropout (default ``jax.random.key(0)``);
+            step ``i`` uses ``fold_in(dropout_key, i)``.
+
+    Returns:
+        ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
+        ``local_batch``. ``step_fn(state, batch) -> (loss, new_state)`` donates ``state``.
+        ``state`` is a :class:`TrainState` (a Flax ``TrainState``) already on its submeshes.
+        ``prepare_batch(local)`` assembles the global batch in the step's input shardings.
+
+    Raises:
+        ParallelizeArgumentError: a model or optimizer of the wrong kind, neither or both
+            batches, a non-scalar loss, or a batch ``replicate_inputs=False`` cannot split.
+
+    Example:
+        >>> import optax
+        >>> from flax import linen as nn
+        >>> import multimesh_flax as mm
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         x = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[0, 1]))(4)(x)
+        ...         x = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[2, 3]))(1)(x)
+        ...         return (x ** 2).mean()
+        >>> step, state, mesh = mm.layers.parallelize_step(
+        ...     Net(), optax.sgd(0.1), global_batch=jnp.ones((8, 3)))
+        >>> sorted(d.id for d in state.params["Dense_1"]["kernel"].devices())
+        [2, 3]
+        >>> loss, state = step(state, jnp.ones((8, 3)))
+        >>> int(state.step)
+        1
+    """
+    _check_model_and_optimizer(model, optimizer)
+    batch_shape = _abstract(_check_batches(global_batch, local_batch))
+    devices, multi, result_mesh = _devices_of(mesh)
+    setup = _Setup(model, optimizer, loss_fn or default_loss, rng)
+    with multi if multi is not None else _config.context(), _mesh.use_device_list(devices):
+        abstract_state = setup.derive_constraints(batch_shape, devices)
+        _check_scalar_loss(setup.runner, abstract_state, batch_shape)
+        state_sh, batch_sh = _derive(setup, abstract_state, batch_shape, devices)
+        if not replicate_inputs:
+            batch_sh = jax.tree_util.tree_map(
+                lambda s, x: _shard_leading(s, x.shape), batch_sh, batch_shape
+            )
+            setup.batch_constraints = batch_sh
+        state = _parallelize.sharded_initializer(lambda: setup.make_state(batch_shape), state_sh)()
+    step_fn = StepFn(_jit.jit(setup.step, devices=devices, donate_argnums=(0,)), multi)
+    if local_batch is None:
+        return step_fn, state, result_mesh
+
+    def prepare_batch(local: Any) -> Any:
+        return jax.tree_util.tree_map(
+            lambda s, x: jax.make_array_from_process_local_data(s, np.asarray(x)), batch_sh, local
+        )
+
+    return step_fn, state, result_mesh, prepare_batch

@@ -1,0 +1,223 @@
+"""Placement-aware ``tabulate``: Flax's table plus where every parameter lives.
+
+``get_placement(model, rngs, *args)`` traces the model (``init`` abstractly, then the forward
+pass through the MPMD partitioner) without compiling or allocating anything, and returns a
+:class:`Placement`: for every parameter its logical spec, its mesh-axis spec, its task and
+device ids and its bytes per device, with totals per task and per device. Parameters of a
+``Task[Module]`` sit on the task's submesh; parameters outside every task sit where the
+program first uses them -- exactly what ``parallelize_step`` will do.
+
+``tabulate`` returns Flax's own summary followed by that placement table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import rich.console
+import rich.table
+from flax import linen as nn
+
+from multimesh_flax.core import _parallelize
+from multimesh_flax.layers import _placement
+
+# Keyword arguments of ``flax.linen.Module.tabulate`` (everything else goes to the model).
+_FLAX_TABULATE_OPTIONS = frozenset(
+    {
+        "depth",
+        "show_repeated",
+        "mutable",
+        "console_kwargs",
+        "table_kwargs",
+        "column_kwargs",
+        "compute_flops",
+        "compute_vjp_flops",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where every parameter of a model lives."""
+
+    params: tuple[_placement.ParamPlacement, ...]
+
+    def bytes_per_device(self) -> dict[int, int]:
+        """``{device id: parameter bytes on it}``, every device that holds a parameter."""
+        totals: dict[int, int] = {}
+        for p in self.params:
+            for d in p.device_ids:
+                totals[d] = totals.get(d, 0) + p.bytes_per_device
+        return dict(sorted(totals.items()))
+
+    def per_task(self) -> dict[str, dict[str, Any]]:
+        """``{task: {"params": count, "bytes": total, "devices": ids}}`` (``"-"``: no task)."""
+        out: dict[str, dict[str, Any]] = {}
+        for p in self.params:
+            row = out.setdefault(p.task or "-", {"params": 0, "bytes": 0, "devices": set()})
+            row["params"] += int(np.prod(p.shape, dtype=np.int64))
+            row["bytes"] += int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
+            row["devices"].update(p.device_ids)
+        for row in out.values():
+            row["devices"] = tuple(sorted(row["devices"]))
+        return out
+
+    def __str__(self) -> str:
+        return _render(self)
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    flax_options = {k: v for k, v in kwargs.items() if k in _FLAX_TABULATE_OPTIONS}
+    model_kwargs = {k: v for k, v in kwargs.items() if k not in _FLAX_TABULATE_OPTIONS}
+    return flax_options, model_kwargs
+
+
+def _apply_rngs(rngs: Any) -> Any:
+    return rngs if isinstance(rngs, dict) else {"dropout": rngs}
+
+
+def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Placement:
+    """Traces ``model`` and reports where each parameter lives; compiles nothing.
+
+    Args:
+        model: a Flax module instance.
+        rngs: a PRNG key or a dict of keys, as for ``model.init``.
+        *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
+        **kwargs: keyword arguments of the model's ``__call__``.
+
+    Returns:
+        A :class:`Placement`.
+
+    Example:
+        >>> from flax import linen as nn
+        >>> import multimesh_flax as mm
+        >>> Dense = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[2, 3], axis_names=("x",)))
+        >>> model = Dense(features=8, kernel_init=mm.shard_axes(None, "x"))
+        >>> placement = mm.layers.get_placement(model, jax.random.key(0), jnp.ones((4, 3)))
+        >>> [(p.path, p.mesh_spec, p.device_ids, p.bytes_per_device) for p in placement.params]
+        [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
+    """
+    boxed, owners = _placement.trace_variables(model.init, rngs, *args, **kwargs)
+    boxed_params = boxed.get("params", {})
+    problems: dict[tuple[str, ...], str] = {}
+    task_sh, found = _placement.owner_shardings(boxed_params, owners, None, problems)
+    params = nn.meta.unbox(boxed_params)
+    others = nn.meta.unbox({k: v for k, v in boxed.items() if k != "params"})
+
+    def forward(p: Any, inputs: Any) -> Any:
+        p = _placement.constrain(p, task_sh, found)
+        return model.apply({"params": p, **others}, *inputs, rngs=_apply_rngs(rngs), **kwargs)
+
+    abstract_args = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args
+    )
+    derived = _parallelize.derive_shardings(forward, (params, abstract_args), None)
+    flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
+    flat_owners = jax.tree_util.tree_structure(params).flatten_up_to(found)
+    rows = []
+    for (path, leaf), sharding, owner in zip(
+        flat_params, derived[: len(flat_params)], flat_owners, strict=True
+    ):
+        box = _box_at(boxed_params, path)
+        rows.append(
+            _placement.ParamPlacement(
+                path="/".join(_placement.path_keys(path)),
+                shape=tuple(leaf.shape),
+                dtype=np.dtype(leaf.dtype),
+                logical=_placement.logical_spec(box),
+                task=None if owner is None else (owner[1].name or "task"),
+                sharding=sharding,
+                problem=problems.get(_placement.path_keys(path)),
+            )
+        )
+    return Placement(params=tuple(rows))
+
+
+def _box_at(tree: Any, path: Sequence[Any]) -> Any:
+    for key in _placement.path_keys(path):
+        tree = tree[key]
+    return tree
+
+
+def _spec_text(spec: Any) -> str:
+    if spec is None:
+        return "-"
+    entries = list(spec)
+    while entries and entries[-1] is None:  # P(None,) reads as P(): replicated
+        entries.pop()
+    return str(type(spec)(*entries))
+
+
+def _ids_text(ids: Sequence[int]) -> str:
+    ids = list(ids)
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}-{ids[-1]}"
+    return ",".join(str(i) for i in ids)
+
+
+def _render(placement: Placement) -> str:
+    params = rich.table.Table(title="Parameter placement")
+    for column in ("path", "shape", "logical", "mesh spec", "task", "devices", "bytes/device"):
+        params.add_column(column)
+    for p in placement.params:
+        params.add_row(
+            p.path,
+            f"{p.dtype.name}{list(p.shape)}",
+            _spec_text(p.logical),
+            _spec_text(p.mesh_spec) + (" !" if p.problem else ""),
+            p.task or "-",
+            _ids_text(p.device_ids),
+            f"{p.bytes_per_device:,}",
+        )
+    tasks = rich.table.Table(title="Per task")
+    for column in ("task", "devices", "params", "bytes"):
+        tasks.add_column(column)
+    for name, row in placement.per_task().items():
+        tasks.add_row(name, _ids_text(row["devices"]), f"{row['params']:,}", f"{row['bytes']:,}")
+    devices = rich.table.Table(title="Per device")
+    devices.add_column("device")
+    devices.add_column("parameter bytes")
+    for device, total in placement.bytes_per_device().items():
+        devices.add_row(str(device), f"{total:,}")
+    notes = [f"{p.path}: {p.problem}" for p in placement.params if p.problem]
+    out = io.StringIO()
+    console = rich.console.Console(file=out, width=120, force_terminal=False, color_system=None)
+    for table in (params, tasks, devices):
+        console.print(table)
+    for note in notes:
+        console.print(f"! {note}")
+    return out.getvalue()
+
+
+def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
+    """Flax's ``model.tabulate`` table followed by the placement of every parameter.
+
+    Only traces: nothing is compiled or allocated on the devices.
+
+    Args:
+        model: a Flax module instance.
+        rngs: a PRNG key or a dict of keys, as for ``model.init``.
+        *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
+        **kwargs: keyword arguments of the model's ``__call__``, and ``Module.tabulate``
+            options (``depth``, ``console_kwargs``, ...).
+
+    Returns:
+        The tables as one string.
+
+    Example:
+        >>> from flax import linen as nn
+        >>> import multimesh_flax as mm
+        >>> Dense = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[2, 3], axis_names=("x",)))
+        >>> text = mm.layers.tabulate(Dense(8), jax.random.key(0), jnp.ones((4, 3)))
+        >>> "Task[Dense] Summary" in text and "Parameter placement" in text
+        True
+    """
+    flax_options, model_kwargs = _split_kwargs(kwargs)
+    flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
+    summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
+    return summary + "\n" + str(get_placement(model, rngs, *args, **model_kwargs))

@@ -1,0 +1,233 @@
+"""``Task[Module]``: a Flax module class that runs as a task on its own submesh.
+
+``task(nn.Dense, mesh=...)`` returns a *subclass* of ``nn.Dense`` named ``Task[Dense]``. It
+takes the wrapped module's own fields (``features=16, kernel_init=...``) and any call
+signature, and its ``__call__`` runs the wrapped ``__call__`` inside the task (the task's
+named-scope marker, its logical rules for ``with_sharding_constraint`` and for Flax's
+``nn.logical_axis_rules``).
+
+**Parameter tree.** Because ``Task[Dense]`` *is* a ``Dense`` with the same fields, its
+parameters are exactly the wrapped module's: same names, same nesting, and an auto-named
+``Task[Dense]`` inside a compact parent is called ``Dense_0`` like the plain module would be.
+A checkpoint of the plain model therefore loads into the task-wrapped one and back.
+
+Where the call runs:
+
+* inside ``multimesh_flax.jit`` / ``parallelize`` / ``parallelize_step`` (or any trace): as the
+  task, on its submesh; each module instance is one task per trace, however often it is
+  called (weight sharing, microbatches);
+* called eagerly on concrete arrays (``model.apply`` outside ``jit``): the wrapped module
+  computes the same values with the task's rules active, without moving data;
+* under ``ignore_transforms``: exactly the wrapped module.
+
+While a task-wrapped module runs, it records its module path, so that tools that trace a
+model (``tabulate``, ``parallelize_step``) know which parameters belong to which task.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+from flax import linen as nn
+
+from multimesh_flax import errors
+from multimesh_flax.core import _config, _named_tasks, _task
+
+ModulePath = tuple[str, ...]
+
+
+# --- recording which module paths are tasks ------------------------------------------------
+
+
+class _Recorder(threading.local):
+    def __init__(self) -> None:
+        self.owners: list[dict[ModulePath, _task.Task]] = []
+
+
+_RECORDER = _Recorder()
+
+
+@contextlib.contextmanager
+def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
+    """Collects ``{module path: Task}`` for every task-wrapped module called in the block.
+
+    Example:
+        >>> from flax import linen as nn
+        >>> from multimesh_flax.layers import task
+        >>> import multimesh_flax as mm
+        >>> class Net(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         return task(nn.Dense, mesh=mm.TaskMesh(devices=[1]))(4)(x)
+        >>> with record_task_paths() as owners:
+        ...     _ = jax.eval_shape(Net().init, jax.random.key(0), jnp.ones((2, 3)))
+        >>> {path: spec.name for path, spec in owners.items()}
+        {('Dense_0',): 'Dense_0'}
+    """
+    owners: dict[ModulePath, _task.Task] = {}
+    _RECORDER.owners.append(owners)
+    try:
+        yield owners
+    finally:
+        _RECORDER.owners.pop()
+
+
+def _record(path: ModulePath, spec: _task.Task) -> None:
+    if _RECORDER.owners:
+        _RECORDER.owners[-1].setdefault(path, spec)
+
+
+# --- running a module call as a task -------------------------------------------------------
+
+
+def resolve_path(spec: _task.Task, path: ModulePath) -> _task.ResolvedTask:
+    """The ``ResolvedTask`` of the task module at ``path``: one per trace session."""
+    name = spec.name or "task"
+    session = _task.current_session()
+    if session is None:
+        return _task.resolve_task(spec, name)
+    key = ("flax", tuple(path))  # a module class may be re-created per call
+    if key not in session.cache:
+        session.cache[key] = _task.resolve_task(spec, name)
+    return session.cache[key]
+
+
+def _is_traced(args: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args))
+
+
+def call_as_task(
+    module: nn.Module, spec: _task.Task, call: Callable[[], Any], args: Any = ()
+) -> Any:
+    """Runs ``call()`` (the wrapped module's method) as ``spec``'s task."""
+    if _config.get_flag("ignore_transforms"):
+        return call()
+    if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
+        display = module.name or type(module).wrapped_module.__name__
+        spec = dataclasses.replace(spec, name=display)
+    _record(tuple(module.path), spec)
+    resolved = resolve_path(spec, tuple(module.path))
+    if _task.current_session() is None and not _is_traced(args):
+        with nn.logical_axis_rules(resolved.rules), _config.ignore_transforms():
+            return call()  # eager: values only, nothing moves
+    with _task.enter_task(resolved), _named_tasks.flax_rules(resolved):
+        return call()
+
+
+# --- the Task[Module] class ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _class_name(cls: type, name: str) -> Iterator[None]:
+    """Temporarily renames ``cls`` (Flax auto-names submodules after their class)."""
+    original = cls.__name__
+    cls.__name__ = name
+    try:
+        yield
+    finally:
+        cls.__name__ = original
+
+
+def _make_task_class(model: type[nn.Module], spec: _task.Task) -> type[nn.Module]:
+    def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return call_as_task(
+            self, spec, lambda: super(cls, self).__call__(*args, **kwargs), (args, kwargs)
+        )
+
+    def __post_init__(self: nn.Module) -> None:
+        # Auto-name like the wrapped module (``Dense_0``, not ``Task[Dense]_0``) so that the
+        # parameter tree is the plain model's.
+        with _class_name(cls, model.__name__):
+            super(cls, self).__post_init__()
+
+    namespace = {
+        "__call__": __call__,
+        "__post_init__": __post_init__,
+        "__module__": model.__module__,
+        "__doc__": f"``{model.__name__}`` running as a task (``multimesh_flax.layers.task``).",
+        "task_spec": spec,
+        "wrapped_module": model,
+    }
+    cls = type(f"Task[{model.__name__}]", (model,), namespace)
+    cls.__qualname__ = cls.__name__
+    return cls
+
+
+def _check_model(model: Any) -> None:
+    if not (isinstance(model, type) and issubclass(model, nn.Module)):
+        raise errors.TaskTypeError(
+            f"Expected a Flax module class (a subclass of flax.linen.Module) such as "
+            f"`nn.Dense`, got {model!r}. Pass the class, not an instance; wrap plain "
+            "functions with `multimesh_flax.core.task`."
+        )
+
+
+def _check_rules_have_mesh(kwargs: dict[str, Any]) -> None:
+    has_axes = (
+        kwargs.get("mesh") is not None
+        or kwargs.get("mesh_slice") is not None
+        or kwargs.get("device_axes") is not None
+    )
+    if kwargs.get("logical_axes") is not None and not has_axes:
+        raise errors.InvalidTaskError(
+            f"Got `logical_axes`={kwargs['logical_axes']!r} but no mesh axes to map them onto. "
+            "Give `mesh` (a TaskMesh or jax.sharding.Mesh), `mesh_slice`, or `devices` with "
+            "`device_axes`."
+        )
+
+
+def task(
+    model: type[nn.Module],
+    name: str | None = None,
+    *,
+    task: _task.Task | None = None,
+    **kwargs: Any,
+) -> type[nn.Module]:
+    """Wraps a Flax module class so that each instance runs as a task on its submesh.
+
+    Args:
+        model: a ``flax.linen.Module`` subclass (``nn.Dense``, your ``MLPBlock``, ...).
+        name: the task's display name (default: the module instance's name, e.g.
+            ``layer_0``, else the module class name).
+        task: a ready ``Task``; exclusive with ``kwargs``.
+        **kwargs: ``mesh`` (a ``TaskMesh`` or ``jax.sharding.Mesh``), ``devices`` (array or
+            list of jax devices) with ``device_axes``, ``logical_axes``, or any ``Task`` field.
+            Without ``logical_axes`` the mesh axis names are the logical names.
+
+    Returns:
+        A subclass of ``model`` named ``Task[<Model>]``, constructed with ``model``'s fields.
+
+    Raises:
+        TaskTypeError: ``model`` is not a Flax module class.
+        InvalidTaskError: ``logical_axes`` without a mesh or device axes, or contradictory
+            options.
+
+    Example:
+        >>> import numpy as np
+        >>> from flax import linen as nn
+        >>> from jax.sharding import Mesh
+        >>> from multimesh_flax.layers import shard_axes, task
+        >>> mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+        >>> DenseTask = task(nn.Dense, mesh=mesh)
+        >>> model = DenseTask(features=16, kernel_init=shard_axes("x", None))
+        >>> DenseTask.__name__, isinstance(model, nn.Dense)
+        ('Task[Dense]', True)
+        >>> params = model.init(jax.random.key(0), jnp.ones((16, 9)))["params"]
+        >>> params["kernel"].value.shape
+        (9, 16)
+    """
+    _check_model(model)
+    if task is None:
+        _check_rules_have_mesh(kwargs)
+    return _make_task_class(model, _task.make_task(name, task, kwargs))
+
+
+def task_spec_of(module: nn.Module | type[nn.Module]) -> _task.Task | None:
+    """The ``Task`` of a ``Task[Module]`` class or instance, else ``None``."""
+    cls = module if isinstance(module, type) else type(module)
+    return getattr(cls, "task_spec", None)

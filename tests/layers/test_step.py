@@ -1,0 +1,270 @@
+"""``parallelize_step``: placement of parameters and optimizer state, and training numerics
+against plain Flax + optax on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from jax.sharding import PartitionSpec as P
+
+import multimesh_flax as mm
+from multimesh_flax import errors, layers
+from tests.layers._models import RULES, MLPBlock, Pipeline, device_ids
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+X = jax.random.normal(jax.random.key(1), (8, 16))
+Y = jax.random.normal(jax.random.key(2), (8, 16))
+
+
+def _reference_run(model, optimizer, params, batches, loss_fn=None):
+    """Plain Flax + optax under ``jax.jit`` on one device: losses and final parameters."""
+    device = jax.devices()[0]
+    params = jax.device_put(jax.tree_util.tree_map(np.asarray, params), device)
+    opt_state = optimizer.init(params)
+
+    def loss_of(p, batch):
+        if loss_fn is None:
+            return model.apply({"params": p}, *batch)
+        return loss_fn(lambda *a, **k: model.apply({"params": p}, *a, **k), batch)
+
+    def step(p, o, batch):
+        with mm.ignore_transforms():
+            loss, grads = jax.value_and_grad(loss_of)(p, batch)
+        updates, o = optimizer.update(grads, o, p)
+        return loss, optax.apply_updates(p, updates), o
+
+    step = jax.jit(step)  # a fresh function object per call: no stale jax trace cache
+    losses = []
+    for batch in batches:
+        loss, params, opt_state = step(params, opt_state, batch)
+        losses.append(float(loss))
+    return losses, params
+
+
+def _train(step, state, batches):
+    losses = []
+    for batch in batches:
+        loss, state = step(state, batch)
+        losses.append(float(loss))  # blocks every step
+    return losses, state
+
+
+def _initial_params(state):
+    return jax.tree_util.tree_map(np.asarray, state.params)
+
+
+def test_seed_mlp_pipeline_trains_like_plain_flax():
+    step, state, mesh = layers.parallelize_step(Pipeline(), optax.sgd(0.02), global_batch=(X, Y))
+    assert mesh.size == 8
+    for name, devices in (("layer_0", [0, 1, 2, 3]), ("layer_1", [4, 5, 6, 7])):
+        for leaf in jax.tree_util.tree_leaves(state.params[name]):
+            assert device_ids(leaf) == devices
+    kernel = state.params["layer_0"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == P("x", "y")  # data->x, model->y
+    start = _initial_params(state)
+    losses, state = _train(step, state, [(X, Y)] * 4)
+    ref_losses, ref_params = _reference_run(
+        Pipeline(wrap=False), optax.sgd(0.02), start, [(X, Y)] * 4
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
+    )
+    assert device_ids(state.params["layer_1"]["Dense_1"]["kernel"]) == [4, 5, 6, 7]
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda: optax.sgd(0.05, momentum=0.9),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "clip-chain": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2)),
+    "schedule": lambda: optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_optax_transformations_match_plain_flax(name):
+    step, state, _ = layers.parallelize_step(Pipeline(), OPTIMIZERS[name](), global_batch=(X, Y))
+    start = _initial_params(state)
+    batches = [(X * (1 + i / 10), Y) for i in range(3)]
+    losses, state = _train(step, state, batches)
+    ref_losses, ref_params = _reference_run(
+        Pipeline(wrap=False), OPTIMIZERS[name](), start, batches
+    )
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
+    )
+
+
+def test_optimizer_state_sits_with_its_parameters():
+    _, state, _ = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
+    adam = state.opt_state[0]
+    for moments in (adam.mu, adam.nu):
+        for name in ("layer_0", "layer_1"):
+            for path in (("Dense_0", "kernel"), ("Dense_1", "bias")):
+                param = state.params[name][path[0]][path[1]]
+                moment = moments[name][path[0]][path[1]]
+                assert moment.sharding.is_equivalent_to(param.sharding, param.ndim)
+
+
+def test_later_steps_compile_nothing_and_move_no_state():
+    step, state, _ = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
+    shardings = jax.tree_util.tree_map(lambda a: a.sharding, state.params)
+    _, state = step(state, (X, Y))
+    executable = step.executable(state, (X, Y))
+    compiled = executable.compile_count()
+    for _ in range(3):
+        loss, state = step(state, (X, Y))
+        loss.block_until_ready()
+    assert executable.compile_count() == compiled
+    jax.tree_util.tree_map(
+        lambda a, s: a.sharding.is_equivalent_to(s, a.ndim) or pytest.fail(str(a.sharding)),
+        state.params,
+        shardings,
+    )
+
+
+class Classifier(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = layers.task(
+            MLPBlock,
+            mesh=mm.TaskMesh(devices=range(4), axis_sizes=(2, 2), axis_names=("x", "y")),
+            logical_axes=RULES,
+        )(name="body")(x)
+        return layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[4, 5]))(3, name="head")(x)
+
+
+def _xent(model_fn, batch):
+    logits = model_fn(batch["x"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+
+def test_loss_fn_receives_the_model_and_a_dict_batch():
+    batch = {"x": X, "label": jnp.arange(8) % 3}
+    step, state, _ = layers.parallelize_step(
+        Classifier(), optax.adam(1e-2), global_batch=batch, loss_fn=_xent
+    )
+    assert device_ids(state.params["head"]["kernel"]) == [4, 5]
+    start = _initial_params(state)
+    losses, state = _train(step, state, [batch] * 3)
+    reference = Classifier()
+    ref_losses, ref_params = _reference_run(reference, optax.adam(1e-2), start, [batch] * 3, _xent)
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
+    )
+
+
+def test_local_batch_returns_prepare_batch():
+    step, state, mesh, prepare = layers.parallelize_step(
+        Pipeline(), optax.sgd(0.1), local_batch=(np.asarray(X), np.asarray(Y))
+    )
+    batch = prepare((np.asarray(X), np.asarray(Y)))
+    assert device_ids(batch[0]) == [0, 1, 2, 3]
+    np.testing.assert_array_equal(batch[0], X)
+    loss, _ = step(state, batch)
+    assert np.isfinite(float(loss))
+
+
+def test_replicate_inputs_false_splits_the_batch_over_the_submesh():
+    _, _, _, prepare = layers.parallelize_step(
+        Classifier(),
+        optax.sgd(0.1),
+        local_batch={"x": X, "label": jnp.arange(8) % 3},
+        replicate_inputs=False,
+        loss_fn=_xent,
+    )
+    batch = prepare({"x": np.asarray(X), "label": np.arange(8) % 3})
+    # The labels are first used by the loss, next to the head's logits on devices 4-5.
+    assert device_ids(batch["label"]) == [4, 5]
+    assert batch["label"].addressable_shards[0].data.shape == (4,)
+    # The inputs keep the body's own constraint: batch -> x on devices 0-3.
+    assert batch["x"].sharding.spec == P("x")
+
+
+class Dropper(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        block = layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[6, 7]))
+        x = nn.Dropout(0.5, deterministic=False)(block(16, name="dense")(x))
+        return (x**2).mean()
+
+
+def test_dropout_uses_rng_folded_with_the_step():
+    key = jax.random.key(42)
+    step, state, _ = layers.parallelize_step(Dropper(), optax.sgd(0.1), global_batch=X, rng=key)
+    start = _initial_params(state)
+    loss, state = step(state, X)
+    _, dropout_key = jax.random.split(key)
+    with mm.ignore_transforms():
+        expected = Dropper().apply(
+            {"params": start}, X, rngs={"dropout": jax.random.fold_in(dropout_key, 0)}
+        )
+    np.testing.assert_allclose(loss, expected, **TOL)
+
+
+class Normed(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        block = layers.task(nn.BatchNorm, mesh=mm.TaskMesh(devices=[0, 1]))
+        return (block(use_running_average=False, name="bn")(x) ** 2).mean()
+
+
+def test_mutable_collections_live_in_model_state():
+    step, state, _ = layers.parallelize_step(Normed(), optax.sgd(0.1), global_batch=X)
+    assert set(state.model_state) == {"batch_stats"}
+    _, state = step(state, X * 3 + 1)
+    mean = state.model_state["batch_stats"]["bn"]["mean"]
+    np.testing.assert_allclose(mean, 0.01 * np.mean(np.asarray(X) * 3 + 1, axis=0), **TOL)
+
+
+def test_multimesh_slices_as_stages():
+    multi = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "x", "y"))
+
+    class Staged(nn.Module):
+        @nn.compact
+        def __call__(self, x, y):
+            for i in range(2):
+                rules = RULES + (("stage_unused", "stage"),)
+                block = layers.task(MLPBlock, mesh_slice={"stage": i}, logical_axes=rules)
+                x = block(name=f"layer_{i}")(x)
+            return jnp.mean((x - y) ** 2)
+
+    step, state, mesh = layers.parallelize_step(Staged(), optax.sgd(0.02), multi, (X, Y))
+    assert mesh is multi.mesh
+    assert device_ids(state.params["layer_1"]["Dense_0"]["kernel"]) == [4, 5, 6, 7]
+    start = _initial_params(state)
+    losses, _ = _train(step, state, [(X, Y)] * 2)
+    ref_losses, _ = _reference_run(Pipeline(wrap=False), optax.sgd(0.02), start, [(X, Y)] * 2)
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), "exactly one of `global_batch` or `local_batch`"),
+        (dict(global_batch=(X, Y), local_batch=(X, Y)), "got both"),
+        (dict(global_batch=(X, Y), mesh="all"), "`mesh`"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(errors.ParallelizeArgumentError, match=match):
+        layers.parallelize_step(Pipeline(), optax.sgd(0.1), **kwargs)
+
+
+def test_wrong_model_optimizer_and_loss_raise():
+    with pytest.raises(errors.ParallelizeArgumentError, match="module instance"):
+        layers.parallelize_step(Pipeline, optax.sgd(0.1), global_batch=(X, Y))
+    with pytest.raises(errors.ParallelizeArgumentError, match="GradientTransformation"):
+        layers.parallelize_step(Pipeline(), 0.1, global_batch=(X, Y))
+    with pytest.raises(errors.ParallelizeArgumentError, match="float scalar"):
+        layers.parallelize_step(
+            Classifier(), optax.sgd(0.1), global_batch={"x": X}, loss_fn=lambda f, b: f(b["x"])
+        )
+    with pytest.raises(errors.ParallelizeArgumentError, match="never did"):
+        layers.parallelize_step(
+            Classifier(), optax.sgd(0.1), global_batch=X, loss_fn=lambda f, b: b.sum()
+        )
