@@ -7,7 +7,8 @@ A program traced through ``microbatch`` holds the equations of chunk ``k`` under
   values of different microbatches (gradient accumulation, which a backward taken outside
   ``microbatch`` puts into a chunk's scope) belongs to none and is glue;
 * its *unit* ``(uid, stage, k, phase)`` when it belongs to a task: the stages of a region are
-  its tasks in order of first forward use within each microbatch (tasks with a
+  its tasks in order of first forward use within each microbatch, consecutive tasks on one
+  submesh forming one stage (tasks with a
   ``loop_dependent_mesh_slice`` move between submeshes and are not stages); the phase is
   ``"F"`` or ``"B"``, and under a split-backward schedule a backward is cut into ``"B"``
   (the equations that the cotangent sent to another task needs) and ``"W"`` (the rest,
@@ -50,7 +51,7 @@ class Region:
 
     uid: int
     call: _microbatch.MicrobatchCall
-    stage_tasks: list[Any]  # a ResolvedTask per stage (microbatch 0's)
+    stage_tasks: list[list[Any]]  # the ResolvedTasks of each stage (microbatch 0's)
     stage_places: list[Place]
     schedule: _schedules.Schedule | None = None
 
@@ -133,26 +134,51 @@ def _stage_ranks(
     return order
 
 
+def _group_stages(
+    traced: _trace.TracedProgram, order: dict[tuple[int, int], list[int]]
+) -> dict[tuple[int, int], list[list[int]]]:
+    """Consecutive tasks on the same submesh form one stage (e.g. a stem and two blocks)."""
+    grouped: dict[tuple[int, int], list[list[int]]] = {}
+    for mb, uids in order.items():
+        groups: list[list[int]] = []
+        for uid in uids:
+            place = _place_of(traced.tasks[uid].mesh)
+            if groups and _place_of(traced.tasks[groups[-1][0]].mesh) == place:
+                groups[-1].append(uid)
+            else:
+                groups.append([uid])
+        grouped[mb] = groups
+    return grouped
+
+
+def stage_name(tasks: Sequence[Any]) -> str:
+    """A stage's display name: its tasks' names joined by ``+``."""
+    return "+".join(t.name for t in tasks)
+
+
 def _regions(
     traced: _trace.TracedProgram,
-    order: dict[tuple[int, int], list[int]],
+    order: dict[tuple[int, int], list[list[int]]],
     places_of: dict[int, Place],
 ) -> dict[int, Region]:
     regions: dict[int, Region] = {}
-    for (uid, k), uids in sorted(order.items()):
+    for (uid, k), groups in sorted(order.items()):
         call = _microbatch.get_call(uid)
         assert call is not None
-        tasks = [traced.tasks[t] for t in uids]
+        tasks = [[traced.tasks[t] for t in group] for group in groups]
+        places = [places_of[group[0]] for group in groups]
         if uid not in regions:
-            regions[uid] = Region(uid, call, tasks, [places_of[t] for t in uids])
+            regions[uid] = Region(uid, call, tasks, places)
         elif call.options.schedule is not None:
-            _check_same_stages(regions[uid], k, tasks, [places_of[t] for t in uids])
+            _check_same_stages(regions[uid], k, tasks, places)
     return regions
 
 
 def _check_same_stages(region: Region, k: int, tasks: list[Any], places: list[Place]) -> None:
-    first = [(t.name, p) for t, p in zip(region.stage_tasks, region.stage_places, strict=True)]
-    this = [(t.name, p) for t, p in zip(tasks, places, strict=True)]
+    first = [
+        (stage_name(t), p) for t, p in zip(region.stage_tasks, region.stage_places, strict=True)
+    ]
+    this = [(stage_name(t), p) for t, p in zip(tasks, places, strict=True)]
     if first != this:
         raise errors.InvalidScheduleError(
             f"A pipeline schedule needs every microbatch to run the same stages on the same "
@@ -164,12 +190,12 @@ def _check_same_stages(region: Region, k: int, tasks: list[Any], places: list[Pl
 def _units(
     traced: _trace.TracedProgram,
     mbs: list[Microbatch | None],
-    order: dict[tuple[int, int], list[int]],
+    order: dict[tuple[int, int], list[list[int]]],
 ) -> list[Unit | None]:
-    stage_of = {(mb, t): s for mb, uids in order.items() for s, t in enumerate(uids)}
-    spec_stage = {
-        (mb, id(traced.tasks[t].task)): s for mb, uids in order.items() for s, t in enumerate(uids)
+    stage_of = {
+        (mb, t): s for mb, groups in order.items() for s, group in enumerate(groups) for t in group
     }
+    spec_stage = {(mb, id(traced.tasks[t].task)): s for (mb, t), s in stage_of.items()}
     units: list[Unit | None] = []
     for label, mb in zip(traced.labels, mbs, strict=True):
         if label is None or mb is None:
@@ -199,7 +225,7 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
     if not any(mbs):
         return None
     mixed = _drop_mixing(traced.jaxpr, mbs)
-    order = _stage_ranks(traced, mbs, mixed)
+    order = _group_stages(traced, _stage_ranks(traced, mbs, mixed))
     places_of = {uid: _place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
     regions = _regions(traced, order, places_of)
     for region in regions.values():
@@ -218,7 +244,7 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
 
 def _region_schedule(region: Region) -> _schedules.Schedule:
     options = region.call.options
-    names = [t.name for t in region.stage_tasks]
+    names = [stage_name(t) for t in region.stage_tasks]
     count = len(names)
     if options.num_stages is not None and options.num_stages != count:
         raise errors.InvalidScheduleError(
@@ -269,7 +295,7 @@ def _custom_ops(rows: Sequence[Sequence[Any]], names: list[str]) -> list[list[An
 
 
 def _stage_index(name: str, names: list[str]) -> int:
-    matches = [s for s, n in enumerate(names) if n == name]
+    matches = [s for s, n in enumerate(names) if name == n or name in n.split("+")]
     if len(matches) != 1:
         problem = "names no stage" if not matches else f"names stages {matches}"
         raise errors.InvalidScheduleError(

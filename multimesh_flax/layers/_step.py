@@ -34,7 +34,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _jit, _mesh, _parallelize
+from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize
 from multimesh_flax.layers import _placement
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
@@ -65,10 +65,29 @@ def _split_rng(rng: Any) -> tuple[Any, Any]:
 class _Model:
     """Initializes and applies ``model`` for ``loss_fn`` (``model_fn`` is what it sees)."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, rng: Any) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, rng: Any, pipeline: dict[str, Any] | None = None
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.params_key, self.dropout_key = _split_rng(rng)
+        self.pipeline = pipeline  # microbatch options, or None for one full-batch pass
+
+    def batch_loss(self, model_fn: Callable[..., Any], batch: Any) -> Any:
+        """``loss_fn`` over the batch, as ``microbatches`` pipelined chunks when asked."""
+        if self.pipeline is None:
+            return self.loss_fn(model_fn, batch)
+        count = self.pipeline["microbatches"]
+        size = jax.tree_util.tree_leaves(batch)[0].shape[0] // count
+        chunked = _microbatch.microbatch(
+            lambda b: self.loss_fn(model_fn, b),
+            0,
+            size,
+            schedule=self.pipeline["schedule"],
+            interleave=self.pipeline["interleave"],
+            reduce="mean",
+        )
+        return chunked(batch)
 
     def init_variables(self, batch: Any) -> Any:
         captured: dict[str, Any] = {}
@@ -101,7 +120,7 @@ class _Model:
             updates.update(new)
             return out
 
-        loss = self.loss_fn(model_fn, batch)
+        loss = self.batch_loss(model_fn, batch)
         return loss, {**model_state, **updates}
 
 
@@ -155,6 +174,32 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         )
 
 
+def _pipeline_options(
+    microbatches: int | None, schedule: str | None, interleave: int | None, batch_shape: Any
+) -> dict[str, Any] | None:
+    if microbatches is None:
+        if schedule is not None or interleave is not None:
+            raise errors.ParallelizeArgumentError(
+                f"Got `schedule`={schedule!r} / `interleave`={interleave!r} without "
+                "`microbatches`. A schedule orders microbatches: pass `microbatches=m`."
+            )
+        return None
+    leading = {
+        np.shape(x)[0] if np.ndim(x) else None for x in jax.tree_util.tree_leaves(batch_shape)
+    }
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise errors.ParallelizeArgumentError(
+            f"Expected `microbatches` to be a positive int, got {microbatches!r}."
+        )
+    if len(leading) != 1 or None in leading or next(iter(leading)) % microbatches:
+        raise errors.ParallelizeArgumentError(
+            f"Expected every batch leaf to have one leading size divisible by "
+            f"`microbatches`={microbatches}, got leading sizes {sorted(map(str, leading))}. "
+            "Choose a microbatch count that divides the batch size."
+        )
+    return {"microbatches": microbatches, "schedule": schedule, "interleave": interleave}
+
+
 def _zeros(shapes: Any) -> Any:
     return jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
@@ -188,8 +233,15 @@ def _shard_leading(sharding: Any, shape: tuple[int, ...]) -> Any:
 class _Setup:
     """Everything ``parallelize_step`` derives before the first step."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, loss_fn: LossFn, rng: Any) -> None:
-        self.runner = _Model(model, loss_fn, rng)
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        loss_fn: LossFn,
+        rng: Any,
+        pipeline: dict[str, Any] | None = None,
+    ) -> None:
+        self.runner = _Model(model, loss_fn, rng, pipeline)
         self.model, self.optimizer = model, optimizer
         self.state_constraints: Any = None
         self.state_owners: Any = None
@@ -278,6 +330,9 @@ def parallelize_step(
     *,
     loss_fn: LossFn | None = None,
     rng: jax.Array | None = None,
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    interleave: int | None = None,
 ) -> tuple[Any, ...]:
     """Builds a placed training state and a compiled MPMD training step.
 
@@ -297,6 +352,13 @@ def parallelize_step(
             the model. Default: the model's output is the loss.
         rng: a PRNG key for initialization and dropout (default ``jax.random.key(0)``);
             step ``i`` uses ``fold_in(dropout_key, i)``.
+        microbatches: split each batch along its leading dimension into this many
+            microbatches and pipeline them (``multimesh_flax.microbatch``); the loss is the
+            mean over microbatches, which equals the full-batch mean for mean losses. With
+            mutable collections (batch statistics) the last microbatch's update is kept.
+        schedule: the pipeline schedule for ``microbatches`` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble-h2"``; default: program order).
+        interleave: stages per submesh for ``"interleaved-1f1b"``.
 
     Returns:
         ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
@@ -328,8 +390,9 @@ def parallelize_step(
     """
     _check_model_and_optimizer(model, optimizer)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
+    pipeline = _pipeline_options(microbatches, schedule, interleave, batch_shape)
     devices, multi, result_mesh = _devices_of(mesh)
-    setup = _Setup(model, optimizer, loss_fn or default_loss, rng)
+    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline)
     with multi if multi is not None else _config.context(), _mesh.use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
         _check_scalar_loss(setup.runner, abstract_state, batch_shape)

@@ -47,9 +47,10 @@ def _ids(array):
     return sorted(d.id for d in array.devices())
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("family", [GPT, Llama], ids=["gpt", "llama"])
 @pytest.mark.parametrize("stages, data, model", [(2, 2, 2), (4, 2, 1)])
-def test_pipelined_training_matches_single_device(family, stages, data, model):
+def test_pipelined_training_matches_single_device(family, stages, data, model, schedule):
     config = get_config(f"{family.__name__.lower()}-tiny", num_layers=4)
     multi = make_multimesh(stages, data, model)
     # SGD with momentum is linear in the gradients, so parameters can be compared tightly
@@ -57,8 +58,15 @@ def test_pipelined_training_matches_single_device(family, stages, data, model):
     optimizer = optax.sgd(0.05, momentum=0.9)
     batches = [_batch(seed % 2) for seed in range(STEPS)]
     step, state, _ = mm.parallelize_step(
-        family(config, stages=stages), optimizer, multi, batches[0], loss_fn=_loss_fn
+        family(config, stages=stages),
+        optimizer,
+        multi,
+        batches[0],
+        loss_fn=_loss_fn,
+        microbatches=4,
+        schedule=schedule,
     )
+    assert step.executable(state, batches[0]).schedule.name == schedule
     per_stage = 8 // stages
     for i in range(4):
         stage = stage_of_block(i, 4, stages)
