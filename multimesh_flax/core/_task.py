@@ -231,6 +231,11 @@ def microbatch_iteration(index: int) -> Iterator[None]:
         _STATE.microbatch_index = previous
 
 
+def current_microbatch_index() -> int | None:
+    """The microbatch iteration being traced (see :func:`microbatch_iteration`), or ``None``."""
+    return _STATE.microbatch_index
+
+
 def current_task() -> ResolvedTask | None:
     """The innermost task being traced, or ``None`` outside every task."""
     return _STATE.stack[-1] if _STATE.stack else None

@@ -16,8 +16,8 @@ Where the call runs:
 * inside ``multimesh_flax.jit`` / ``parallelize`` / ``parallelize_step`` (or any trace): as the
   task, on its submesh; each module instance is one task per trace, however often it is
   called (weight sharing, microbatches);
-* called eagerly on concrete arrays (``model.apply`` outside ``jit``): the wrapped module
-  computes the same values with the task's rules active, without moving data;
+* called eagerly on concrete arrays (``model.apply`` outside ``jit``): exactly the wrapped
+  module's values, nothing moves (no mesh or ``MultiMesh`` is needed);
 * under ``ignore_transforms``: exactly the wrapped module.
 
 While a task-wrapped module runs, it records its module path, so that tools that trace a
@@ -91,7 +91,9 @@ def resolve_path(spec: _task.Task, path: ModulePath) -> _task.ResolvedTask:
     session = _task.current_session()
     if session is None:
         return _task.resolve_task(spec, name)
-    key = ("flax", tuple(path))  # a module class may be re-created per call
+    key: tuple[Any, ...] = ("flax", tuple(path))  # a module class may be re-created per call
+    if spec.loop_dependent_mesh_slice is not None:  # one placement per microbatch iteration
+        key += (_task.current_microbatch_index(),)
     if key not in session.cache:
         session.cache[key] = _task.resolve_task(spec, name)
     return session.cache[key]
@@ -111,10 +113,10 @@ def call_as_task(
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
     _record(tuple(module.path), spec)
-    resolved = resolve_path(spec, tuple(module.path))
     if _task.current_session() is None and not _is_traced(args):
-        with nn.logical_axis_rules(resolved.rules), _config.ignore_transforms():
-            return call()  # eager: values only, nothing moves
+        with _config.ignore_transforms():
+            return call()  # eager: values only, nothing moves, no mesh needed
+    resolved = resolve_path(spec, tuple(module.path))
     with _task.enter_task(resolved), _named_tasks.flax_rules(resolved):
         return call()
 

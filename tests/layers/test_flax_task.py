@@ -175,3 +175,25 @@ def test_ignore_transforms_is_the_plain_module():
     with mm.ignore_transforms():
         out = jax.jit(lambda p, x: model.apply(p, x))(params, x)
     np.testing.assert_allclose(out, nn.Dense(2).apply(params, x), **TOL)
+
+
+def test_loop_dependent_mesh_slice_moves_a_flax_task_per_microbatch():
+    multi = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "x"))
+    dense = layers.task(nn.Dense, loop_dependent_mesh_slice=lambda i: {"stage": i % 2})
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return dense(4, name="d")(x).sum()
+
+    x = jnp.arange(12.0).reshape(4, 3)
+    params = Net().init(jax.random.key(0), x)
+    run = mm.jit(mm.microbatch(lambda p, x: Net().apply(p, x), 0, 1, argnum=1))
+    with multi:
+        out = run(params, x)
+        tasks = run.executable(params, x).partition.traced.tasks.values()
+    places = {tuple(sorted(int(i) for i in t.mesh.device_ids.flat)) for t in tasks}
+    assert places == {(0, 1, 2, 3), (4, 5, 6, 7)}
+    with mm.ignore_transforms():
+        expected = Net().apply(params, x)
+    np.testing.assert_allclose(out, expected, **TOL)
