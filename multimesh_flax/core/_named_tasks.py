@@ -163,6 +163,18 @@ def _resolve(spec: _task.Task, match: _registry.Match) -> _task.ResolvedTask:
         ) from e
 
 
+def default_task() -> _task.ResolvedTask | None:
+    """The task registered for the name ``"default"``, resolved, or ``None``.
+
+    It decides where glue goes that has no placed input and no placed consumer (and unused
+    program inputs); without it that is the first task's submesh.
+    """
+    match = _registry.find_match("default")
+    if match is None:
+        return None
+    return _resolve(_task_for(match, False), match)
+
+
 # --- trace time -----------------------------------------------------------------------------
 
 

@@ -95,6 +95,8 @@ def _place_meshes(traced: _trace.TracedProgram, devices: Any) -> tuple[dict[Plac
     first = next(
         (traced.tasks[label[0]].mesh for label in traced.labels if label is not None), None
     )
+    if traced.default_task is not None:  # a task registered as "default" says where
+        first = traced.default_task.mesh
     default_mesh = first if first is not None else everything
     meshes.setdefault(place_of(default_mesh), default_mesh)
     return meshes, place_of(default_mesh)

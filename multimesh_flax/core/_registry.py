@@ -12,6 +12,9 @@ name* is the matcher's first group (the whole match when the matcher has no grou
 group did not take part). Which names are tried -- named-scope components and Flax module
 paths -- is decided by ``_named_tasks``, which also turns matches into tasks during a trace.
 
+The name ``"default"`` is special: the task registered for it receives glue that has no placed
+input and no placed consumer (see ``_partition``).
+
 This module only stores and matches; it knows nothing about meshes or tracing.
 """
 

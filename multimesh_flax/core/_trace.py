@@ -69,6 +69,7 @@ class TracedProgram:
     tasks: dict[int, _task.ResolvedTask]
     out_tree: Any
     stacks: list[str] = dataclasses.field(default_factory=list)  # name stack per equation
+    default_task: _task.ResolvedTask | None = None  # registered for "default": glue fallback
 
 
 def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
@@ -170,6 +171,7 @@ def trace_program(
         # A fresh wrapper: jax caches traces per function object, and our contexts (task
         # stack, flags) are not part of its cache key.
         closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*args)
+        default = _named_tasks.default_task()
     inliner = _Inliner()
     outer, consts = _open(closed)
     const_vars = [inliner._const(c) for c in consts]
@@ -188,4 +190,5 @@ def trace_program(
         tasks=session.tasks,
         out_tree=jax.tree_util.tree_structure(out_shape),
         stacks=inliner.stacks,
+        default_task=default,
     )

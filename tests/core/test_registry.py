@@ -333,3 +333,18 @@ def test_registered_scopes_under_microbatch_match_the_reference():
     assert names.count("0.fwd") == names.count("1.bwd") == 4  # one per microbatch
     assert _ids(grad) == {0, 1}
     _assert_close((loss, grad), _reference(jax.value_and_grad(_two_scopes), w, x))
+
+
+def test_a_default_task_places_glue_that_nothing_else_places():
+    work = mm.task(lambda x: x * 2, mesh=mm.TaskMesh(devices=[0, 1]))
+
+    def program(x):
+        return work(x), jnp.arange(4.0) + 1  # the second output has no placed neighbour
+
+    first = mm.jit(program)(jnp.ones(4))
+    assert {d.id for d in first[1].devices()} == {0, 1}  # fallback: the first task's submesh
+    with mm.Context() as ctx:
+        ctx.register_task("default", task=mm.Task(name="rest", mesh=mm.TaskMesh(devices=[6, 7])))
+        out = mm.jit(program)(jnp.ones(4))
+    assert {d.id for d in out[1].devices()} == {6, 7}
+    np.testing.assert_allclose(out[1], np.arange(4.0) + 1)
