@@ -299,7 +299,7 @@ def test_schedule_that_does_not_fit_the_program_raises(options, match):
 @pytest.mark.parametrize(
     ("devices", "schedule", "match"),
     [
-        ([0, 0, 1, 1], "gpipe", r"stage 2 \('layer2'\) runs on devices \[1\], stage 0 on"),
+        ([0, 1, 0, 2], "gpipe", r"stage 3 \('layer3'\) runs on devices \[2\], stage 0 on"),
         ([0, 1, 2, 3, 0, 1, 2, 3], "1f1b", "one stage per submesh"),
         ([0, 1, 0, 1], "interleaved-1f1b", "multiple of the number of submeshes"),
     ],
@@ -311,3 +311,13 @@ def test_stage_layout_that_does_not_fit_the_schedule_raises(devices, schedule, m
     batch = jax.tree.map(lambda a: a[:6], batch)  # 3 microbatches of 2
     with pytest.raises(errors.InvalidScheduleError, match=match):
         mm.jit(jax.grad(mb_loss))(params, batch)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_consecutive_tasks_on_one_submesh_are_one_stage(schedule):
+    loss, params, batch = _chain(4, 2, devices=[0, 0, 1, 1])
+    mb_loss = mm.microbatch(loss, 0, 4, argnum=1, schedule=schedule, reduce="mean")
+    step = mm.jit(jax.value_and_grad(mb_loss))
+    _assert_trees_close(step(params, batch), _reference(loss, params, batch))
+    plan = step.executable(params, batch).schedule
+    assert plan.num_stages == 2 and plan.name == schedule
