@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Set-up and entry points on a fresh machine with nothing but Python 3.10+.
 
-    python3 dev.py run [ARGS...]   # the main job (``mmflax ARGS``) in a local .venv
+    python3 dev.py run [ARGS...]   # the main job (``mmflax train``; ``mmflax ARGS``) in a .venv
     python3 dev.py test [ARGS...]  # the whole test suite (pytest ARGS) in a local .venv
 
 The first call creates ``.venv`` and installs the package with its dev group; later calls
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     if argv[0] == "run":
-        cmd = [str(BIN / "mmflax"), *argv[1:]]
+        cmd = [str(BIN / "mmflax"), *(argv[1:] or ["train"])]  # default: the main job
     else:
         cmd = [str(BIN / "python"), "-m", "pytest", "-n", "2", "-q", *argv[1:]]
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode

@@ -1,8 +1,16 @@
-"""The ``mmflax`` command line.
+"""The ``mmflax`` command line: ``demo``, ``train`` and ``sample``.
 
-``mmflax`` (or ``mmflax demo``) runs the placement demo: a two-layer function on two
-submeshes of 8 simulated CPU devices, printing where every array lives. Bad arguments print a
-message and exit with status 2, never a traceback.
+* ``mmflax train`` trains the tiny GPT pipelined over 2 stages x (2 data x 2 tensor) on 8
+  simulated CPU devices (real devices on a GPU host) with 4 microbatches under 1F1B, and
+  writes a run folder: ``metrics.json``, ``loss.png``, ``timeline.png``, ``samples.txt`` and
+  an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
+* ``mmflax sample --checkpoint RUN_DIR`` generates text from a run's latest checkpoint.
+* ``mmflax demo`` (also plain ``mmflax``) runs the placement demo: a two-layer function on
+  two submeshes, printing where every array lives.
+
+Bad arguments print ``mmflax: <message>`` to stderr and exit with status 2, never a
+traceback; a failed ``--check-reference`` exits with status 1. The work lives in `_train`,
+`_sample` and `_demo`; this module parses, sets up the devices and prints.
 """
 
 from __future__ import annotations
@@ -10,37 +18,233 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
+
+_DEFAULT_DEVICES = 8
 
 
-def _configure_devices(count: int) -> None:
-    """Gives the CPU backend ``count`` simulated devices (before any JAX operation)."""
+class _ArgumentError(Exception):
+    """A command-line mistake found by argparse."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print usage and exit
+        raise _ArgumentError(f"{message} (see `{self.prog} --help`)")
+
+
+def _configure_devices(count: int, *, accelerators: bool = False) -> None:
+    """Gives the CPU backend ``count`` simulated devices, before any JAX operation.
+
+    With ``accelerators`` and ``JAX_PLATFORMS`` unset, JAX picks its default backend (a GPU
+    when there is one); otherwise the CPU. If JAX already started in this process (tests,
+    notebooks), this is a no-op when it has ``count`` CPU devices.
+
+    Raises:
+        RunOptionError: JAX already started with a different number of CPU devices.
+    """
     import jax
 
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-        jax.config.update("jax_platforms", "cpu")
+    from multimesh_flax import errors
+
+    platforms = os.environ.get("JAX_PLATFORMS")
+    pin_cpu = platforms == "cpu" or (platforms is None and not accelerators)
+    try:
+        if pin_cpu:
+            jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backends are up already
+        devices = jax.devices()
+        if devices[0].platform == "cpu" and len(devices) != count:
+            raise errors.RunOptionError(
+                f"JAX already runs with {len(devices)} CPU devices in this process, so "
+                f"`--devices` {count} cannot take effect. Pass `--devices {len(devices)}`, or "
+                "run `mmflax` in a fresh process."
+            ) from None
+
+
+def _add_train(sub: Any) -> None:
+    from models import CORPUS_NAMES, PRESETS
+    from multimesh_flax._run_options import SCHEDULES, TrainOptions
+
+    d = TrainOptions()
+    train = sub.add_parser(
+        "train",
+        help="train a reference model pipelined over a MultiMesh",
+        description="Train a reference model pipelined over stages x (data x tensor) devices "
+        "and write a run folder (metrics.json, loss.png, timeline.png, samples.txt, "
+        "checkpoint/). Settings not given default to the value shown, or with --resume to "
+        "the resumed run's.",
+    )
+    add = train.add_argument
+    add("--model", help=f"model preset: {', '.join(PRESETS)} ({d.model})")
+    add("--layers", type=int, help="transformer blocks (default: the preset's)")
+    add("--stages", type=int, help=f"pipeline stages; must divide the layers ({d.stages})")
+    add("--data", type=int, help=f"data-parallel replicas per stage ({d.data})")
+    add("--tensor", type=int, help=f"tensor-parallel devices per replica ({d.tensor})")
+    add("--microbatches", type=int, help=f"microbatches per step ({d.microbatches})")
+    add("--schedule", choices=SCHEDULES, help=f"pipeline schedule ({d.schedule})")
+    add("--steps", type=int, help=f"optimizer steps to run now ({d.steps})")
+    add("--batch-size", type=int, help=f"sequences per step ({d.batch_size})")
+    add("--seq-len", type=int, help=f"tokens per sequence ({d.seq_len})")
+    add("--lr", type=float, help=f"AdamW learning rate after warm-up ({d.lr})")
+    add("--warmup", type=int, help=f"linear warm-up steps ({d.warmup})")
+    add("--seed", type=int, help=f"seed of parameters and batches ({d.seed})")
+    add("--corpus", help=f"shipped corpus: {', '.join(CORPUS_NAMES)} ({d.corpus})")
+    add("--out", help="run folder (default: runs/<date-time>; with --resume: the newest run)")
+    add("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    add(
+        "--check-reference",
+        action="store_true",
+        help="also train the unstaged model on one device on the same batches; exit 1 unless "
+        "the first 20 losses agree to 1e-4 (relative)",
+    )
+    add("--log-every", type=int, help=f"steps between loss read-outs ({d.log_every})")
+    add(
+        "--devices",
+        type=int,
+        default=_DEFAULT_DEVICES,
+        help="simulated CPU devices (8); a GPU host uses its GPUs unless JAX_PLATFORMS=cpu",
+    )
+
+
+def _add_sample(sub: Any) -> None:
+    sample = sub.add_parser("sample", help="generate text from a run's checkpoint")
+    add = sample.add_argument
+    add("--checkpoint", required=True, metavar="RUN_DIR", help="run folder of `mmflax train`")
+    add("--prompt", default="Shall I ", help="text to continue ('Shall I ')")
+    add("--tokens", type=int, help="bytes to generate (default: up to the trained sequence length)")
+    add("--temperature", type=float, default=0.8, help="0 is greedy (0.8)")
+    add("--top-k", type=int, help="sample among the k likeliest bytes only")
+    add("--seed", type=int, default=0, help="sampling seed (0)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmflax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
+    parser = _Parser(
+        prog="mmflax",
+        description="multimesh_flax: pipelined training of the reference models (train), "
+        "sampling from a run (sample) and the placement demo (demo, the default).",
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="place a two-layer function on two submeshes")
-    demo.add_argument("--devices", type=int, default=8, help="simulated CPU devices (even)")
+    demo.add_argument(
+        "--devices", type=int, default=_DEFAULT_DEVICES, help="simulated CPU devices (even)"
+    )
+    _add_train(sub)
+    _add_sample(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``mmflax`` console script."""
-    args = _parser().parse_args(argv)
-    if args.command is None:
-        args = _parser().parse_args(["demo", *(argv or [])])
+def _run_demo(args: argparse.Namespace) -> int:
     if args.devices < 2 or args.devices % 2:
-        print(f"mmflax: --devices must be an even number >= 2, got {args.devices}", file=sys.stderr)
-        return 2
+        raise _ArgumentError(f"`--devices` must be an even number >= 2, got {args.devices}")
     _configure_devices(args.devices)
     from multimesh_flax import _demo
 
     return _demo.run(args.devices)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    if args.devices < 1:
+        raise _ArgumentError(f"`--devices` must be a positive number, got {args.devices}")
+    _configure_devices(args.devices, accelerators=True)
+    from multimesh_flax import _run_options, _train
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "devices")}
+    options = _run_options.resolve_options({**given, "resume": args.resume or None})
+    _run_options.check_options(options, _device_count())  # fail before any tracing
+    print(
+        f"mmflax train: {options.model} on {options.layout} (stages x data x tensor), "
+        f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
+    )
+    result = _train.train(options, report=print)
+    return _print_result(result)
+
+
+def _device_count() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def _print_result(result: Any) -> int:
+    from multimesh_flax import _train
+
+    m = result.metrics
+    s = m["summary"]
+    print(
+        f"steps {s['start_step']}->{s['end_step']}: loss {s['first_loss']:.3f} -> "
+        f"{s['last_loss']:.3f} (mean of the last 10: {s['last_10_mean_loss']:.3f}), "
+        f"{s['tokens_per_s']:,.0f} tokens/s, first step (compile) "
+        f"{s['compile_s']:.1f}s, wall {s['wall_s']:.1f}s"
+    )
+    if m["bubble"] is not None:
+        b = m["bubble"]
+        recorded = "n/a" if b["recorded"] is None else f"{b['recorded']:.3f}"
+        print(
+            f"pipeline bubble at step {b['step']}: recorded {recorded}, simulated "
+            f"{b['simulated']:.3f} (measured costs), {b['simulated_unit_costs']:.3f} (unit costs)"
+        )
+    kind = "sampled (temperature 0.8)"
+    for moment in ("before", "after"):
+        sample = m["samples"][moment]
+        rate = sample["corpus_match_rate"][kind]
+        print(f"sample {moment} training ({rate:.0%} of its 4-grams occur in the corpus):")
+        print(f"  {sample['texts'][kind]!r}")
+    print(f"wrote {result.run_dir}/: metrics.json loss.png timeline.png samples.txt checkpoint/")
+    ref = m["reference"]
+    if ref is None:
+        return 0
+    ok = ref["max_rel_diff"] <= _train.REFERENCE_TOLERANCE
+    print(
+        f"reference check (unstaged model, one device) over the first {ref['checked_steps']} "
+        f"steps: max |loss difference| {ref['max_abs_diff']:.2e}, relative "
+        f"{ref['max_rel_diff']:.2e} (tolerance {_train.REFERENCE_TOLERANCE:.0e}): "
+        f"{'ok' if ok else 'FAILED'}"
+    )
+    print(
+        f"  over all {s['end_step'] - s['start_step']} steps: relative "
+        f"{ref['max_rel_diff_all_steps']:.2e} (float rounding differences grow with training); "
+        f"mean loss of the last 10 steps {s['last_10_mean_loss']:.3f} vs "
+        f"{ref['last_10_mean_loss']:.3f} unstaged"
+    )
+    return 0 if ok else 1
+
+
+def _run_sample(args: argparse.Namespace) -> int:
+    _configure_devices(_DEFAULT_DEVICES, accelerators=True)
+    from multimesh_flax import _sample
+
+    text = _sample.sample(
+        args.checkpoint,
+        args.prompt,
+        args.tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+    )
+    print(text)
+    return 0
+
+
+_COMMANDS = {"demo": _run_demo, "train": _run_train, "sample": _run_sample}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mmflax`` console script; returns the exit status."""
+    from multimesh_flax import errors
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser().parse_args(argv or ["demo"])
+        if args.command is None:
+            raise _ArgumentError("choose a command: demo, train or sample (see `mmflax --help`)")
+        return _COMMANDS[args.command](args)
+    except (_ArgumentError, errors.MultiMeshError) as e:
+        print(f"mmflax: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("mmflax: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

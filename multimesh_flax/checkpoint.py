@@ -71,6 +71,10 @@ class Checkpointer:
       read_only: open an existing directory for restoring only: nothing is created,
         written or cleaned up, and ``save`` raises.
 
+    Raises:
+      CheckpointArgumentError: ``directory`` is a file, or ``max_to_keep`` is not positive.
+      CheckpointNotFoundError: ``read_only`` and ``directory`` does not exist.
+
     Example:
       >>> import tempfile
       >>> from multimesh_flax.checkpoint import Checkpointer
@@ -94,7 +98,20 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
     ) -> None:
-        self.directory = epath.Path(directory)
+        local = "://" not in os.fspath(directory)  # orbax needs absolute local paths
+        self.directory = epath.Path(os.path.abspath(directory) if local else directory)
+        if self.directory.exists() and not self.directory.is_dir():
+            raise errors.CheckpointArgumentError(
+                f"Expected `directory` to be a directory, but '{self.directory}' is a file. "
+                "Pass a directory path (it is created if missing)."
+            )
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            raise errors.CheckpointArgumentError(
+                f"Expected `max_to_keep` to be a positive integer or None (keep all), got "
+                f"{max_to_keep!r}."
+            )
         if read_only and not self.directory.is_dir():
             raise errors.CheckpointNotFoundError(
                 f"Expected a checkpoint directory, but `directory`='{self.directory}' does "
@@ -129,6 +146,8 @@ class Checkpointer:
           CheckpointStepError: ``step`` is not an integer greater than the latest saved step.
           CheckpointMetadataError: ``metadata`` is not a JSON-serializable dict.
           CheckpointReadOnlyError: this checkpointer was opened with ``read_only=True``.
+          CheckpointArgumentError: ``state`` is ``None``, holds no leaves, or has a leaf that
+            is not an array or a Python number.
         """
         if self.read_only:
             raise errors.CheckpointReadOnlyError(
@@ -136,6 +155,7 @@ class Checkpointer:
                 "Open it with `Checkpointer(directory)` to save."
             )
         step = self._check_new_step(step)
+        _check_state(state)
         metadata = _check_metadata(metadata)
         args = ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _METADATA: ocp.args.JsonSave(metadata)}
@@ -269,6 +289,26 @@ def latest_step(directory: str | os.PathLike[str]) -> int | None:
         return None
     steps = ocp.utils.checkpoint_steps(directory)
     return max(steps) if steps else None
+
+
+_SAVABLE = (jax.Array, np.ndarray, np.generic, bool, int, float)
+
+
+def _check_state(state: Any) -> None:
+    """Refuses, before orbax writes anything, a state it would fail on midway."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    if not leaves:
+        raise errors.CheckpointArgumentError(
+            f"Expected `state` to hold at least one array, got {state!r}. Pass the training "
+            "state (a pytree of arrays)."
+        )
+    for path, leaf in leaves:
+        if not isinstance(leaf, _SAVABLE):
+            raise errors.CheckpointArgumentError(
+                f"Cannot save leaf {jax.tree_util.keystr(path)} of `state`: "
+                f"{type(leaf).__name__} {leaf!r}. Checkpoints hold arrays and Python numbers; "
+                "put strings and other settings into `metadata`."
+            )
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -63,13 +63,19 @@ class NoMultiMeshError(MultiMeshError, ValueError):
 class InvalidTaskError(MultiMeshError, ValueError):
     """A ``Task`` was given contradictory or incomplete arguments.
 
-    For example both ``mesh`` and ``mesh_slice``, or ``logical_axes`` with no mesh to map
-    them onto.
+    For example both ``mesh`` and ``mesh_slice``, ``logical_axes`` with no mesh to map
+    them onto, or a field of the wrong form (a ``name`` that is not a string, a
+    ``mesh_slice`` that is not a ``{axis: index}`` mapping).
     """
 
 
 class TaskTypeError(MultiMeshError, TypeError):
-    """An argument that must be a ``Task``, ``TaskMesh`` or mesh has another type."""
+    """An argument that must be a ``Task``, ``TaskMesh``, mesh or Flax module has another type.
+
+    Also raised when a function to run as a task is not callable, or when a Flax module
+    *instance* is given where the module *class* is expected (``task(nn.Dense)``, not
+    ``task(nn.Dense(4))``) or the other way round (``tabulate(Model(...), ...)``).
+    """
 
 
 class TaskInControlFlowError(MultiMeshError, ValueError):
@@ -95,7 +101,8 @@ class LogicalRulesError(MultiMeshError, ValueError):
 class PartitionSpecError(MultiMeshError, ValueError):
     """A ``PartitionSpec`` does not fit the array it is applied to.
 
-    The spec has more entries than the array has dimensions. Give at most ``ndim`` entries.
+    The spec has more entries than the array has dimensions (give at most ``ndim`` entries),
+    or is not a ``PartitionSpec`` at all (write ``P("batch", None)``, not a tuple or a string).
     """
 
 
@@ -249,4 +256,63 @@ class TimelineDataError(MultiMeshError, ValueError):
     Raised when the timeline holds no events (nothing ran inside ``record_timeline``), when
     ``call`` names a call that was not recorded, or when a bubble is asked of a call that ran
     no pipeline unit. Record a ``jit`` call of a function that uses ``microbatch`` with tasks.
+    """
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+class RunOptionError(MultiMeshError, ValueError):
+    """An ``mmflax`` option contradicts the model, the devices or the run folder.
+
+    Raised before anything is compiled: an unknown model preset, a ``--stages`` count that
+    does not divide the model's layers, ``--stages`` x ``--data`` x ``--tensor`` different
+    from the device count, a batch that ``--microbatches`` x ``--data`` does not divide, a
+    ``--tensor`` size that does not divide the heads or widths, a ``--devices`` count after
+    JAX already started with another, a ``--resume`` that changes the model or data of the
+    saved run, or a fresh ``--out`` that already holds a run. The message names the option,
+    the value received and the values that would work.
+    """
+
+
+# --- added with the bad-input catalogue (docs/errors.md) ------------------------------------
+
+
+class DevicePositionError(MultiMeshError, TypeError):
+    """A ``TaskMesh`` was given something other than integer device positions.
+
+    ``TaskMesh(devices=...)`` takes *positions* ``0..N-1`` in the executable's device list
+    (``range(4)``), not ``jax.Device`` objects or ids of another type. To pin a task to
+    particular devices, pass a ``jax.sharding.Mesh`` as ``mesh=``, or the devices as
+    ``task(..., devices=...)``.
+    """
+
+
+class ContextFlagError(MultiMeshError, ValueError):
+    """A compiler switch got a value that is not a bool, or a switch name does not exist.
+
+    ``autoshard``, ``enable_fast_path``, ``enable_recomputation`` and ``ignore_transforms``
+    take ``True`` or ``False`` (``context`` also ``None`` for "unchanged"); a string such as
+    ``"false"`` would otherwise silently turn the switch on. ``get_flag`` knows exactly those
+    four names.
+    """
+
+
+class CheckpointArgumentError(MultiMeshError, ValueError):
+    """A ``Checkpointer`` or ``save`` got an argument it cannot use.
+
+    Raised, before anything is written, when ``directory`` is an existing file, when
+    ``max_to_keep`` is not a positive integer (or ``None``), or when the state to save is
+    ``None``, holds no arrays, or has a leaf orbax cannot store (a string, an object). Save
+    arrays, numpy arrays and Python numbers; keep strings in the JSON ``metadata``.
+    """
+
+
+class ModelConfigError(MultiMeshError, ValueError):
+    """A reference-model configuration (``models.get_config``, ``ModelConfig``) is invalid.
+
+    Raised for an unknown preset name, an override that names no ``ModelConfig`` field, or
+    sizes that do not fit together (``num_kv_heads`` not dividing ``num_heads``, a
+    non-positive size, ``dropout_rate`` outside ``[0, 1)``). The message lists the valid
+    names or says which value to change.
     """

@@ -1,0 +1,87 @@
+"""What an ``mmflax`` run is made of: model, optimizer, loss and data.
+
+`_train` (``mmflax train``) and `_sample` (``mmflax sample``) build the same things from the
+same saved settings, so they share this module:
+
+* `model_config` resolves a preset name and a layer count into a `models.ModelConfig`;
+  `make_model` builds the model for it, pipelined over ``stages`` or unstaged (``None``). The
+  parameter tree is the same either way, so a checkpoint moves between them.
+* `make_optimizer`: AdamW (``b2`` 0.95) with gradient clipping and a linear warmup to a
+  constant rate; the rate does not depend on the run's length, so a resumed run continues
+  the same schedule.
+* `lm_loss` is the next-token cross entropy in ``parallelize_step``'s ``loss_fn`` form.
+* `batch_stream` yields the run's batches from step ``start`` on: batch ``i`` is the same
+  whether a run starts at 0 or resumes at ``i``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import linen as nn
+
+from models import GPT, ByteTokenizer, Family, Llama, ModelConfig, cross_entropy_loss, get_config
+from models import iterate_batches as _iterate_batches
+from models import load_corpus as _load_corpus
+
+Batch = dict[str, np.ndarray]
+
+TOKENIZER = ByteTokenizer()
+"""Byte-level tokenizer of every run (264 ids, the vocabulary of the ``*-tiny`` presets)."""
+
+
+def model_config(preset: str, layers: int | None = None) -> ModelConfig:
+    """The preset ``preset`` with ``layers`` blocks (``None``: the preset's own count)."""
+    overrides = {} if layers is None else {"num_layers": layers}
+    return get_config(preset, **overrides)
+
+
+def make_model(config: ModelConfig, stages: int | None = None) -> nn.Module:
+    """``GPT`` or ``Llama`` for ``config``, in ``stages`` pipeline stages (``None``: unstaged)."""
+    family = GPT if config.family is Family.GPT else Llama
+    return family(config, stages=stages)
+
+
+def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
+    """AdamW (``b2`` 0.95, weight decay 0.01) after clipping the global norm at 1.
+
+    The rate rises linearly from 0 to ``lr`` over ``warmup`` steps, then stays at ``lr``.
+    """
+    if warmup > 0:
+        ramp = optax.linear_schedule(0.0, lr, warmup)
+        rate = optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
+    else:
+        rate = optax.constant_schedule(lr)
+    return optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(rate, b2=0.95, weight_decay=0.01)
+    )
+
+
+def lm_loss(model_fn: Callable[..., jax.Array], batch: Batch) -> jax.Array:
+    """Mean next-token cross entropy of ``model_fn(batch["inputs"])`` against the targets."""
+    return cross_entropy_loss(model_fn(batch["inputs"]), batch["targets"])
+
+
+def corpus_tokens(corpus: str) -> np.ndarray:
+    """The token ids of the shipped corpus ``corpus`` (see `models.data.load_corpus`)."""
+    return TOKENIZER.encode(_load_corpus(corpus))
+
+
+def batch_stream(
+    tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, start: int = 0
+) -> Iterator[Batch]:
+    """The run's batches ``start, start + 1, ...`` as ``{"inputs", "targets"}`` dicts."""
+    windows = _iterate_batches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed)
+    for inputs, targets in itertools.islice(windows, start, None):
+        yield {"inputs": inputs, "targets": targets}
+
+
+def example_batch(batch_size: int, seq_len: int) -> dict[str, Any]:
+    """Shapes of one batch, for tracing."""
+    shape = jax.ShapeDtypeStruct((batch_size, seq_len), np.int32)
+    return {"inputs": shape, "targets": shape}

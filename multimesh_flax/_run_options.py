@@ -1,0 +1,238 @@
+"""The settings of an ``mmflax train`` run: defaults, resuming, and checks before any work.
+
+`TrainOptions` holds every setting (the fields are the ``mmflax train`` options). Settings
+fall in three groups: `RUN_KEYS` define the run (model, data, optimizer) and a resumed run
+keeps them; `LAYOUT_KEYS` define the parallel layout, which a resumed run may change (the
+parameter tree does not depend on it); the rest (``steps``, ``out``, ...) are per invocation.
+
+`resolve_options` fills what the user left unset -- with the defaults, or with ``resume``
+with the settings saved in the run's checkpoint -- and `check_options` rejects
+contradictions (an unknown preset, stages that do not divide the layers, a layout that does
+not cover the devices, a batch that the microbatches and data replicas do not divide)
+before anything is traced or compiled, raising ``errors.RunOptionError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from models import CORPUS_NAMES, PRESETS, ModelConfig
+from multimesh_flax import _recipe, _sample, errors
+from multimesh_flax.checkpoint import Checkpointer
+
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
+RUN_KEYS = ("model", "layers", "batch_size", "seq_len", "lr", "warmup", "seed", "corpus")
+"""Settings that define a run: a resumed run keeps them."""
+LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule")
+"""Settings of the parallel layout: a resumed run may change them."""
+RUNS_DIR = Path("runs")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    """Every setting of a training run; the fields are the ``mmflax train`` options.
+
+    Attributes:
+        model: a preset of `models.PRESETS`.
+        layers: transformer blocks (``None``: the preset's count).
+        stages, data, tensor: the layout: pipeline stages, each on ``data x tensor`` devices.
+        microbatches: microbatches per step; ``schedule``: their pipeline schedule.
+        steps: optimizer steps this invocation runs (a resumed run runs that many more).
+        batch_size, seq_len: windows per batch and tokens per window.
+        lr, warmup: AdamW's rate, reached linearly over ``warmup`` steps, then constant.
+        seed: seeds the parameters and the batch stream.
+        corpus: one of `models.CORPUS_NAMES`.
+        out: the run folder; ``resume`` continues the run saved there.
+        check_reference: also train the unstaged model on one device and compare losses.
+        log_every: steps between loss read-outs (the bar's postfix).
+        progress: show the tqdm bar.
+    """
+
+    model: str = "gpt-tiny"
+    layers: int | None = None
+    stages: int = 2
+    data: int = 2
+    tensor: int = 2
+    microbatches: int = 4
+    schedule: str = "1f1b"
+    steps: int = 400
+    batch_size: int = 32
+    seq_len: int = 64
+    lr: float = 5e-3
+    warmup: int = 30
+    seed: int = 0
+    corpus: str = "shakespeare_sonnets"
+    out: str | None = None
+    resume: bool = False
+    check_reference: bool = False
+    log_every: int = 10
+    progress: bool = True
+
+    @property
+    def layout(self) -> str:
+        """``stages x data x tensor``, e.g. ``"2x2x2"``."""
+        return f"{self.stages}x{self.data}x{self.tensor}"
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _fail(message: str) -> errors.RunOptionError:
+    return errors.RunOptionError(message)
+
+
+def fresh_run_dir() -> str:
+    """A new folder name under ``runs/``: the date and time, made unique with a suffix."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path, count = RUNS_DIR / stamp, 1
+    while path.exists():
+        count += 1
+        path = RUNS_DIR / f"{stamp}-{count}"
+    return str(path)
+
+
+def _resume_dir(out: str | None) -> Path:
+    if out is not None:
+        return _sample.find_checkpoint(out).parent
+    runs = sorted(RUNS_DIR.glob("*/" + _sample.CHECKPOINT_DIR), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        raise errors.CheckpointNotFoundError(
+            f"`--resume` without `--out` continues the newest run in '{RUNS_DIR}/', but there "
+            "is none. Pass `--out RUN_DIR` of the run to continue."
+        )
+    return _sample.find_checkpoint(runs[-1].parent).parent
+
+
+def _saved_options(run_dir: Path) -> dict[str, Any]:
+    checkpoint = _sample.find_checkpoint(run_dir)
+    with Checkpointer(checkpoint, read_only=True) as ckpt:
+        metadata = ckpt.metadata()
+    return {**metadata["run"], **metadata["layout"]}
+
+
+def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
+    """`TrainOptions` from the options a user set (``None`` values count as not set).
+
+    Unset options take the defaults; with ``resume``, the saved run's settings and layout.
+
+    Raises:
+        CheckpointNotFoundError: ``resume`` without a checkpoint in ``out``.
+        RunOptionError: ``resume`` with a run setting (`RUN_KEYS`) other than the saved one.
+    """
+    chosen = {key: value for key, value in given.items() if value is not None}
+    if chosen.get("resume"):
+        run_dir = _resume_dir(chosen.get("out"))
+        saved = _saved_options(run_dir)
+        for key in RUN_KEYS:
+            if key in chosen and chosen[key] != saved[key]:
+                raise _fail(
+                    f"`{_flag(key)}` {chosen[key]!r} differs from {saved[key]!r}, the value of "
+                    f"the run in '{run_dir}'. A resumed run keeps its model, data and optimizer "
+                    "settings; only the layout and `--steps` may change. Drop the option, or "
+                    "start a new run in another `--out`."
+                )
+        chosen = {**saved, **chosen, "out": str(run_dir)}
+    else:
+        chosen.setdefault("out", fresh_run_dir())
+    options = TrainOptions(**chosen)
+    if options.layers is None and options.model in PRESETS:
+        options = dataclasses.replace(options, layers=PRESETS[options.model].num_layers)
+    return options
+
+
+def _check_ranges(options: TrainOptions) -> None:
+    positive = ("layers", "stages", "data", "tensor", "microbatches", "steps", "batch_size")
+    for key in (*positive, "seq_len", "log_every"):
+        value = getattr(options, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise _fail(f"Expected `{_flag(key)}` to be a positive integer, got {value!r}.")
+    if options.warmup < 0 or options.seed < 0:
+        raise _fail(
+            f"Expected `--warmup` and `--seed` >= 0, got {options.warmup} and {options.seed}."
+        )
+    if not (math.isfinite(options.lr) and options.lr > 0):
+        raise _fail(f"Expected `--lr` to be a positive number, got {options.lr!r}.")
+    if options.schedule not in SCHEDULES:
+        raise _fail(f"Unknown `--schedule` {options.schedule!r}; choose one of {SCHEDULES}.")
+    if options.corpus not in CORPUS_NAMES:
+        raise _fail(f"Unknown `--corpus` {options.corpus!r}; choose one of {CORPUS_NAMES}.")
+
+
+def _check_model(options: TrainOptions) -> ModelConfig:
+    if options.model not in PRESETS:
+        raise _fail(
+            f"Unknown `--model` preset {options.model!r}. Available presets: {', '.join(PRESETS)}."
+        )
+    config = _recipe.model_config(options.model, options.layers)
+    if config.num_layers % options.stages:
+        divisors = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
+        raise _fail(
+            f"`--stages` {options.stages} does not divide the {config.num_layers} layers of "
+            f"{options.model}: every stage needs the same number of blocks. Use one of "
+            f"{divisors}, or change the layer count with `--layers`."
+        )
+    if options.seq_len > config.max_len:
+        raise _fail(
+            f"Expected `--seq-len` <= {config.max_len} (the longest sequence {options.model} "
+            f"reads), got {options.seq_len}."
+        )
+    sizes = {"heads": config.num_heads, "key/value heads": config.num_kv_heads}
+    sizes |= {"MLP width": config.mlp_dim, "vocabulary": config.vocab_size}
+    uneven = {name: size for name, size in sizes.items() if size % options.tensor}
+    if uneven:
+        raise _fail(
+            f"`--tensor` {options.tensor} does not divide the {uneven} of {options.model}, "
+            "which tensor parallelism splits. Use a `--tensor` that divides them (1, 2, ...)."
+        )
+    return config
+
+
+def _check_layout(options: TrainOptions, device_count: int) -> None:
+    used = options.stages * options.data * options.tensor
+    if used != device_count:
+        raise _fail(
+            f"Expected `--stages` x `--data` x `--tensor` = {device_count} (the devices "
+            f"available), got {options.stages} x {options.data} x {options.tensor} = {used}. "
+            "Change the three so their product is the device count, or the device count "
+            "with `--devices`."
+        )
+    share = options.microbatches * options.data
+    if options.batch_size % share:
+        raise _fail(
+            f"Expected `--batch-size` to be a multiple of `--microbatches` x `--data` = "
+            f"{options.microbatches} x {options.data} = {share} (each microbatch splits over "
+            f"the data replicas), got {options.batch_size}. Use e.g. `--batch-size "
+            f"{share * max(1, round(options.batch_size / share))}`."
+        )
+
+
+def _check_run_dir(options: TrainOptions) -> None:
+    if options.resume or options.out is None:
+        return
+    checkpoint = Path(options.out) / _sample.CHECKPOINT_DIR
+    if checkpoint.is_dir() and any(checkpoint.iterdir()):
+        raise _fail(
+            f"`--out` '{options.out}' already holds a run. Pass `--resume` to continue it, or "
+            "choose another `--out`."
+        )
+
+
+def check_options(options: TrainOptions, device_count: int) -> ModelConfig:
+    """Checks ``options`` against the model and ``device_count`` devices; returns the config.
+
+    Nothing is traced or compiled.
+
+    Raises:
+        RunOptionError: the first contradiction found (see the class).
+    """
+    _check_ranges(options)
+    config = _check_model(options)
+    _check_layout(options, device_count)
+    _check_run_dir(options)
+    return config

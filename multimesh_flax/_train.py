@@ -1,0 +1,378 @@
+"""Training runs behind ``mmflax train``: a reference model, pipelined, trained on a corpus.
+
+A run trains a preset of `models` (``gpt-tiny`` by default) cut into ``stages`` pipeline
+stages, each on a ``data x tensor`` submesh of a ``MultiMesh`` (`models.pipeline`), with
+``microbatches`` microbatches per step under a pipeline ``schedule``. The settings come from
+`_run_options`; the step from ``parallelize_step``; model, optimizer, loss and batches from
+`_recipe`.
+
+`train` prints nothing: it reports through a callback (default: this module's logger) and
+shows a tqdm bar. It trains, blocking on every step and reading losses out only every
+``log_every`` steps; records one step's pipeline timeline after warm-up; checks the losses
+against the unstaged model on one device when asked (`reference_losses`); saves an orbax
+checkpoint; and writes the run folder (`_run_files`).
+
+``--check-reference`` trains the unstaged model on one device from the same initial state on
+the same batches; the first `REFERENCE_STEPS` losses must agree to `REFERENCE_TOLERANCE`
+(relative), later ones are reported (they drift apart with float rounding, see there).
+
+Resuming restores the latest checkpoint onto the new layout -- the parameter tree does not
+depend on it -- and continues the same batch stream and learning-rate schedule, so N steps
+plus N resumed steps give the losses of 2N uninterrupted ones (bit for bit on one layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+import multimesh_flax as mm
+from models import ModelConfig, load_corpus
+from models.pipeline import make_multimesh
+from multimesh_flax import _recipe, _run_files, _sample, errors
+from multimesh_flax._run_options import (
+    LAYOUT_KEYS,
+    RUN_KEYS,
+    TrainOptions,
+    check_options,
+    fresh_run_dir,
+)
+from multimesh_flax.checkpoint import Checkpointer
+
+logger = logging.getLogger(__name__)
+
+Report = Callable[[str], None]
+
+REFERENCE_TOLERANCE = 1e-4
+"""Largest relative loss difference ``--check-reference`` accepts."""
+REFERENCE_STEPS = 20
+"""Steps over which ``--check-reference`` holds the losses to `REFERENCE_TOLERANCE`.
+
+Two correct trainings that differ only in float rounding (the pipelined sums run in another
+order) drift apart: Adam turns rounding differences into different updates, and the gap
+grows -- for the default run from 1e-6 in the first steps to ~1e-2 by step 400, as large as
+perturbing the initial parameters by 1e-7. So the first steps are compared strictly and the
+rest only reported.
+"""
+_SAMPLE_KINDS = {"greedy": 0.0, "sampled (temperature 0.8)": 0.8}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    """What `train` did: the run folder, this invocation's steps and its measurements."""
+
+    run_dir: Path
+    start_step: int
+    end_step: int
+    losses: list[float]
+    tokens_per_s: float
+    wall_s: float
+    metrics: dict[str, Any]
+
+
+@dataclasses.dataclass
+class _Steps:
+    """What the training loop leaves behind."""
+
+    state: Any
+    history: dict[str, list[float]]
+    timeline: Any = None
+    recorded_step: int | None = None
+    compile_s: float = 0.0
+    batches: list[Any] = dataclasses.field(default_factory=list)
+    last_batch: Any = None
+
+
+def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
+    """``(step_fn, state, placement)`` for the layout in ``options``."""
+    multi = make_multimesh(options.stages, options.data, options.tensor)
+    model = _recipe.make_model(config, options.stages)
+    example = _recipe.example_batch(options.batch_size, options.seq_len)
+    rng = jax.random.key(options.seed)
+    with multi:
+        placement = mm.layers.get_placement(model, rng, example["inputs"])
+    step_fn, state, _ = mm.parallelize_step(
+        model,
+        _recipe.make_optimizer(options.lr, options.warmup),
+        multi,
+        example,
+        loss_fn=_recipe.lm_loss,
+        rng=rng,
+        microbatches=options.microbatches,
+        schedule=options.schedule,
+    )
+    return step_fn, state, placement
+
+
+def _run_steps(step_fn: Any, state: Any, options: TrainOptions, start: int) -> _Steps:
+    """Trains ``options.steps`` steps from global step ``start``, blocking on every step."""
+    tokens = _recipe.corpus_tokens(options.corpus)
+    stream = _recipe.batch_stream(tokens, options.batch_size, options.seq_len, options.seed, start)
+    out = _Steps(state, _run_files.empty_history())
+    record_at = min(2, options.steps - 1)  # one step after warm-up
+    per_step = options.batch_size * options.seq_len
+    pending: list[jax.Array] = []
+    with tqdm(total=options.steps, desc="train", unit="step", disable=not options.progress) as bar:
+        for i, batch in zip(range(options.steps), stream, strict=False):
+            pending.append(_one_step(step_fn, out, batch, start + i + 1, i == record_at))
+            if options.check_reference:
+                out.batches.append(batch)
+            if (i + 1) % options.log_every == 0 or i + 1 == options.steps:
+                _read_out(out.history, pending, bar, options.log_every, per_step)
+            bar.update()
+    out.compile_s = out.history["step_time_s"][0]
+    return out
+
+
+def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) -> jax.Array:
+    """Runs step ``step`` (recording its timeline if asked), times it; returns the loss."""
+    recording = mm.record_timeline() if record else contextlib.nullcontext()
+    began = time.perf_counter()
+    with recording as timeline:
+        loss, out.state = step_fn(out.state, batch)
+        loss.block_until_ready()  # queued multi-device calls can deadlock on CPU
+    elapsed = time.perf_counter() - began
+    if record:
+        out.timeline, out.recorded_step = timeline, step
+    out.last_batch = batch
+    out.history["step"].append(step)
+    out.history["step_time_s"].append(elapsed)
+    out.history["tokens_per_s"].append(batch["inputs"].size / elapsed)
+    return loss
+
+
+def _read_out(
+    history: dict[str, list[float]], pending: list[jax.Array], bar: Any, window: int, tokens: int
+) -> None:
+    """Converts the ``pending`` losses to floats and shows the latest on the bar."""
+    history["loss"] += [float(x) for x in pending]
+    pending.clear()
+    recent = history["step_time_s"][-window:]
+    bar.set_postfix(
+        loss=f"{history['loss'][-1]:.3f}", tok_s=f"{tokens / statistics.median(recent):,.0f}"
+    )
+
+
+def _steady_tokens_per_s(steps: _Steps, start: int, tokens: int) -> float:
+    """Median tokens/s over the steps that neither compiled nor recorded a timeline."""
+    skip = {start + 1, steps.recorded_step}
+    times = [
+        t
+        for s, t in zip(steps.history["step"], steps.history["step_time_s"], strict=True)
+        if s not in skip
+    ]
+    times = times or steps.history["step_time_s"]
+    return tokens / statistics.median(times)
+
+
+def _on_one_device(tree: Any) -> Any:
+    return jax.device_put(jax.tree.map(np.asarray, tree), jax.devices()[0])
+
+
+def reference_losses(config: ModelConfig, host_state: Any, batches: list[Any]) -> list[float]:
+    """The losses of the unstaged model trained from ``host_state`` under ``jax.jit``.
+
+    One device, no tasks, no microbatches: the reference the pipelined run must match.
+    """
+    model = _recipe.make_model(config)
+
+    @jax.jit
+    def step(state: Any, batch: Any) -> tuple[jax.Array, Any]:
+        def loss(params: Any) -> jax.Array:
+            apply: Any = lambda x: model.apply({"params": params}, x)
+            return _recipe.lm_loss(apply, batch)
+
+        value, grads = jax.value_and_grad(loss)(state.params)
+        return value, state.apply_gradients(grads=grads)
+
+    state, losses = _on_one_device(host_state), []
+    for batch in batches:
+        value, state = step(state, batch)
+        losses.append(float(value))
+    return losses
+
+
+def _compare(losses: list[float], reference: list[float]) -> dict[str, Any]:
+    """Relative loss differences: checked over the first `REFERENCE_STEPS`, reported over all."""
+    got, want = np.asarray(losses), np.asarray(reference)
+    diff = np.abs(got - want)
+    relative = diff / np.maximum(np.abs(want), np.finfo(np.float32).tiny)
+    checked = min(REFERENCE_STEPS, len(want))
+    return {
+        "checked_steps": checked,
+        "max_abs_diff": float(diff[:checked].max()),
+        "max_rel_diff": float(relative[:checked].max()),
+        "tolerance": REFERENCE_TOLERANCE,
+        "max_rel_diff_all_steps": float(relative.max()),
+        "last_10_mean_loss": float(want[-10:].mean()),
+        "losses": reference,
+    }
+
+
+def _samples(config: ModelConfig, params: Any, options: TrainOptions) -> dict[str, Any]:
+    model = _recipe.make_model(config)
+    params = _on_one_device(params)
+    prompt = _sample.DEFAULT_PROMPT
+    count = _sample.default_tokens(prompt, options.seq_len)
+    corpus = load_corpus(options.corpus)
+    texts = {
+        kind: _sample.generate_text(model, params, prompt, count, temperature=t, seed=0)
+        for kind, t in _SAMPLE_KINDS.items()
+    }
+    rates = {kind: _sample.corpus_match_rate(t[len(prompt) :], corpus) for kind, t in texts.items()}
+    return {"texts": texts, "corpus_match_rate": rates}
+
+
+def _timeline(steps: _Steps, step_fn: Any, path: Path) -> dict[str, Any] | None:
+    """Plots the recorded step next to the simulator's prediction; returns the bubbles."""
+    if steps.timeline is None or not steps.timeline.events:
+        return None
+    schedule = step_fn.executable(steps.state, steps.last_batch).schedule
+    costs = mm.measured_costs(steps.timeline)
+    mm.plot_timeline(steps.timeline, schedule=schedule, path=str(path), costs=costs)
+    try:
+        recorded: float | None = mm.recorded_bubble(steps.timeline)
+    except errors.TimelineDataError:
+        recorded = None
+    simulated = unit = None
+    if schedule is not None:
+        simulated = mm.simulate(schedule, costs=costs).bubble_fraction
+        unit = mm.simulate(schedule).bubble_fraction
+    return {
+        "step": steps.recorded_step,
+        "recorded": recorded,
+        "simulated": simulated,
+        "simulated_unit_costs": unit,
+        "measured_costs_s": costs,
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    try:
+        return np.dtype(value).name
+    except TypeError:
+        return str(value)
+
+
+def _metadata(options: TrainOptions, config: ModelConfig, step: int) -> dict[str, Any]:
+    return {
+        "run": {key: getattr(options, key) for key in RUN_KEYS},
+        "layout": {key: getattr(options, key) for key in LAYOUT_KEYS},
+        "step": step,
+        "config": {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)},
+    }
+
+
+def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
+    """Trains as ``options`` say and writes the run folder; see the module docstring.
+
+    Args:
+        options: resolved options (see `resolve_options`).
+        report: receives the placement table and progress notes (the CLI prints them).
+
+    Returns:
+        A `TrainResult`; ``metrics`` is what ``metrics.json`` holds.
+
+    Raises:
+        RunOptionError: ``options`` contradict the model or the devices (`check_options`).
+        CheckpointNotFoundError: ``resume`` without a checkpoint.
+    """
+    began = time.perf_counter()
+    config = check_options(options, jax.device_count())
+    run_dir = Path(options.out or fresh_run_dir()).absolute()  # orbax needs absolute paths
+    run_dir.mkdir(parents=True, exist_ok=True)
+    step_fn, state, placement = _build(options, config)
+    report(str(placement))
+    with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
+        if options.resume:
+            state = ckpt.restore(target=state)
+            report(f"resumed step {int(state.step)} of '{run_dir}' on layout {options.layout}")
+        start = int(state.step)
+        host_start = jax.tree.map(np.asarray, state) if options.check_reference else None
+        before = _samples(config, state.params, options)
+        steps = _run_steps(step_fn, state, options, start)
+        ckpt.save(
+            start + options.steps, steps.state, _metadata(options, config, start + options.steps)
+        )
+        after = _samples(config, steps.state.params, options)
+        reference = None
+        if host_start is not None:
+            ref = reference_losses(config, host_start, steps.batches)
+            reference = _compare(steps.history["loss"], ref)
+    bubble = _timeline(steps, step_fn, run_dir / _run_files.TIMELINE_PNG)
+    metrics = _finish(options, run_dir, steps, start, placement, bubble, reference, before, after)
+    metrics["summary"]["wall_s"] = time.perf_counter() - began
+    _run_files.write_metrics(run_dir, metrics)
+    return TrainResult(
+        run_dir=run_dir,
+        start_step=start,
+        end_step=start + options.steps,
+        losses=steps.history["loss"],
+        tokens_per_s=metrics["summary"]["tokens_per_s"],
+        wall_s=metrics["summary"]["wall_s"],
+        metrics=metrics,
+    )
+
+
+def _finish(
+    options: TrainOptions,
+    run_dir: Path,
+    steps: _Steps,
+    start: int,
+    placement: Any,
+    bubble: dict[str, Any] | None,
+    reference: dict[str, Any] | None,
+    before: dict[str, Any],
+    after: dict[str, Any],
+) -> dict[str, Any]:
+    """Writes loss.png and samples.txt; returns the metrics (history merged with the past)."""
+    history, invocations = _run_files.previous_metrics(run_dir, start)
+    for key in _run_files.HISTORY_KEYS:
+        history[key] += steps.history[key]
+    end = start + options.steps
+    invocations.append({"start_step": start, "end_step": end, "layout": options.layout})
+    resumed_at = [v["start_step"] for v in invocations if v["start_step"] > 0]
+    title = f"{options.model}, {options.layout} (stages x data x tensor), {options.schedule}"
+    _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at)
+    prompt = _sample.DEFAULT_PROMPT
+    header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
+    _run_files.write_samples(run_dir, {"before": before["texts"], "after": after["texts"]}, header)
+    tokens = options.batch_size * options.seq_len
+    summary = {
+        "start_step": start,
+        "end_step": end,
+        "first_loss": steps.history["loss"][0],
+        "last_loss": steps.history["loss"][-1],
+        "last_10_mean_loss": float(np.mean(steps.history["loss"][-10:])),
+        "tokens_per_s": _steady_tokens_per_s(steps, start, tokens),
+        "compile_s": steps.compile_s,
+    }
+    return {
+        "options": dataclasses.asdict(options),
+        "devices": {"platform": jax.devices()[0].platform, "count": jax.device_count()},
+        "summary": summary,
+        "history": history,
+        "invocations": invocations,
+        "placement": {
+            "bytes_per_device": {str(d): b for d, b in placement.bytes_per_device().items()},
+            "per_task": placement.per_task(),
+        },
+        "bubble": bubble,
+        "reference": reference,
+        "samples": {"before": before, "after": after},
+    }
