@@ -93,7 +93,7 @@ class _SessionState:
         """The task of ``match`` for the forward or backward pass (resolved once)."""
         key = (match.registration, match.name, backprop)
         if key not in self.resolved:
-            spec = _task_for(match, backprop)
+            spec = task_for(match, backprop)
             fwd = self.resolve(match, False) if backprop else None
             if fwd is not None and _same_task(spec, fwd.task):
                 self.resolved[key] = fwd
@@ -138,7 +138,7 @@ def _state(session: _task.TraceSession) -> _SessionState:
     return _STATES[session]
 
 
-def _task_for(match: _registry.Match, backprop: bool) -> _task.Task:
+def task_for(match: _registry.Match, backprop: bool) -> _task.Task:
     registration = match.registration
     if registration.task is not None:
         return registration.task
@@ -172,7 +172,7 @@ def default_task() -> _task.ResolvedTask | None:
     match = _registry.find_match("default")
     if match is None:
         return None
-    return _resolve(_task_for(match, False), match)
+    return _resolve(task_for(match, False), match)
 
 
 # --- trace time -----------------------------------------------------------------------------
@@ -223,7 +223,7 @@ def flax_rules(resolved: _task.ResolvedTask) -> Iterator[None]:
         _FLAX_ACTIVE.stack.pop()
 
 
-def _module_names(module: nn.Module) -> tuple[str, ...]:
+def module_names(module: nn.Module) -> tuple[str, ...]:
     name = module.name or type(module).__name__
     path = tuple(module.path) if module.scope is not None else ()
     return ("/".join(path), name) if path else (name,)
@@ -234,7 +234,7 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
     if session is None or _config.get_flag("ignore_transforms"):
         return next_fun(*args, **kwargs)
     state = _state(session)
-    match = state.match(*_module_names(context.module))
+    match = state.match(*module_names(context.module))
     if match is not None:
         resolved = state.resolve(match, False)
         if _task.current_task() is not resolved:

@@ -25,7 +25,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _logical, _mesh, _runtime, _task
+from multimesh_flax.core import _config, _logical, _mesh, _named_tasks, _registry, _runtime, _task
 from multimesh_flax.layers import _task as _flax_task
 
 ModulePath = tuple[str, ...]
@@ -79,13 +79,33 @@ def path_keys(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _registered_owner(owners: dict[ModulePath, _task.Task]) -> Callable[..., Any]:
+    """A Flax interceptor recording modules that ``register_task`` matches."""
+
+    def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+        module = context.module
+        match = _registry.find_match(*_named_tasks.module_names(module))
+        if match is not None and module.scope is not None:
+            spec = _named_tasks.task_for(match, False)
+            named = spec if spec.name else dataclasses.replace(spec, name=match.name)
+            owners.setdefault(tuple(module.path), named)
+        return next_fun(*args, **kwargs)
+
+    return intercept
+
+
 def trace_variables(
     init: Callable[..., Any], *args: Any, **kwargs: Any
-) -> tuple[Any, dict[ModulePath, _task.Task]]:
-    """Abstract (boxed) variables of ``init(*args, **kwargs)`` and the task module paths."""
-    with _flax_task.record_task_paths() as owners:
+) -> tuple[Any, dict[ModulePath, _task.Task], dict[ModulePath, _task.Task]]:
+    """Abstract (boxed) variables of ``init(*args, **kwargs)`` and the task module paths:
+    ``Task[Module]`` modules, and modules placed by ``register_task``."""
+    registered: dict[ModulePath, _task.Task] = {}
+    with (
+        _flax_task.record_task_paths() as owners,
+        nn.intercept_methods(_registered_owner(registered)),
+    ):
         variables = jax.eval_shape(lambda *a: init(*a, **kwargs), *args)
-    return variables, owners
+    return variables, owners, registered
 
 
 def owner_of(
@@ -122,6 +142,7 @@ def owner_shardings(
     owners: Mapping[ModulePath, _task.Task],
     devices: Any,
     problems: dict[tuple[str, ...], str] | None = None,
+    registered: Mapping[ModulePath, _task.Task] | None = None,
 ) -> tuple[Any, Any]:
     """Per parameter leaf: its owner's ``NamedSharding``, and its owner ``(path, Task)``.
 
@@ -130,13 +151,15 @@ def owner_shardings(
     unless ``problems`` is given: then the message is stored there under the parameter's
     path and the parameter is left unconstrained.
     """
-    resolved = resolve_owners(owners, devices)
+    registered = registered or {}
+    resolved = resolve_owners({**registered, **owners}, devices)
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
     flat, treedef = jax.tree_util.tree_flatten_with_path(boxed_params, is_leaf=is_box)
     shardings, found = [], []
     for path, leaf in flat:
-        hit = owner_of(path_keys(path), owners)
-        found.append(hit)
+        hit = owner_of(path_keys(path), {**registered, **owners})
+        # A registered task's constraint is traced as glue (it lands at its first use).
+        found.append(None if hit is None or hit[0] not in owners else hit)
         if hit is None:
             shardings.append(None)
             continue

@@ -23,6 +23,7 @@ example input is needed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize
+from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize, _registry
 from multimesh_flax.layers import _placement
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
@@ -57,7 +58,14 @@ def default_loss(model_fn: Callable[..., Any], batch: Any) -> Any:
 def _split_rng(rng: Any) -> tuple[Any, Any]:
     key = jax.random.key(0) if rng is None else rng
     if not jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(np.asarray(key, dtype=np.uint32))
+        try:  # raw key data, as from the legacy `jax.random.PRNGKey(0)`
+            key = jax.random.wrap_key_data(np.asarray(key, dtype=np.uint32))
+        except (TypeError, ValueError) as e:
+            raise errors.ParallelizeArgumentError(
+                f"Expected `rng` to be a PRNG key such as `jax.random.key(0)`, got "
+                f"{type(rng).__name__}: {rng!r}. For an integer seed pass "
+                f"`rng=jax.random.key({rng!r})`."
+            ) from e
     params_key, dropout_key = jax.random.split(key)
     return params_key, dropout_key
 
@@ -78,7 +86,14 @@ class _Model:
         if self.pipeline is None:
             return self.loss_fn(model_fn, batch)
         count = self.pipeline["microbatches"]
-        size = jax.tree_util.tree_leaves(batch)[0].shape[0] // count
+        length = jax.tree_util.tree_leaves(batch)[0].shape[0]
+        if length % count:
+            raise errors.UnevenMicrobatchError(
+                f"The step was built with `microbatches`={count}, but got a batch of {length} "
+                f"examples, which {count} microbatches do not divide ({length % count} left "
+                f"over). Pass batches whose leading size is a multiple of {count}."
+            )
+        size = length // count
         chunked = _microbatch.microbatch(
             lambda b: self.loss_fn(model_fn, b),
             0,
@@ -131,6 +146,16 @@ def _check_batches(global_batch: Any, local_batch: Any) -> Any:
             f"Expected exactly one of `global_batch` or `local_batch` (an example batch), got "
             f"{got}. Pass `global_batch` for single-process training."
         )
+    name, batch = (
+        ("global_batch", global_batch) if local_batch is None else ("local_batch", local_batch)
+    )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+            raise errors.ParallelizeArgumentError(
+                f"Expected every leaf of `{name}` to be an array or jax.ShapeDtypeStruct, got "
+                f"{type(leaf).__name__}: {leaf!r} at {jax.tree_util.keystr(path) or '<root>'}. "
+                "Convert Python values with `jnp.asarray`."
+            )
     if local_batch is None:
         return global_batch
     count = jax.process_count()
@@ -157,8 +182,18 @@ def _devices_of(mesh: Any) -> tuple[Any, Any, jax.sharding.Mesh]:
         return list(mesh.devices.flat), None, mesh
     raise errors.ParallelizeArgumentError(
         f"Expected `mesh` to be None, a jax.sharding.Mesh or a MultiMesh, got "
-        f"{type(mesh).__name__}: {mesh!r}."
+        f"{type(mesh).__name__}: {mesh!r}. Build one with `MultiMesh(axis_sizes=..., "
+        "axis_names=...)`, or omit it to use all devices."
     )
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    if loss_fn is not None and not callable(loss_fn):
+        raise errors.ParallelizeArgumentError(
+            f"Expected `loss_fn` to be a function `loss_fn(model_fn, batch) -> scalar`, got "
+            f"{type(loss_fn).__name__}: {loss_fn!r}. For a model whose output is the loss, "
+            "omit it."
+        )
 
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
@@ -187,9 +222,10 @@ def _pipeline_options(
     leading = {
         np.shape(x)[0] if np.ndim(x) else None for x in jax.tree_util.tree_leaves(batch_shape)
     }
-    if not isinstance(microbatches, int) or microbatches < 1:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise errors.ParallelizeArgumentError(
-            f"Expected `microbatches` to be a positive int, got {microbatches!r}."
+            f"Expected `microbatches` to be a positive int, got {microbatches!r}. Pass a "
+            "count such as `microbatches=4`."
         )
     if len(leading) != 1 or None in leading or next(iter(leading)) % microbatches:
         raise errors.ParallelizeArgumentError(
@@ -245,6 +281,7 @@ class _Setup:
         self.model, self.optimizer = model, optimizer
         self.state_constraints: Any = None
         self.state_owners: Any = None
+        self.state_tree: Any = None
         self.batch_constraints: Any = None
 
     def make_state(self, batch_shape: Any) -> Any:
@@ -257,9 +294,11 @@ class _Setup:
         )
 
     def derive_constraints(self, batch_shape: Any, devices: Any) -> Any:
-        boxed, owners = _placement.trace_variables(self.runner.init_variables, batch_shape)
+        boxed, owners, registered = _placement.trace_variables(
+            self.runner.init_variables, batch_shape
+        )
         param_sh, param_owners = _placement.owner_shardings(
-            boxed.get("params", {}), owners, devices
+            boxed.get("params", {}), owners, devices, registered=registered
         )
         state = jax.eval_shape(lambda: self.make_state(batch_shape))
         nothing = jax.tree_util.tree_map(lambda _: None, state.model_state)
@@ -272,9 +311,23 @@ class _Setup:
 
         self.state_constraints = per_leaf(param_sh)
         self.state_owners = per_leaf(param_owners)
+        self.state_tree = jax.tree_util.tree_structure(state)
         return state
 
+    def check_state(self, state: Any) -> None:
+        """Raises unless ``state`` has the tree of the state ``parallelize_step`` made."""
+        got = jax.tree_util.tree_structure(state)
+        if self.state_tree is not None and got != self.state_tree:
+            raise errors.ParallelizeArgumentError(
+                f"Expected `state` to be the TrainState that `parallelize_step` returned (or "
+                f"the one the previous step returned), got a {type(state).__name__} with "
+                f"{got.num_leaves} leaves where the step expects {self.state_tree.num_leaves}. "
+                "Call `step_fn(state, batch)` with that state; to change parameters use "
+                "`state.replace(params=...)` with the same tree."
+            )
+
     def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        self.check_state(state)  # runs while tracing only: free on later calls
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
@@ -287,16 +340,25 @@ class _Setup:
 class StepFn:
     """The training step ``parallelize_step`` returns: ``step_fn(state, batch)``.
 
-    ``describe``/``executable`` show the compiled MPMD program; every method runs inside the
-    ``MultiMesh`` the step was built with.
+    ``describe``/``executable`` show the compiled MPMD program. Every method runs inside the
+    ``MultiMesh`` and the registries (``Context``) that were active when the step was built,
+    so where it is later called does not change what it does.
     """
 
     def __init__(self, jitted: _jit.MpmdJit, multi: _mesh.MultiMesh | None) -> None:
         self.jitted = jitted
-        self._multi = multi
+        # The registries active when the step was built, outermost first (the process-wide
+        # default is always active); the MultiMesh goes outside them unless it is one.
+        captured = list(reversed(_registry.active_contexts()[:-1]))
+        if multi is not None and not any(c is multi for c in captured):
+            captured.insert(0, multi)
+        self._contexts = captured
 
     def _context(self) -> Any:
-        return self._multi if self._multi is not None else _config.context()
+        stack = contextlib.ExitStack()
+        for context in self._contexts:
+            stack.enter_context(context)
+        return stack
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
         """One training step: ``(loss, new_state)``; ``state`` is donated."""
@@ -367,8 +429,11 @@ def parallelize_step(
         ``prepare_batch(local)`` assembles the global batch in the step's input shardings.
 
     Raises:
-        ParallelizeArgumentError: a model or optimizer of the wrong kind, neither or both
-            batches, a non-scalar loss, or a batch ``replicate_inputs=False`` cannot split.
+        ParallelizeArgumentError: a model, optimizer, ``loss_fn`` or ``rng`` of the wrong
+            kind, neither or both batches, a batch leaf that is not an array, a non-scalar
+            loss, a ``microbatches`` count that does not divide the batch, a ``schedule``
+            without ``microbatches``, or a batch ``replicate_inputs=False`` cannot split. The
+            step raises it when called with a state of another tree.
 
     Example:
         >>> import optax
@@ -389,6 +454,7 @@ def parallelize_step(
         1
     """
     _check_model_and_optimizer(model, optimizer)
+    _check_loss_fn(loss_fn)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
     pipeline = _pipeline_options(microbatches, schedule, interleave, batch_shape)
     devices, multi, result_mesh = _devices_of(mesh)

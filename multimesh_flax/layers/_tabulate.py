@@ -23,6 +23,7 @@ import rich.console
 import rich.table
 from flax import linen as nn
 
+from multimesh_flax import errors
 from multimesh_flax.core import _parallelize
 from multimesh_flax.layers import _placement
 
@@ -102,10 +103,13 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
         >>> [(p.path, p.mesh_spec, p.device_ids, p.bytes_per_device) for p in placement.params]
         [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
     """
-    boxed, owners = _placement.trace_variables(model.init, rngs, *args, **kwargs)
+    boxed, owners, registered = _placement.trace_variables(model.init, rngs, *args, **kwargs)
     boxed_params = boxed.get("params", {})
     problems: dict[tuple[str, ...], str] = {}
-    task_sh, found = _placement.owner_shardings(boxed_params, owners, None, problems)
+    task_sh, found = _placement.owner_shardings(
+        boxed_params, owners, None, problems, registered=registered
+    )
+    every_owner = {**registered, **owners}
     params = nn.meta.unbox(boxed_params)
     others = nn.meta.unbox({k: v for k, v in boxed.items() if k != "params"})
 
@@ -118,11 +122,9 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
     )
     derived = _parallelize.derive_shardings(forward, (params, abstract_args), None)
     flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
-    flat_owners = jax.tree_util.tree_structure(params).flatten_up_to(found)
     rows = []
-    for (path, leaf), sharding, owner in zip(
-        flat_params, derived[: len(flat_params)], flat_owners, strict=True
-    ):
+    for (path, leaf), sharding in zip(flat_params, derived[: len(flat_params)], strict=True):
+        owner = _placement.owner_of(_placement.path_keys(path), every_owner)
         box = _box_at(boxed_params, path)
         rows.append(
             _placement.ParamPlacement(
@@ -186,12 +188,20 @@ def _render(placement: Placement) -> str:
         devices.add_row(str(device), f"{total:,}")
     notes = [f"{p.path}: {p.problem}" for p in placement.params if p.problem]
     out = io.StringIO()
-    console = rich.console.Console(file=out, width=120, force_terminal=False, color_system=None)
+    console = rich.console.Console(
+        file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
+    )
     for table in (params, tasks, devices):
         console.print(table)
     for note in notes:
         console.print(f"! {note}")
     return out.getvalue()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__name__}"
+    return f"{type(value).__name__}: {value!r}"
 
 
 def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
@@ -209,6 +219,9 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
     Returns:
         The tables as one string.
 
+    Raises:
+        TaskTypeError: ``model`` is a module class or anything else but a module instance.
+
     Example:
         >>> from flax import linen as nn
         >>> import multimesh_flax as mm
@@ -217,6 +230,11 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         >>> "Task[Dense] Summary" in text and "Parameter placement" in text
         True
     """
+    if not isinstance(model, nn.Module):
+        raise errors.TaskTypeError(
+            f"Expected `model` to be a Flax module instance such as `MLP(features=16)`, got "
+            f"{_describe(model)}. Instantiate the class first."
+        )
     flax_options, model_kwargs = _split_kwargs(kwargs)
     flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
     summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)

@@ -162,9 +162,14 @@ def _make_task_class(model: type[nn.Module], spec: _task.Task) -> type[nn.Module
 
 def _check_model(model: Any) -> None:
     if not (isinstance(model, type) and issubclass(model, nn.Module)):
+        got = (
+            f"an instance of {type(model).__name__}"
+            if isinstance(model, nn.Module)
+            else f"{type(model).__name__}: {model!r}"
+        )
         raise errors.TaskTypeError(
             f"Expected a Flax module class (a subclass of flax.linen.Module) such as "
-            f"`nn.Dense`, got {model!r}. Pass the class, not an instance; wrap plain "
+            f"`nn.Dense`, got {got}. Pass the class, not an instance; wrap plain "
             "functions with `multimesh_flax.core.task`."
         )
 

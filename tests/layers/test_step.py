@@ -268,3 +268,52 @@ def test_wrong_model_optimizer_and_loss_raise():
         layers.parallelize_step(
             Classifier(), optax.sgd(0.1), global_batch=X, loss_fn=lambda f, b: b.sum()
         )
+
+
+class UnmodifiedMLP(nn.Module):
+    """Plain Flax: logical names only through Flax's own API, placed by ``register_task``."""
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.with_logical_partitioning(nn.initializers.xavier_normal(), ("embed", "mlp"))
+        for i in range(2):
+            x = nn.relu(nn.Dense(16, kernel_init=init, name=f"layer_{i}")(x))
+        return jnp.mean(x**2)
+
+
+def test_registered_tasks_shard_their_parameters_by_logical_names():
+    multi = mm.MultiMesh(axis_sizes=(4, 2), axis_names=("stage", "model"))
+    multi.register_task(
+        "layer_([0-9])",
+        callback=lambda n, _: mm.Task(
+            mesh_slice={"stage": int(n)}, logical_axes=[("mlp", "model")]
+        ),
+    )
+    x = X
+    with multi:
+        rows = {
+            p.path: p for p in layers.get_placement(UnmodifiedMLP(), jax.random.key(0), x).params
+        }
+        step, state, _ = layers.parallelize_step(UnmodifiedMLP(), optax.sgd(0.1), multi, x)
+    kernel = state.params["layer_1"]["kernel"]
+    assert device_ids(kernel) == [2, 3] and kernel.sharding.spec == P(None, "model")
+    assert (
+        rows["layer_1/kernel"].mesh_spec == P(None, "model") and rows["layer_1/kernel"].task == "1"
+    )
+    start = _initial_params(state)
+    losses, state = _train(step, state, [x] * 2)
+    ref_losses, ref_params = _reference_run(UnmodifiedMLP(), optax.sgd(0.1), start, [(x,)] * 2)
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
+    )
+
+
+def test_the_step_keeps_the_registries_it_was_built_in():
+    ctx = mm.Context()
+    ctx.register_task("layer_1", task=mm.Task(mesh=mm.TaskMesh(devices=[6, 7])))
+    with ctx:
+        step, state, _ = layers.parallelize_step(UnmodifiedMLP(), optax.sgd(0.1), global_batch=X)
+    loss, state = step(state, X)  # called outside `with ctx:`: still placed by it
+    assert device_ids(state.params["layer_1"]["kernel"]) == [6, 7]
+    assert np.isfinite(float(loss))
