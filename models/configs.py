@@ -27,6 +27,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from multimesh_flax import errors
+
 __all__ = ["PRESETS", "Family", "ModelConfig", "get_config"]
 
 
@@ -102,12 +104,12 @@ def _to_family(value: Any) -> Family:
         return Family(value)
     except ValueError:
         valid = [f.value for f in Family]
-        raise ValueError(f"`family` must be one of {valid}, got {value!r}.") from None
+        raise errors.ModelConfigError(f"`family` must be one of {valid}, got {value!r}.") from None
 
 
 def _default_head_dim(config: ModelConfig) -> int:
     if config.num_heads <= 0 or config.embed_dim % config.num_heads:
-        raise ValueError(
+        raise errors.ModelConfigError(
             f"`embed_dim` ({config.embed_dim}) must be a positive multiple of `num_heads` "
             f"({config.num_heads}) unless `head_dim` is given explicitly."
         )
@@ -120,17 +122,21 @@ def _check_config(config: ModelConfig) -> None:
     for field in sizes:
         value = getattr(config, field)
         if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"`{field}` must be a positive int, got {value!r}.")
+            raise errors.ModelConfigError(f"`{field}` must be a positive int, got {value!r}.")
     assert config.num_kv_heads is not None  # Filled in by __post_init__.
     if config.num_heads % config.num_kv_heads:
-        raise ValueError(
+        raise errors.ModelConfigError(
             f"`num_kv_heads` ({config.num_kv_heads}) must divide `num_heads` "
             f"({config.num_heads}); each key/value head serves a whole group of query heads."
         )
     if config.head_dim is not None and config.head_dim % 2 and config.family is Family.LLAMA:
-        raise ValueError(f"Rotary embeddings need an even `head_dim`, got {config.head_dim}.")
+        raise errors.ModelConfigError(
+            f"Rotary embeddings need an even `head_dim`, got {config.head_dim}."
+        )
     if not 0.0 <= config.dropout_rate < 1.0:
-        raise ValueError(f"`dropout_rate` must be in [0, 1), got {config.dropout_rate!r}.")
+        raise errors.ModelConfigError(
+            f"`dropout_rate` must be in [0, 1), got {config.dropout_rate!r}."
+        )
 
 
 _PRESET_ARGS: dict[str, dict[str, Any]] = {
@@ -196,8 +202,8 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
         The (validated) configuration.
 
     Raises:
-        ValueError: If `name` is not a preset, or an override makes the config invalid.
-        TypeError: If an override names no `ModelConfig` field.
+        ModelConfigError: If `name` is not a preset, an override names no `ModelConfig`
+            field, or an override makes the config invalid (a `ValueError`).
 
     Example:
         >>> from models import get_config
@@ -208,11 +214,18 @@ def get_config(name: str, **overrides: Any) -> ModelConfig:
         >>> get_config("gpt-huge")
         Traceback (most recent call last):
         ...
-        ValueError: Unknown preset `name`='gpt-huge'. Valid names: gpt-tiny, gpt-small, ...
+        multimesh_flax.errors.ModelConfigError: Unknown preset `name`='gpt-huge'. Valid names: ...
     """
     if name not in PRESETS:
-        raise ValueError(
+        raise errors.ModelConfigError(
             f"Unknown preset `name`={name!r}. Valid names: {', '.join(PRESETS)}. "
             "Build a `ModelConfig` directly for anything else."
+        )
+    fields = [f.name for f in dataclasses.fields(ModelConfig)]
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise errors.ModelConfigError(
+            f"Unknown `ModelConfig` field {unknown[0]!r} in the overrides of {name!r}. Valid "
+            f"fields: {', '.join(fields)}."
         )
     return ModelConfig(**{**_PRESET_ARGS[name], **overrides})

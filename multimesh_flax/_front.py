@@ -7,6 +7,7 @@ from typing import Any
 
 from flax import linen as nn
 
+from multimesh_flax import errors
 from multimesh_flax.core import _task as _core_task
 from multimesh_flax.layers import _task as _flax_task
 
@@ -32,4 +33,10 @@ def task(
     """
     if isinstance(fun, type) and issubclass(fun, nn.Module):
         return _flax_task.task(fun, name, task=task, **kwargs)
+    if isinstance(fun, nn.Module):
+        raise errors.TaskTypeError(
+            f"Expected a Flax module class such as `nn.Dense` (or a function), got an "
+            f"instance of {type(fun).__name__}. Pass the class and construct the wrapped class: "
+            f"`task({type(fun).__name__}, ...)(<fields>)`."
+        )
     return _core_task.task(fun, name, task=task, **kwargs)

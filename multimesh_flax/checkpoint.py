@@ -110,7 +110,7 @@ class Checkpointer:
         ):
             raise errors.CheckpointArgumentError(
                 f"Expected `max_to_keep` to be a positive integer or None (keep all), got "
-                f"{max_to_keep!r}."
+                f"{max_to_keep!r}. Pass e.g. `max_to_keep=3`, or None."
             )
         if read_only and not self.directory.is_dir():
             raise errors.CheckpointNotFoundError(
@@ -221,7 +221,8 @@ class Checkpointer:
     def _check_new_step(self, step: int) -> int:
         if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
             raise errors.CheckpointStepError(
-                f"Expected `step` to be a non-negative integer, got {step!r}."
+                f"Expected `step` to be a non-negative integer, got {step!r}. Save under the "
+                "training step (0, 1, ...)."
             )
         latest = self._manager.latest_step()
         if latest is not None and step <= latest:

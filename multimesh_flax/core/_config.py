@@ -11,7 +11,8 @@ at once:
 * :func:`ignore_transforms` -- every multimesh transformation becomes the identity, for
   debugging and as the numerical reference.
 
-Every manager restores the previous value on exit, also when the body raises.
+Every manager restores the previous value on exit, also when the body raises. A value that
+is not a bool raises ``ContextFlagError`` on entry, before anything changes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator
+
+import numpy as np
+
+from multimesh_flax import errors
 
 
 @dataclasses.dataclass
@@ -38,13 +43,38 @@ class _ThreadFlags(threading.local):
 _STATE = _ThreadFlags()
 
 
+_NAMES = tuple(f.name for f in dataclasses.fields(_Flags))
+
+
 def get_flag(name: str) -> bool:
-    """Returns the current value of one switch (``"autoshard"``, ``"ignore_transforms"``, ...)."""
+    """Returns the current value of one switch (``"autoshard"``, ``"ignore_transforms"``, ...).
+
+    Raises:
+        ContextFlagError: ``name`` is not one of the four switches.
+    """
+    if name not in _NAMES:
+        raise errors.ContextFlagError(f"Unknown switch {name!r}; expected one of {list(_NAMES)}.")
     return getattr(_STATE.flags, name)
+
+
+def _is_switch_value(value: object) -> bool:
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    return isinstance(value, (int, np.integer)) and value in (0, 1)
+
+
+def _check_switches(values: dict[str, bool | None]) -> None:
+    for name, value in values.items():
+        if value is not None and not _is_switch_value(value):
+            raise errors.ContextFlagError(
+                f"Expected switch `{name}` to be True or False, got {type(value).__name__}: "
+                f"{value!r} (a non-empty string would turn it on). Pass a bool."
+            )
 
 
 @contextlib.contextmanager
 def _override(**values: bool | None) -> Iterator[None]:
+    _check_switches(values)
     flags = _STATE.flags
     saved = dataclasses.replace(flags)
     try:

@@ -24,7 +24,8 @@ def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     if any(not isinstance(n, int) or n < 0 for n in nums):
         raise errors.StaticArgumentError(
-            f"Expected `{argument}` as non-negative ints, got {argnums!r}."
+            f"Expected `{argument}` as non-negative ints, got {argnums!r}. Index positional "
+            f"arguments from 0, e.g. `{argument}=(1,)`."
         )
     return nums
 
@@ -91,7 +92,7 @@ class MpmdJit:
         if bad:
             raise errors.StaticArgumentError(
                 f"`static_argnums` names argument {bad[0]}, but the call has {len(args)} "
-                "positional arguments."
+                "positional arguments. Pass it, or fix `static_argnums`."
             )
         statics = tuple(args[i] for i in self.static_argnums)
         try:
@@ -205,6 +206,11 @@ def jit(
     Returns:
         A callable with ``fun``'s signature; ``.describe(*args)`` dumps its program.
 
+    Raises:
+        ParallelizeArgumentError: ``fun`` is not callable, or ``devices`` is empty.
+        StaticArgumentError: ``static_argnums``/``donate_argnums`` are not non-negative
+            ints (at call time also: an index beyond the arguments, an unhashable static).
+
     Example:
         >>> import multimesh_flax as mm
         >>> f = mm.task(lambda x: x * 2, mesh=mm.TaskMesh(devices=[0]))
@@ -213,10 +219,19 @@ def jit(
         >>> out.tolist(), [d.id for d in out.devices()]
         ([1.0, 3.0, 5.0], [1])
     """
+    if not callable(fun):
+        raise errors.ParallelizeArgumentError(
+            f"Expected `fun` to be a function, got {type(fun).__name__}: {fun!r}. Pass the "
+            "function itself, not its result."
+        )
     if devices is not None:
         count = np.asarray(devices).size
         if count == 0:
-            raise errors.ParallelizeArgumentError("Expected at least one device, got none.")
+            raise errors.ParallelizeArgumentError(
+                "Expected at least one device in `devices`, got none. Pass a list of jax "
+                "devices, or omit `devices` for the current MultiMesh or all devices."
+            )
+        _mesh.check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
     return MpmdJit(
         fun,
         devices,

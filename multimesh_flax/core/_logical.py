@@ -60,7 +60,9 @@ def logical_to_mesh_spec(
         A ``PartitionSpec`` over mesh axis names, one entry per dimension.
 
     Raises:
-        PartitionSpecError: more entries than dimensions.
+        PartitionSpecError: ``logical`` is not a ``PartitionSpec``, or has more entries than
+            dimensions.
+        LogicalRulesError: malformed ``rules``, or a rule names an axis ``mesh_shape`` lacks.
         UnevenShardingError: a dimension does not divide its shard count.
 
     Example:
@@ -70,6 +72,12 @@ def logical_to_mesh_spec(
         >>> logical_to_mesh_spec(P(None, "model"), (16, 8), {"x": 8}, rules)
         P(None, 'x')
     """
+    if not isinstance(logical, (PartitionSpec, tuple, list)):
+        raise errors.PartitionSpecError(
+            f"Expected `logical` as a PartitionSpec over logical names, got "
+            f"{type(logical).__name__}: {logical!r}. Write P({logical!r}) for one dimension."
+        )
+    rules = _task.normalise_rules(rules, "rules")
     entries = tuple(logical)
     if len(entries) > len(shape):
         raise errors.PartitionSpecError(
@@ -123,6 +131,17 @@ def _is_spec(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
 
 
+def _check_specs(axis_resources: Any) -> None:
+    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=_is_spec)
+    bad = [leaf for leaf in leaves if not _is_spec(leaf)]
+    if bad:
+        raise errors.PartitionSpecError(
+            f"Expected `axis_resources` as a PartitionSpec over logical names (or a pytree "
+            f"prefix of them), got {axis_resources!r} (it holds {type(bad[0]).__name__}: "
+            f"{bad[0]!r}). Write P('batch', None) instead of a tuple or string of names."
+        )
+
+
 def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.ResolvedTask) -> Any:
     logical = PartitionSpec() if spec is None else spec
     mesh_spec = logical_to_mesh_spec(logical, x.shape, dict(resolved.mesh.shape), resolved.rules)
@@ -161,6 +180,7 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         if _config.get_flag("autoshard"):
             return x
         return jax.lax.with_sharding_constraint(x, axis_resources)
+    _check_specs(axis_resources)
     return jax.tree_util.tree_map(
         lambda spec, sub: jax.tree_util.tree_map(
             lambda leaf: _constrain_leaf(leaf, spec, resolved), sub

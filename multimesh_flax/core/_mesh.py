@@ -32,6 +32,26 @@ def make_auto_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def _as_axes(axis_sizes: Any, axis_names: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Checks that sizes and names are sequences (not a bare int or string) and tuples them."""
+    for arg, value, example in (
+        ("axis_sizes", axis_sizes, "(8,)"),
+        ("axis_names", axis_names, "('x',)"),
+    ):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+            raise errors.MeshShapeError(
+                f"Expected `{arg}` as a sequence with one entry per mesh axis, got "
+                f"{type(value).__name__}: {value!r}. Write a tuple, e.g. {example}."
+            )
+    bad_names = [n for n in axis_names if not isinstance(n, str)]
+    if bad_names:
+        raise errors.MeshShapeError(
+            f"Expected mesh axis names as strings, got {bad_names[0]!r} in `axis_names`="
+            f"{tuple(axis_names)!r}."
+        )
+    return tuple(axis_sizes), tuple(axis_names)
+
+
 def _check_names_sizes(axis_sizes: Sequence[int], axis_names: Sequence[str]) -> None:
     if len(axis_sizes) != len(axis_names):
         raise errors.MeshShapeError(
@@ -41,7 +61,8 @@ def _check_names_sizes(axis_sizes: Sequence[int], axis_names: Sequence[str]) -> 
         )
     if len(set(axis_names)) != len(axis_names):
         raise errors.MeshShapeError(
-            f"Expected distinct mesh axis names, got `axis_names`={tuple(axis_names)}."
+            f"Expected distinct mesh axis names, got `axis_names`={tuple(axis_names)}. "
+            "Name every axis once."
         )
     bad = [s for s in axis_sizes if not isinstance(s, (int, np.integer)) or s < 1]
     if bad:
@@ -58,7 +79,7 @@ def _check_device_count(count: int, axis_sizes: Sequence[int], what: str) -> Non
         )
 
 
-def _check_unique(items: Sequence[Any], what: str) -> None:
+def check_unique(items: Sequence[Any], what: str) -> None:
     seen: set[Any] = set()
     dupes = [d for d in items if d in seen or seen.add(d)]
     if dupes:
@@ -87,7 +108,7 @@ def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterat
         yield
         return
     flat = tuple(np.asarray(devices, dtype=object).reshape(-1))
-    _check_unique(flat, "devices")
+    check_unique(flat, "devices")
     _STATE.device_lists.append(flat)
     try:
         yield
@@ -116,6 +137,28 @@ def get_multi_mesh() -> MultiMesh | None:
 
 
 # --- TaskMesh -------------------------------------------------------------------------------
+
+
+def _positions(devices: Any) -> tuple[int, ...]:
+    """``devices`` as a flat tuple of ints; anything else is a ``DevicePositionError``."""
+    flat = np.asarray(list(devices) if isinstance(devices, range) else devices, dtype=object)
+    bad = [
+        d
+        for d in flat.reshape(-1)
+        if not isinstance(d, (int, np.integer)) or isinstance(d, (bool, np.bool_))
+    ]
+    if bad:
+        hint = (
+            " To run on particular devices, pass a jax.sharding.Mesh as `mesh=`, or the devices "
+            "as `task(..., devices=...)`."
+            if isinstance(bad[0], jax.Device)
+            else ""
+        )
+        raise errors.DevicePositionError(
+            f"Expected `devices` as integer positions 0..N-1 in the executable's device list "
+            f"(e.g. range(4)), got {type(bad[0]).__name__}: {bad[0]!r}.{hint}"
+        )
+    return tuple(int(d) for d in flat.reshape(-1))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -152,7 +195,7 @@ class TaskMesh:
         axis_names: Sequence[str] | None = None,
         abstract: AbstractMesh | None = None,
     ) -> None:
-        positions = tuple(int(d) for d in np.asarray(devices).reshape(-1))
+        positions = _positions(devices)
         if abstract is not None:
             axis_sizes, axis_names = abstract.axis_sizes, abstract.axis_names
         if axis_sizes is None:
@@ -163,12 +206,14 @@ class TaskMesh:
                 if len(axis_sizes) == 1
                 else tuple(f"axis_{i}" for i in range(len(axis_sizes)))
             )
-        _check_names_sizes(tuple(axis_sizes), tuple(axis_names))
-        _check_device_count(len(positions), tuple(axis_sizes), "device positions")
-        _check_unique(positions, "device positions")
+        axis_sizes, axis_names = _as_axes(axis_sizes, axis_names)
+        _check_names_sizes(axis_sizes, axis_names)
+        _check_device_count(len(positions), axis_sizes, "device positions")
+        check_unique(positions, "device positions")
         if any(p < 0 for p in positions):
             raise errors.MeshIndexError(
-                f"Expected device positions >= 0, got `devices`={list(positions)}."
+                f"Expected device positions >= 0, got `devices`={list(positions)}. Use "
+                "positions 0..N-1 in the executable's device list."
             )
         object.__setattr__(self, "devices", positions)
         object.__setattr__(self, "axis_sizes", tuple(int(s) for s in axis_sizes))
@@ -265,7 +310,7 @@ class MultiMesh(Context):
                 f"Expected `axis_sizes` and `axis_names` (or `global_mesh`), got "
                 f"`axis_sizes`={axis_sizes!r}, `axis_names`={axis_names!r}."
             )
-        sizes, names = tuple(axis_sizes), tuple(axis_names)
+        sizes, names = _as_axes(axis_sizes, axis_names)
         _check_names_sizes(sizes, names)
         if devices is not None and not isinstance(devices, np.ndarray):
             devices = list(devices)
@@ -274,7 +319,7 @@ class MultiMesh(Context):
         if devices is None and flat.size > math.prod(sizes):
             flat = flat[: math.prod(sizes)]
         _check_device_count(flat.size, sizes, "devices")
-        _check_unique(list(flat), "devices")
+        check_unique(list(flat), "devices")
         self._mesh = make_auto_mesh(flat.reshape(sizes), names)
 
     @property

@@ -77,7 +77,7 @@ def _check_positive(**values: Any) -> None:
     for name, value in values.items():
         if value is not None and (not _is_int(value) or value < 1):
             raise errors.MicrobatchArgumentError(
-                f"Expected `{name}` to be a positive integer, got {value!r}."
+                f"Expected `{name}` to be a positive integer, got {value!r}. Pass an int >= 1."
             )
 
 
@@ -311,18 +311,21 @@ def microbatch(
     """
     if not callable(fun):
         raise errors.MicrobatchArgumentError(
-            f"Expected `fun` to be callable, got {type(fun).__name__}."
+            f"Expected `fun` to be callable, got {type(fun).__name__}: {fun!r}. Pass the "
+            "function to run per microbatch."
         )
     if not _is_int(dim):
         raise errors.MicrobatchAxisError(f"Expected `dim` to be an int, got {dim!r}.")
     _check_positive(size=size)
     if not _is_int(argnum) or argnum < 0:
         raise errors.MicrobatchAxisError(
-            f"Expected `argnum` to be a non-negative int, got {argnum!r}."
+            f"Expected `argnum` to be a non-negative int, got {argnum!r}. Count positional "
+            "arguments from 0."
         )
     if reduce not in _REDUCTIONS:
         raise errors.MicrobatchArgumentError(
-            f"Expected `reduce` in {list(_REDUCTIONS)}, got {reduce!r}."
+            f"Expected `reduce` in {list(_REDUCTIONS)}, got {reduce!r}. Use 'mean' for "
+            "averaged losses, 'sum' to add the microbatch results."
         )
     options = _make_options(schedule, num_stages, interleave, custom_schedule)
     split = _Split(int(dim), int(size), int(argnum), arg_shardings, reduce)

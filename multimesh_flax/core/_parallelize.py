@@ -74,7 +74,12 @@ def _shapes(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
-def _check_args(init_params: Any, get_input_batch: Any, initial_batch: Any) -> None:
+def _check_args(fun: Any, init_params: Any, get_input_batch: Any, initial_batch: Any) -> None:
+    if not callable(fun):
+        raise errors.ParallelizeArgumentError(
+            f"Expected `fun` to be a function `fun(params, batch)`, got {type(fun).__name__}: "
+            f"{fun!r}. Pass the function itself."
+        )
     if get_input_batch is not None and initial_batch is not None:
         raise errors.ParallelizeArgumentError(
             "Expected either `get_input_batch` or `initial_batch`, got both. Pass one."
@@ -83,7 +88,8 @@ def _check_args(init_params: Any, get_input_batch: Any, initial_batch: Any) -> N
         if value is not None and not callable(value):
             raise errors.ParallelizeArgumentError(
                 f"Expected `{name}` to be a function taking no arguments, got "
-                f"{type(value).__name__}: {value!r}."
+                f"{type(value).__name__}: {value!r}. Wrap a value in a function: "
+                f"`{name}=lambda: value`."
             )
 
 
@@ -110,8 +116,8 @@ def parallelize(
         ``get_input_batch`` is given, else ``(sharded_fun, sharded_init_params)``.
 
     Raises:
-        ParallelizeArgumentError: both ``get_input_batch`` and ``initial_batch``, or an
-            initializer that is not callable.
+        ParallelizeArgumentError: both ``get_input_batch`` and ``initial_batch``, or ``fun``
+            or an initializer that is not callable.
 
     Example:
         >>> import multimesh_flax as mm
@@ -127,7 +133,7 @@ def parallelize(
         >>> float(sh_f(init_w(), get_x()).sum())
         256.0
     """
-    _check_args(init_params, get_input_batch, initial_batch)
+    _check_args(fun, init_params, get_input_batch, initial_batch)
     has_batch = get_input_batch is not None or initial_batch is not None
     params_shape = jax.eval_shape(init_params) if init_params is not None else None
     batch_shape = None

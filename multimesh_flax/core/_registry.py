@@ -89,12 +89,14 @@ def make_registration(
     if callback is not None and not callable(callback):
         raise errors.TaskCallbackError(
             f"Expected `callback` for matcher {pattern.pattern!r} to be a function "
-            f"`(matched_name, backprop) -> Task`, got {type(callback).__name__}: {callback!r}."
+            f"`(matched_name, backprop) -> Task`, got {type(callback).__name__}: {callback!r}. "
+            "Pass a function, or `task=Task(...)` for a fixed task."
         )
     if task is not None and not isinstance(task, task_type):
         raise errors.TaskTypeError(
             f"Expected `task` for matcher {pattern.pattern!r} to be a Task, got "
-            f"{type(task).__name__}: {task!r}."
+            f"{type(task).__name__}: {task!r}. Pass `task=Task(...)`, e.g. "
+            "`Task(mesh_slice={'stage': 0})`."
         )
     return Registration(pattern=pattern, callback=callback, task=task)
 

@@ -430,6 +430,12 @@ def _validated_order(schedule: Schedule) -> list[tuple[int, ScheduleOp]]:
 
 
 def _check_layout(schedule: Schedule) -> None:
+    if not isinstance(schedule, Schedule):
+        raise errors.InvalidScheduleError(
+            f"Expected a Schedule, got {type(schedule).__name__}: {schedule!r}. Build one with "
+            "`make_schedule(name, num_stages, num_microbatches)`, or "
+            "`make_schedule('custom', ..., custom=rows)` for your own order."
+        )
     _check_positive(num_stages=schedule.num_stages, num_microbatches=schedule.num_microbatches)
     rows = schedule.num_submeshes
     if len(schedule.stage_to_row) != schedule.num_stages or any(

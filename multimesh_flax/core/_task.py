@@ -34,7 +34,8 @@ Rule = tuple[str, "str | tuple[str, ...] | None"]
 MARKER_RE = re.compile(r"mmtask(\d+)_")
 
 
-def _normalise_rules(rules: Any, argument: str) -> tuple[Rule, ...]:
+def normalise_rules(rules: Any, argument: str) -> tuple[Rule, ...]:
+    """Checks that ``rules`` are ``(logical_name, mesh_axis)`` pairs and tuples them."""
     if rules is None:
         return ()
     try:
@@ -70,7 +71,8 @@ class Task:
         loop_dependent_mesh_slice: ``i -> {axis: index}``, the slice microbatch ``i`` uses.
 
     Raises:
-        InvalidTaskError: both ``mesh`` and ``mesh_slice``.
+        InvalidTaskError: both ``mesh`` and ``mesh_slice``, a ``name`` that is not a string,
+            or a ``mesh_slice`` that is not a mapping.
         TaskTypeError: ``mesh`` is neither a ``TaskMesh`` nor a ``jax.sharding.Mesh``.
         LogicalRulesError: malformed ``logical_axes`` or ``extra_axes``.
 
@@ -91,10 +93,22 @@ class Task:
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and not isinstance(self.name, str):
+            raise errors.InvalidTaskError(
+                f"Expected `name` to be a string, got {type(self.name).__name__}: {self.name!r}. "
+                f"Write name={str(self.name)!r}."
+            )
+        if self.mesh_slice is not None and not isinstance(self.mesh_slice, Mapping):
+            raise errors.InvalidTaskError(
+                f"Expected `mesh_slice` as a mapping {{axis: index}} of the current MultiMesh, "
+                f"got {type(self.mesh_slice).__name__}: {self.mesh_slice!r}. Example: "
+                "mesh_slice={'stage': 0}."
+            )
         if self.mesh is not None and not isinstance(self.mesh, (_mesh.TaskMesh, Mesh)):
             raise errors.TaskTypeError(
                 f"Expected `mesh` to be a TaskMesh or jax.sharding.Mesh, got "
-                f"{type(self.mesh).__name__}: {self.mesh!r}."
+                f"{type(self.mesh).__name__}: {self.mesh!r}. Wrap device positions as "
+                "`TaskMesh(devices=[0, 1])`."
             )
         if self.mesh is not None and self.mesh_slice is not None:
             raise errors.InvalidTaskError(
@@ -102,17 +116,17 @@ class Task:
                 f"{dict(self.mesh_slice)!r}). A mesh slice already names the devices; drop one."
             )
         if self.logical_axes is not None:
-            rules = _normalise_rules(self.logical_axes, "logical_axes")
+            rules = normalise_rules(self.logical_axes, "logical_axes")
             object.__setattr__(self, "logical_axes", rules)
         if self.extra_axes is not None:
-            object.__setattr__(self, "extra_axes", _normalise_rules(self.extra_axes, "extra_axes"))
+            object.__setattr__(self, "extra_axes", normalise_rules(self.extra_axes, "extra_axes"))
         if self.mesh_slice is not None:
             object.__setattr__(self, "mesh_slice", dict(self.mesh_slice))
         sb = self.split_backprop
         if sb is not None and (len(sb) != 2 or not all(isinstance(s, str) for s in sb)):
             raise errors.InvalidTaskError(
                 f"Expected `split_backprop` as two name suffixes (critical, noncritical), "
-                f"got {sb!r}."
+                f"got {sb!r}. Pass two strings, e.g. ('act_grad', 'weight_grad')."
             )
 
 
@@ -282,7 +296,7 @@ def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh:
     if len(names) != grid.ndim:
         raise errors.MeshShapeError(
             f"Expected one name per axis of `devices` (shape {grid.shape}), got "
-            f"`device_axes`={names!r}."
+            f"`device_axes`={names!r}. Give one name per axis."
         )
     return _mesh.make_auto_mesh(grid, names)
 
@@ -300,13 +314,18 @@ def make_task(name: str | None, task: Task | None, kwargs: dict[str, Any]) -> Ta
                 f"{sorted(kwargs)}). Put the options into the Task."
             )
         if not isinstance(task, Task):
-            raise errors.TaskTypeError(f"Expected `task` to be a Task, got {task!r}.")
+            raise errors.TaskTypeError(
+                f"Expected `task` to be a Task, got {type(task).__name__}: {task!r}. Build "
+                "one with `Task(mesh=..., logical_axes=...)`, or pass those options as keywords."
+            )
         return task if name is None else dataclasses.replace(task, name=name)
     kwargs = dict(kwargs)
     devices, device_axes = kwargs.pop("devices", None), kwargs.pop("device_axes", None)
     if devices is not None:
         if kwargs.get("mesh") is not None:
-            raise errors.InvalidTaskError("Expected either `mesh` or `devices`, got both.")
+            raise errors.InvalidTaskError(
+                "Expected either `mesh` or `devices`, got both. Pass one of them."
+            )
         kwargs["mesh"] = _mesh_from_devices(devices, device_axes)
         if device_axes is None and kwargs.get("logical_axes") is None:
             kwargs["logical_axes"] = ()
@@ -345,6 +364,7 @@ def task(
 
     Raises:
         InvalidTaskError: contradictory options.
+        TaskTypeError: ``fun`` is not callable, or ``task`` is not a ``Task``.
 
     Example:
         >>> import multimesh_flax as mm
@@ -353,6 +373,11 @@ def task(
         >>> y.tolist(), [d.id for d in y.devices()]
         ([1.0, 1.0, 1.0], [1])
     """
+    if not callable(fun):
+        raise errors.TaskTypeError(
+            f"Expected `fun` to be a function to run as a task, got {type(fun).__name__}: "
+            f"{fun!r}. Pass the function itself."
+        )
     spec = make_task(name, task, kwargs)
     display = spec.name or getattr(fun, "__name__", "task")
     eager_cache: dict[str, Any] = {}

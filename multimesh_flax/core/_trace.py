@@ -135,9 +135,11 @@ def _inner_stacks(eqn: Any) -> list[str]:
 
 def _check_no_inner_tasks(eqn: Any) -> None:
     for stack in _inner_stacks(eqn):
-        if _task.MARKER_RE.search(stack):
+        marker = _task.MARKER_RE.search(stack)
+        if marker:
+            name = stack[marker.end() :].split("/")[0]  # the marker is mmtask<uid>_<name>
             raise errors.TaskInControlFlowError(
-                f"A task is called inside `{eqn.primitive.name}` (scope {stack!r}). A loop or "
+                f"Task {name!r} is called inside `{eqn.primitive.name}`. A loop or "
                 "conditional runs as one unit on one submesh, so it cannot contain a task "
                 "boundary. Unroll the loop in Python, or make the whole loop one task."
             )

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from models import GPT, PRESETS, Family, Llama, ModelConfig, get_config, make_model
+from multimesh_flax import errors
 
 
 def test_presets():
@@ -29,7 +30,7 @@ def test_overrides_rederive_dependent_fields():
     config = get_config("gpt-tiny", num_heads=8)
     assert (config.num_kv_heads, config.head_dim) == (8, 8)
     assert get_config("llama-tiny", num_heads=8).num_kv_heads == 2
-    with pytest.raises(TypeError):
+    with pytest.raises(errors.ModelConfigError, match="num_experts"):
         get_config("gpt-tiny", num_experts=4)
 
 
