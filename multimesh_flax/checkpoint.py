@@ -60,6 +60,17 @@ _STATE = "state"
 _METADATA = "metadata"
 
 
+def _own_buffers(tree: Any) -> Any:
+    """Copies restored arrays into buffers that XLA owns.
+
+    On CPU a restored array may alias host memory that the reader allocated; a training step
+    that *donates* it (``parallelize_step`` donates the state) must not free memory it does
+    not own, so every restored array is copied once into fresh device buffers.
+    """
+    copied = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+    return jax.block_until_ready(copied)
+
+
 class Checkpointer:
     """Saves and restores numbered checkpoints of a pytree state in one directory.
 
@@ -188,7 +199,7 @@ class Checkpointer:
             saved = self._manager.item_metadata(step)[_STATE]
             _check_target(saved.tree, target, f"step {step} in '{self.directory}'")
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
-        return self._manager.restore(step, args=args)[_STATE]
+        return _own_buffers(self._manager.restore(step, args=args)[_STATE])
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """Returns the JSON metadata saved with ``step`` (default: the latest)."""
