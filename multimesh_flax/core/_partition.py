@@ -102,6 +102,25 @@ def _place_meshes(traced: _trace.TracedProgram, devices: Any) -> tuple[dict[Plac
     return meshes, place_of(default_mesh)
 
 
+def _pinned_place(eqn: Any, task_places: set[Place]) -> Place | None:
+    """The place a glue sharding constraint names, if it is a task's submesh.
+
+    ``with_sharding_constraint(x, NamedSharding(stage_mesh, spec))`` outside every task (e.g.
+    a training step keeping its new state where the old one was) runs on that submesh, so
+    the value ends up there; placed by its producer instead, the constraint would only fix
+    the layout and the value would stay on the producer's devices.
+    """
+    if eqn.primitive.name != "sharding_constraint":
+        return None
+    sharding = eqn.params.get("sharding")
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    if not isinstance(sharding.mesh, jax.sharding.Mesh):
+        return None
+    place = place_of(sharding.mesh)
+    return place if place in task_places else None
+
+
 def _place_equations(traced: _trace.TracedProgram, default: Place) -> list[Place]:
     eqns = traced.jaxpr.eqns
     places: list[Place | None] = [
@@ -111,7 +130,11 @@ def _place_equations(traced: _trace.TracedProgram, default: Place) -> list[Place
     for i, eqn in enumerate(eqns):
         for v in eqn.outvars:
             producer[v] = i
+    task_places = {place_of(resolved.mesh) for resolved in traced.tasks.values()}
     for i, eqn in enumerate(eqns):  # glue: where most produced input bytes live
+        if places[i] is not None:
+            continue
+        places[i] = _pinned_place(eqn, task_places)
         if places[i] is not None:
             continue
         weight: dict[Place, int] = {}
@@ -265,6 +288,93 @@ def _assign_boundaries(
         frag.outvars = [v for eqn in frag.eqns for v in eqn.outvars if v in needed_outside]
 
 
+def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list[Fragment]:
+    """Folds glue into the latest glue fragment on its place, in dispatch order.
+
+    Under a schedule the cutter keeps glue apart unless merging is order-neutral, which
+    leaves the optimizer update and the state constraints as dozens of tiny fragments (one
+    per dependency pattern), each a ``jax.jit`` to compile and dispatch. Once the dispatch
+    order is fixed, a glue fragment whose inputs all exist by the time the previous glue
+    fragment on its place is dispatched can run as part of it: the order of everything else
+    is unchanged. Pipeline units are never merged, so the schedule is untouched.
+    """
+    made_at: dict[Any, int] = {}  # var -> position (in the merged list) of its fragment
+    merged: list[Fragment] = []
+    last_glue: dict[Place, int] = {}
+    for frag in order:
+        at = last_glue.get(frag.place) if frag.unit is None else None
+        if at is not None and all(made_at.get(v, -1) <= at for v in frag.invars):
+            target = merged[at]
+            target.eqns.extend(frag.eqns)
+            if target.microbatch != frag.microbatch:
+                target.microbatch = None
+        else:
+            at = len(merged)
+            merged.append(frag)
+            if frag.unit is None:
+                last_glue[frag.place] = at
+        for v in frag.outvars:
+            made_at[v] = at
+    sunk = _sink_glue(traced, merged)
+    if len(merged) == len(order) and not sunk:
+        return list(order)
+    merged = [f for f in merged if f.eqns]
+    made_in = {v: f.index for f in merged for e in f.eqns for v in e.outvars}
+    for frag in merged:
+        frag.invars, frag.outvars = [], []
+    _assign_boundaries(traced, merged, made_in)
+    return merged
+
+
+def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
+    """Moves glue equations whose results only one later glue fragment on the same place
+    reads into that fragment; returns whether any moved.
+
+    Glue is dispatched as soon as its inputs exist, so work that only the optimizer update
+    at the end of a step needs (Adam's ``b1 * mu``, weight decay) would otherwise run in the
+    step's first fragment and hand every such value to the last one: two dispatch handles
+    per parameter and the values held all step. Only equations that read no output of a
+    pipeline unit move, so gradient sums still run as each microbatch's gradients arrive;
+    pipeline units themselves are left as they are.
+    """
+    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    from_units = {v for f in order if f.unit is not None for e in f.eqns for v in e.outvars}
+    readers: dict[Any, set[int]] = {}  # var -> positions of the fragments that read it
+    for pos, frag in enumerate(order):
+        for eqn in frag.eqns:
+            for v in eqn.invars:
+                if not isinstance(v, jex.Literal):
+                    readers.setdefault(v, set()).add(pos)
+    moved = False
+    for pos in reversed(range(len(order))):
+        frag = order[pos]
+        if frag.unit is not None:
+            continue
+        keep: list[Any] = []
+        for eqn in reversed(frag.eqns):
+            users = set().union(*(readers.get(v, set()) for v in eqn.outvars))
+            target = next(iter(users)) if len(users) == 1 else None
+            if (
+                target is None
+                or target <= pos
+                or eqn.effects
+                or order[target].unit is not None
+                or order[target].place != frag.place
+                or outputs.intersection(eqn.outvars)
+                or any(v in from_units for v in eqn.invars if not isinstance(v, jex.Literal))
+            ):
+                keep.append(eqn)
+                continue
+            order[target].eqns.insert(0, eqn)
+            for v in eqn.invars:
+                if not isinstance(v, jex.Literal):
+                    readers[v].discard(pos)
+                    readers[v].add(target)
+            moved = True
+        frag.eqns = keep[::-1]
+    return moved
+
+
 def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     """Places and fragments a traced program."""
     plan = _pipeline.analyze(traced)
@@ -274,7 +384,7 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     places = _place_equations(traced, default)
     fragments = _fragment(traced, places, plan)
     if plan is not None and plan.scheduled:
-        fragments = _pipeline.dispatch_order(fragments, plan)
+        fragments = _merge_glue(traced, _pipeline.dispatch_order(fragments, plan))
     home: dict[Any, Place] = {}
     for frag in fragments:
         for eqn in frag.eqns:

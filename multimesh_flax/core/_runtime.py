@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax.core import _partition, _pipeline, _trace
 
 RUN, PUT = 0, 1
+_UNSEEN = object()  # no argument sharding has been checked for this input yet
 
 
 # --- timelines ------------------------------------------------------------------------------
@@ -241,6 +242,24 @@ def input_sharding(part: _partition.Partition, var: Any) -> Any:
     return NamedSharding(part.place_meshes[place], PartitionSpec())
 
 
+def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragment | None:
+    """``frag`` no longer returning the ``dropped`` values, and without the equations and
+    inputs only they needed (``None`` if nothing is left to compute)."""
+    if not dropped.intersection(frag.outvars):
+        return frag
+    outvars = [v for v in frag.outvars if v not in dropped]
+    needed = set(outvars)
+    kept = []
+    for eqn in reversed(frag.eqns):
+        if eqn.effects or needed.intersection(eqn.outvars):
+            kept.append(eqn)
+            needed.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    if not kept:
+        return None
+    invars = [v for v in frag.invars if v in needed]
+    return dataclasses.replace(frag, eqns=kept[::-1], invars=invars, outvars=outvars)
+
+
 class MpmdExecutable:
     """A placed, fragmented program, ready to dispatch."""
 
@@ -248,9 +267,15 @@ class MpmdExecutable:
         self.partition = part
         self._slots: dict[tuple[Any, Any], int] = {}
         self._consts: dict[int, Any] = {}
+        self._alias: dict[Any, Any] = {}  # see _input_aliases
         jaxpr = part.traced.jaxpr
         self.input_slots = [self._slot(v, part.home.get(v)) for v in jaxpr.invars]
         self.input_shardings = [self._input_sharding(v) for v in jaxpr.invars]
+        self._fitting: list[Any] = [_UNSEEN] * len(self.input_shardings)  # see _place_inputs
+        self._alias = self._input_aliases()
+        self.fragments = [
+            f for f in (_without(f, set(self._alias)) for f in part.fragments) if f is not None
+        ]
         for v, value in zip(jaxpr.constvars, part.traced.consts, strict=True):
             if v in part.input_place:
                 sharding = self._input_sharding(v)
@@ -262,7 +287,34 @@ class MpmdExecutable:
     # --- planning ---
 
     def _slot(self, var: Any, place: Any) -> int:
+        var = self._alias.get(var, var)
         return self._slots.setdefault((var, place), len(self._slots))
+
+    def _input_aliases(self) -> dict[Any, Any]:
+        """``{y: x}`` for each ``y = sharding_constraint(x)`` that only restates the sharding
+        of program input ``x``.
+
+        ``input_sharding`` gives an input the sharding of its first constraint, so on the
+        arrays the program receives that constraint is the identity: consumers can read
+        ``x`` itself, and the fragment need not take and return it (a training step's
+        state constraints would otherwise pass every parameter through one fragment,
+        paying JAX's per-argument dispatch cost twice per step).
+        """
+        part = self.partition
+        jaxpr = part.traced.jaxpr
+        outputs = {v for v in jaxpr.outvars if not isinstance(v, jex.Literal)}
+        aliases: dict[Any, Any] = {}
+        for var, want in zip(jaxpr.invars, self.input_shardings, strict=True):
+            place = part.input_place.get(var)
+            if want is None or place is None:
+                continue
+            first = next(f for f in part.fragments if var in f.invars and f.place == place)
+            eqn = next(e for e in first.eqns if var in e.invars)
+            if eqn.primitive.name != "sharding_constraint" or eqn.outvars[0] in outputs:
+                continue
+            if canonical_sharding(eqn.params["sharding"]) == want:
+                aliases[eqn.outvars[0]] = var
+        return aliases
 
     def _input_sharding(self, var: Any) -> Any:
         return input_sharding(self.partition, var)
@@ -297,7 +349,7 @@ class MpmdExecutable:
     def _build_ops(self, donate: set[int]) -> list[_Op]:
         part = self.partition
         reads: dict[int, int] = {}  # home slot -> fragments reading it (directly or via a put)
-        for frag in part.fragments:
+        for frag in self.fragments:
             for v in frag.invars:
                 home = self._slot(v, part.home[v])
                 reads[home] = reads.get(home, 0) + 1
@@ -306,16 +358,17 @@ class MpmdExecutable:
         donated_slots = {self.input_slots[i] for i in donate}
         donated_slots = {s for s in donated_slots if reads.get(s, 0) == 1}
         transfers: dict[int, dict[Any, list[tuple[Any, Any]]]] = {}
-        producer = {v: f.index for f in part.fragments for v in f.outvars}
+        producer = {v: f.index for f in self.fragments for v in f.outvars}
         runs: list[_Op] = []
-        for frag in part.fragments:
+        for frag in self.fragments:
             for v in frag.invars:
                 if part.home[v] != frag.place:
                     hint = _first_constraint(frag, v) or self._fragment_mesh(frag)
-                    group = transfers.setdefault(producer.get(v, -1), {})
+                    source = self._alias.get(v, v)
+                    group = transfers.setdefault(producer.get(source, -1), {})
                     entries = group.setdefault(frag.place, [])
-                    if all(v is not e[0] for e in entries):
-                        entries.append((v, hint))
+                    if all(source is not e[0] for e in entries):
+                        entries.append((source, hint))
             ins = tuple(self._slot(v, frag.place) for v in frag.invars)
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
             fn = compile_fragment(frag, part.place_meshes[frag.place], don)
@@ -326,7 +379,7 @@ class MpmdExecutable:
             name = self._fragment_name(frag)
             runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=name, unit=unit))
         ops = self._puts(transfers.get(-1, {}))
-        for frag, run in zip(part.fragments, runs, strict=True):
+        for frag, run in zip(self.fragments, runs, strict=True):
             ops.append(run)
             ops.extend(self._puts(transfers.get(frag.index, {})))
         return ops
@@ -378,13 +431,17 @@ class MpmdExecutable:
 
     def _place_inputs(self, env: list[Any], args: Sequence[Any]) -> None:
         moves, targets, slots = [], [], []
-        for x, want, slot in zip(args, self.input_shardings, self.input_slots, strict=True):
+        fits = self._fitting
+        for i, (x, want, slot) in enumerate(
+            zip(args, self.input_shardings, self.input_slots, strict=True)
+        ):
             have = getattr(x, "sharding", None)
-            if (
-                want is None
-                or have == want
-                or (have is not None and have.is_equivalent_to(want, x.ndim))
-            ):
+            if have is fits[i] or want is None:
+                env[slot] = x
+            elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
+                # Outputs of one step arrive with the same sharding objects every step:
+                # remembering the last one that fitted makes the check an identity test.
+                fits[i] = have
                 env[slot] = x
             else:
                 moves.append(x)
@@ -454,7 +511,7 @@ class MpmdExecutable:
     def describe(self) -> str:
         """A readable dump: fragments (submesh, equations), transfers (bytes), compiles."""
         var_of = {slot: var for (var, _), slot in self._slots.items()}
-        frag_of = {self._fragment_name(f): f for f in self.partition.fragments}
+        frag_of = {self._fragment_name(f): f for f in self.fragments}
         lines = []
         for op in self.ops:
             if op.kind == RUN:

@@ -1,0 +1,154 @@
+"""B1 step time: pipelined GPT training steps against the best plain ``jax.jit`` layout.
+
+For each workload (``gpt-tiny`` with 4 blocks; ``gpt-small`` at a reduced batch and sequence
+length) the three ``jax.jit`` baselines of ``_common.LAYOUTS`` are timed together, round by
+round, and the fastest is *the* baseline. Then every pipelined configuration -- 2 and 4
+stages, ``m`` microbatches, GPipe and 1F1B (identical for ``m = 1``, run once) -- is timed
+alternating step by step with that baseline; the reported ratio is the median step time of
+the pipeline over the baseline's median over the same rounds. Target: at most 1.10 for
+``m <= 4``. Compilations during the timed steps are counted too (they must be 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import _common
+
+SECTION = "B1"
+TARGET = 1.10
+
+# Runners of the tiny workload, kept for the later sections (they reuse the compiled steps),
+# and each workload's results (B3 reads gpt-small's cold first steps from them).
+KEPT: dict[str, _common.MpmdRunner] = {}
+RESULTS: dict[str, dict[str, Any]] = {}
+
+
+def grid(workload: _common.Workload, quick: bool) -> list[tuple[int, int, str]]:
+    """``(stages, microbatches, schedule)`` configurations measured for ``workload``."""
+    if quick:
+        return [(2, 1, "gpipe"), (2, 4, "1f1b"), (4, 4, "1f1b")]
+    if workload.preset == "gpt-small":  # a minute of compilation each on this host
+        return [(2, 1, "gpipe"), (2, 4, "1f1b"), (4, 4, "1f1b"), (4, 8, "1f1b")]
+    out = []
+    for stages in (2, 4):
+        for m in (1, 2, 4, 8):
+            for schedule in ("gpipe", "1f1b"):
+                if m > 1 or schedule == "gpipe":
+                    out.append((stages, m, schedule))
+    return out
+
+
+def rounds_for(workload: _common.Workload, quick: bool) -> int:
+    if workload.preset == "gpt-small":
+        return 3
+    return 5 if quick else 15
+
+
+def baselines(workload: _common.Workload, rounds: int) -> tuple[dict[str, Any], Any]:
+    """Times the three ``jax.jit`` layouts together; returns results and the fastest."""
+    runners, layouts = [], []
+    results: dict[str, Any] = {}
+    for layout in _common.LAYOUTS:
+        problem = _common.layout_problem(workload, layout)
+        if problem is not None:
+            results[layout] = {"skipped": problem}
+            continue
+        with _common.count_compiles() as compiles:
+            runner = _common.build_jit(workload, layout)
+            first = _common.warm(runner)
+        runners.append(runner)
+        layouts.append(layout)
+        results[layout] = {"first_step_s": first, "compiles": compiles["count"]}
+    times = _common.interleaved([r.step for r in runners], rounds)
+    for layout, t in zip(layouts, times, strict=True):
+        results[layout]["median_ms"] = 1e3 * _common.median(t)
+    best = min(range(len(runners)), key=lambda i: _common.median(times[i]))
+    for i, runner in enumerate(runners):
+        if i != best:
+            _common.release(runner)
+    return results, runners[best]
+
+
+def measure_config(
+    workload: _common.Workload, stages: int, m: int, schedule: str, base: Any, rounds: int
+) -> tuple[dict[str, Any], _common.MpmdRunner]:
+    with _common.count_compiles() as cold:
+        runner = _common.build_mpmd(workload, stages, m, schedule)
+        first = _common.warm(runner)
+    exe = runner.executable
+    with _common.count_compiles() as steady:
+        mpmd_t, base_t = _common.interleaved([runner.step, base.step], rounds)
+    data, model = _common.stage_layout(workload, stages, m)
+    result = {
+        "stages": stages,
+        "microbatches": m,
+        "schedule": schedule,
+        "stage_mesh": {"data": data, "model": model},
+        "median_ms": 1e3 * _common.median(mpmd_t),
+        "baseline_median_ms": 1e3 * _common.median(base_t),
+        "ratio": _common.median(mpmd_t) / _common.median(base_t),
+        "first_step_s": first,
+        "compiles_first_step": cold["count"],
+        "compiles_timed_steps": steady["count"],
+        "fragments": _common.fragment_count(exe),
+        "transfers": _common.transfer_count(exe),
+        "executables": exe.compile_count(),
+    }
+    return result, runner
+
+
+def run_workload(workload: _common.Workload, quick: bool, keep: bool) -> dict[str, Any]:
+    rounds = rounds_for(workload, quick)
+    base_results, base = baselines(workload, rounds)
+    configs = []
+    for stages, m, schedule in grid(workload, quick):
+        result, runner = measure_config(workload, stages, m, schedule, base, rounds)
+        configs.append(result)
+        if keep:
+            KEPT[runner.name] = runner
+        else:
+            _common.release(runner)
+    _common.release(base)
+    return {
+        "workload": workload.describe(),
+        "rounds": rounds,
+        "baselines": base_results,
+        "best_baseline": base.name,
+        "configs": configs,
+    }
+
+
+def _rows(name: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for layout, r in data["baselines"].items():
+        if "skipped" in r:
+            rows.append(_common.row(SECTION, f"{name}: jax.jit {layout}", f"n/a ({r['skipped']})"))
+            continue
+        rows.append(_common.row(SECTION, f"{name}: jax.jit {layout}", r["median_ms"], unit="ms"))
+    for c in data["configs"]:
+        gated = c["microbatches"] <= 4
+        label = f"{name} S={c['stages']} m={c['microbatches']} {c['schedule']}"
+        rows.append(
+            _common.row(
+                SECTION,
+                f"{label}: step / best jit",
+                round(c["ratio"], 3),
+                target=f"<= {TARGET}" if gated else "",
+                passed=(c["ratio"] <= TARGET) if gated else None,
+            )
+        )
+    return rows
+
+
+def run(quick: bool) -> dict[str, Any]:
+    workloads = [_common.TINY] if quick else [_common.TINY, _common.SMALL]
+    out: dict[str, Any] = {"description": __doc__.splitlines()[0], "workloads": {}}
+    rows = []
+    for workload in workloads:
+        data = run_workload(workload, quick, keep=workload is _common.TINY)
+        out["workloads"][workload.name] = data
+        RESULTS[workload.name] = data
+        rows.extend(_rows(workload.name, data))
+    out["rows"] = rows
+    return out

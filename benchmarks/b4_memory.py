@@ -1,0 +1,243 @@
+"""B4 memory: bytes per device of parameters and optimizer state, and per fragment.
+
+Per pipelined program (tiny GPT on 2 and 4 stages, GPipe and 1F1B, ``m = 4``; and the tiny
+Llama on 2 stages, whose untied output head makes its two stages equally heavy):
+
+* **Parameters per device**, read from the shards of the live state's arrays, must equal
+  ``multimesh_flax.layers.get_placement(...).bytes_per_device()`` -- what ``tabulate``
+  prints -- exactly. Optimizer state per device is read the same way. Reported: max, min and
+  max/min over the devices. GPT's tied token table lives with the stem on stage 0, so its
+  stages are unbalanced by design; the target (max/min at most 1.05) applies to balanced
+  stages: the Llama program, and GPT's blocks alone.
+* **Temporary memory per fragment**: ``compiled.memory_analysis().temp_size_in_bytes`` of
+  every distinct fragment executable (max and sum per schedule).
+* **Peak live bytes per device** while a step is dispatched: the runtime's values (inputs,
+  activations kept for the backward, gradients) counted op by op with its frees, per
+  schedule -- where GPipe and 1F1B differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+import multimesh_flax as mm
+from benchmarks import _common
+
+SECTION = "B4"
+TARGET = 1.05
+LLAMA = dataclasses.replace(_common.TINY, preset="llama-tiny")
+
+
+def _itemsize(x: Any) -> int:
+    return int(x.dtype.itemsize)  # also for PRNG key arrays (``key<fry>``: 8 bytes)
+
+
+def device_bytes(tree: Any) -> dict[int, int]:
+    """``{device id: bytes}`` of the shards of every array in ``tree``."""
+    totals: dict[int, int] = {}
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if not isinstance(leaf, jax.Array):
+            continue
+        for shard in leaf.addressable_shards:
+            nbytes = int(np.prod(shard.data.shape, dtype=np.int64)) * _itemsize(leaf)
+            totals[shard.device.id] = totals.get(shard.device.id, 0) + nbytes
+    return dict(sorted(totals.items()))
+
+
+def _spread(per_device: dict[int, int]) -> dict[str, Any]:
+    values = list(per_device.values())
+    return {
+        "max": max(values),
+        "min": min(values),
+        "max_over_min": max(values) / min(values),
+        "per_device": {str(k): v for k, v in per_device.items()},
+    }
+
+
+def _tabulated(runner: _common.MpmdRunner, workload: _common.Workload, stages: int) -> Any:
+    model = workload.family()(workload.config(), stages=stages)
+    with runner.multi:
+        placement = mm.layers.get_placement(model, jax.random.key(0), runner.batch["inputs"])
+    return placement
+
+
+def _sharding_bytes(x: Any) -> dict[int, int]:
+    shape = x.sharding.shard_shape(x.shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(x)
+    return {d.id: nbytes for d in x.sharding.device_set}
+
+
+def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
+    """Runs the program op by op like the runtime; returns per-fragment temp memory and the
+    peak live bytes per device (inputs, intermediates, frees as the runtime does them)."""
+    env: list[Any] = [None] * len(exe._slots)
+    for slot, value in exe._consts.items():
+        env[slot] = value
+    for slot, value in zip(exe.input_slots, leaves, strict=True):
+        env[slot] = value
+    live: dict[int, int] = {}
+
+    def add(x: Any, sign: int) -> None:
+        for d, n in _sharding_bytes(x).items():
+            live[d] = live.get(d, 0) + sign * n
+
+    for x in env:
+        if x is not None:
+            add(x, 1)
+    start = dict(live)
+    peak = dict(live)
+    temps: dict[str, int] = {}
+    seen: set[Any] = set()
+    for op in exe.ops:
+        values = [env[s] for s in op.ins]
+        if op.kind == 0:
+            key = (id(op.fn), tuple(v.sharding for v in values))
+            if key not in seen:
+                seen.add(key)
+                stats = op.fn.lower(*values).compile().memory_analysis()
+                temps[op.name] = int(stats.temp_size_in_bytes)
+            results = op.fn(*values)
+        else:
+            results = jax.device_put(values, op.shardings)
+        for s, r in zip(op.outs, results, strict=True):
+            if env[s] is not None:
+                add(env[s], -1)
+            env[s] = r
+            add(r, 1)
+        for d, n in live.items():
+            peak[d] = max(peak.get(d, 0), n)
+        for s in op.frees:
+            if env[s] is not None:
+                add(env[s], -1)
+            env[s] = None
+    jax.block_until_ready([env[s] for s in exe.output_slots])
+    return {
+        "fragment_temp_bytes": temps,
+        "max_fragment_temp_bytes": max(temps.values()),
+        "sum_fragment_temp_bytes": sum(temps.values()),
+        "peak_live_bytes_per_device": {str(k): v for k, v in sorted(peak.items())},
+        "peak_above_inputs_per_device": {str(k): peak[k] - start.get(k, 0) for k in sorted(peak)},
+        "outputs": [env[s] for s in exe.output_slots],
+    }
+
+
+def _blocks_only(runner: _common.MpmdRunner) -> dict[int, int]:
+    blocks = {k: v for k, v in runner.state.params.items() if k.startswith("blocks_")}
+    return device_bytes(blocks)
+
+
+def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> dict[str, Any]:
+    from benchmarks import b1_step_time
+
+    name = _common.mpmd_name(workload, stages, m, schedule)
+    runner = b1_step_time.KEPT.get(name)
+    owned = runner is None
+    if runner is None:
+        runner = _common.build_mpmd(workload, stages, m, schedule)
+        _common.warm(runner)
+    params = device_bytes(runner.state.params)
+    placement = _tabulated(runner, workload, stages).bytes_per_device()
+    opt = device_bytes(runner.state.opt_state)
+    total = {d: params.get(d, 0) + opt.get(d, 0) for d in sorted(set(params) | set(opt))}
+    exe = runner.executable
+    tree = jax.tree_util.tree_structure(runner.state)
+    leaves = [*jax.tree_util.tree_leaves(runner.state), *jax.tree_util.tree_leaves(runner.batch)]
+    walked = walk(exe, leaves)
+    runner.state = jax.tree_util.tree_unflatten(tree, walked.pop("outputs")[1:])
+    result = {
+        "name": name,
+        "stages": stages,
+        "microbatches": m,
+        "schedule": schedule,
+        "params": _spread(params),
+        "tabulate_params_per_device": {str(k): v for k, v in placement.items()},
+        "params_equal_tabulate": params == placement,
+        "opt_state": _spread(opt),
+        "params_plus_opt_state": _spread(total),
+        "blocks_params": _spread(_blocks_only(runner)),
+        **walked,
+    }
+    if owned:
+        _common.release(runner)
+    return result
+
+
+def _rows(r: dict[str, Any], preset: str) -> list[dict[str, Any]]:
+    label = f"{preset} S={r['stages']} m={r['microbatches']} {r['schedule']}"
+    p, o = r["params"], r["opt_state"]
+    rows = [
+        _common.row(
+            SECTION,
+            f"{label}: parameter bytes per device == tabulate",
+            r["params_equal_tabulate"],
+            target="equal",
+            passed=r["params_equal_tabulate"],
+        ),
+        _common.row(
+            SECTION,
+            f"{label}: parameter bytes per device max / min",
+            f"{p['max']:,} / {p['min']:,}",
+        ),
+        _common.row(
+            SECTION,
+            f"{label}: optimizer bytes per device max / min",
+            f"{o['max']:,} / {o['min']:,}",
+        ),
+    ]
+    balanced = preset.startswith("llama") and r["stages"] == 2
+    spread = r["params_plus_opt_state"]["max_over_min"]
+    rows.append(
+        _common.row(
+            SECTION,
+            f"{label}: params + optimizer max/min over devices"
+            + ("" if balanced else " (tied table on stage 0)"),
+            round(spread, 3),
+            target=f"<= {TARGET}" if balanced else "",
+            passed=spread <= TARGET if balanced else None,
+        )
+    )
+    if not balanced:
+        blocks = r["blocks_params"]["max_over_min"]
+        rows.append(
+            _common.row(
+                SECTION,
+                f"{label}: blocks' parameters max/min over devices",
+                round(blocks, 3),
+                target=f"<= {TARGET}",
+                passed=blocks <= TARGET,
+            )
+        )
+    peak = max(r["peak_above_inputs_per_device"].values())
+    rows += [
+        _common.row(
+            SECTION,
+            f"{label}: largest fragment temp memory",
+            r["max_fragment_temp_bytes"],
+            unit="B",
+        ),
+        _common.row(
+            SECTION, f"{label}: peak live bytes above the state, per device", peak, unit="B"
+        ),
+    ]
+    return rows
+
+
+def run(quick: bool) -> dict[str, Any]:
+    configs = [(_common.TINY, 2, 4, "1f1b"), (LLAMA, 2, 4, "1f1b")]
+    if not quick:
+        configs += [
+            (_common.TINY, 2, 4, "gpipe"),
+            (_common.TINY, 4, 4, "gpipe"),
+            (_common.TINY, 4, 4, "1f1b"),
+        ]
+    results, rows = [], []
+    for workload, s, m, sched in configs:
+        r = measure(workload, s, m, sched)
+        r["workload"] = workload.describe()
+        results.append(r)
+        rows += _rows(r, workload.preset)
+    return {"description": __doc__.splitlines()[0], "configs": results, "rows": rows}

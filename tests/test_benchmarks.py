@@ -1,0 +1,89 @@
+"""The benchmark suite's quick mode runs end to end and writes every result file.
+
+Speed is never asserted here (the CI host's load is unknown); only that each section ran
+and wrote the keys the report and the README rely on.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SECTION_FILES = {
+    "b0_calibration": ["concurrency", "effective_parallel_devices"],
+    "b1_step_time": ["workloads"],
+    "b2_dispatch": ["configs"],
+    "b3_compile": ["cold", "recompiles"],
+    "b4_memory": ["configs"],
+    "b5_transfers": ["configs"],
+    "b6_schedules": ["schedules"],
+}
+
+
+@pytest.fixture(scope="module")
+def quick_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SECTION_FILES))
+def test_quick_mode_writes_each_section(quick_results, name):
+    data = json.loads((quick_results / f"{name}.json").read_text())
+    for key in [*SECTION_FILES[name], "rows", "seconds", "host", "quick"]:
+        assert key in data, key
+    assert data["quick"] is True
+    assert data["host"]["devices"] == 8
+    for row in data["rows"]:
+        assert set(row) == {"section", "metric", "value", "unit", "target", "pass"}
+
+
+def test_quick_step_time_compares_against_every_jit_layout(quick_results):
+    data = json.loads((quick_results / "b1_step_time.json").read_text())
+    tiny = data["workloads"]["gpt-tiny"]
+    assert set(tiny["baselines"]) == {
+        "data-parallel 8",
+        "FSDP 8",
+        "data 4 x tensor 2",
+        "data 2 x tensor 4",
+    }
+    assert "median_ms" in tiny["baselines"]["data-parallel 8"]
+    for config in tiny["configs"]:
+        assert config["ratio"] > 0
+        assert config["compiles_timed_steps"] == 0
+
+
+def test_quick_memory_matches_tabulate(quick_results):
+    data = json.loads((quick_results / "b4_memory.json").read_text())
+    assert all(c["params_equal_tabulate"] for c in data["configs"])
+
+
+def test_quick_gpu_section_skips_cleanly_without_a_gpu(quick_results):
+    data = json.loads((quick_results / "gpu.json").read_text())
+    if "skipped" in data:
+        assert data["rows"] == []
+    else:
+        assert "ratio" in data
+
+
+def test_quick_report_has_a_row_per_metric(quick_results):
+    report = (quick_results / "report.md").read_text()
+    assert "| section | metric | value | target | met |" in report
+    for section in ("B0", "B1", "B2", "B3", "B4", "B5", "B6"):
+        assert f"| {section} |" in report
+    assert "Targets missed:" in report
