@@ -1,15 +1,36 @@
-"""The markdown report: one table of every section's rows (metric, value, target, met?)."""
+"""The markdown report: a summary against the targets, then every section's rows.
+
+``render(results, seconds, command)`` builds it from the sections' JSON (section name ->
+dict); ``python -m benchmarks.report DIR`` re-renders ``DIR/report.md`` from the JSON files
+a run left there.
+"""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
 from typing import Any
+
+FILES = {
+    "B0": "b0_calibration",
+    "B1": "b1_step_time",
+    "B2": "b2_dispatch",
+    "B3": "b3_compile",
+    "B4": "b4_memory",
+    "B5": "b5_transfers",
+    "B6": "b6_schedules",
+    "GPU": "gpu",
+}
 
 
 def _value(r: dict[str, Any]) -> str:
     value = r["value"]
-    if isinstance(value, float):
+    if isinstance(value, bool):
+        text = str(value)
+    elif isinstance(value, float):
         text = f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
-    elif isinstance(value, int) and not isinstance(value, bool):
+    elif isinstance(value, int):
         text = f"{value:,}"
     else:
         text = str(value)
@@ -25,14 +46,201 @@ def format_row(r: dict[str, Any]) -> str:
     return f"{r['metric']}: {_value(r)}{target}"
 
 
+def _row(section: str, metric: str, value: Any, target: str = "", passed: Any = None) -> dict:
+    return {
+        "section": section,
+        "metric": metric,
+        "value": value,
+        "unit": "",
+        "target": target,
+        "pass": passed,
+    }
+
+
+def _b1(data: dict[str, Any]) -> list[dict]:
+    rows = []
+    for name, w in data["workloads"].items():
+        timed = {k: v for k, v in w["baselines"].items() if "median_ms" in v}
+        best = min(timed, key=lambda k: timed[k]["median_ms"])
+        gated = [c for c in w["configs"] if c["microbatches"] <= 4]
+        worst = max(gated, key=lambda c: c["ratio"])
+        met = sum(c["ratio"] <= 1.10 for c in gated)
+        ratios = [c["ratio"] for c in gated]
+        rows.append(
+            _row(
+                "B1",
+                f"{name}: pipelined step / best jax.jit ({best}, "
+                f"{timed[best]['median_ms']:,.0f} ms), m <= 4: range (configs meeting target)",
+                f"{min(ratios):.2f} - {max(ratios):.2f} ({met} of {len(gated)})",
+                "<= 1.10",
+                worst["ratio"] <= 1.10,
+            )
+        )
+        rest = [c for c in w["configs"] if c["microbatches"] > 4]
+        if rest:
+            text = ", ".join(f"S={c['stages']} {c['schedule']} {c['ratio']:.2f}" for c in rest)
+            rows.append(_row("B1", f"{name}: m = 8 (no target)", text))
+    return rows
+
+
+def _b2(data: dict[str, Any]) -> list[dict]:
+    configs = data["configs"]
+    worst = max(c["runtime_us_per_fragment"] for c in configs)
+    steps = [c["runtime_us_per_step"] for c in configs]
+    calls = [c["call_us_per_fragment"] for c in configs]
+    return [
+        _row(
+            "B2",
+            "runtime overhead per fragment, worst configuration",
+            f"{worst:.0f} us",
+            "<= 50 us",
+            worst <= 50,
+        ),
+        _row(
+            "B2",
+            "runtime overhead per step / whole call per fragment (JAX dispatch included)",
+            f"{min(steps) / 1e3:.1f} - {max(steps) / 1e3:.1f} ms / "
+            f"{min(calls):.0f} - {max(calls):.0f} us",
+        ),
+    ]
+
+
+def _b3(data: dict[str, Any]) -> list[dict]:
+    rows = []
+    for c in data["cold"]:
+        label = f"{c['workload']['preset']} S={c['stages']} m={c['microbatches']}"
+        rows.append(
+            _row(
+                "B3",
+                f"{label}: cold first step / jax.jit (wall; CPU time; XLA compile time)",
+                f"{c['ratio_first_step']:.2f}; {c['ratio_first_step_cpu']:.2f}; "
+                f"{c['ratio_xla_compile']:.2f}",
+                "<= 1.5",
+                c["ratio_first_step"] <= 1.5,
+            )
+        )
+        rows.append(
+            _row(
+                "B3",
+                f"{label}: executables compiled / fragments",
+                f"{c['executables']} / {c['fragments']}",
+            )
+        )
+    rows += [r for r in data["rows"] if "gpt-small" in r["metric"]]
+    total = sum(r["compilations"] for r in data["recompiles"].values())
+    rows.append(_row("B3", "compilations after step 1 (all programs)", total, "0", total == 0))
+    return rows
+
+
+def _b4(data: dict[str, Any]) -> list[dict]:
+    configs = data["configs"]
+    equal = all(c["params_equal_tabulate"] for c in configs)
+    rows = [
+        _row(
+            "B4",
+            f"parameter bytes per device == tabulate ({len(configs)} programs)",
+            equal,
+            "equal",
+            equal,
+        )
+    ]
+    for c in configs:
+        if c["name"].startswith("llama-tiny S=2"):
+            spread = c["params_plus_opt_state"]["max_over_min"]
+            rows.append(
+                _row(
+                    "B4",
+                    "balanced stages (llama-tiny S=2): params + optimizer max/min",
+                    f"{spread:.3f}",
+                    "<= 1.05",
+                    spread <= 1.05,
+                )
+            )
+    gpt = [c for c in configs if c["name"].startswith("gpt")]
+    blocks = max(c["blocks_params"]["max_over_min"] for c in gpt)
+    whole = sorted({round(c["params_plus_opt_state"]["max_over_min"], 2) for c in gpt})
+    rows.append(
+        _row(
+            "B4",
+            "gpt-tiny: blocks max/min; whole model max/min (tied table on stage 0)",
+            f"{blocks:.3f}; {', '.join(map(str, whole))}",
+            "<= 1.05",
+            blocks <= 1.05,
+        )
+    )
+    peaks = {
+        c["name"]: max(c["peak_above_inputs_per_device"].values()) / 2**20
+        for c in configs
+        if c["name"].startswith("gpt")
+    }
+    rows.append(
+        _row(
+            "B4",
+            "peak live MiB per device above the state, by schedule",
+            ", ".join(f"{k.replace('gpt-tiny ', '')}: {v:.1f}" for k, v in peaks.items()),
+        )
+    )
+    return rows
+
+
+def _b5(data: dict[str, Any]) -> list[dict]:
+    text = ", ".join(
+        f"S={c['stages']} m={c['microbatches']} {c['schedule']}: {c['ratio']:.2f}"
+        for c in data["configs"]
+    )
+    hidden = sum(c["hidden_bytes"] for c in data["configs"])
+    return [
+        _row("B5", "bytes moved between submeshes / analytic count", text),
+        _row("B5", "bytes moved outside the program between steps", hidden, "0", hidden == 0),
+    ]
+
+
+def _b6(data: dict[str, Any]) -> list[dict]:
+    text = "; ".join(
+        f"{s['pipeline']} {s['schedule']}: {s['predicted_unit_costs']:.2f} / "
+        f"{s['predicted_measured_costs']:.2f} / {s['recorded']:.2f}"
+        for s in data["schedules"]
+    )
+    return [_row("B6", "bubble: simulated (unit costs / measured costs) / recorded", text)]
+
+
+def _b0(data: dict[str, Any]) -> list[dict]:
+    return [
+        _row(
+            "B0",
+            "devices' worth of work the host runs at once (8 programs on 8 devices)",
+            f"{data['concurrency']['8']:.2f}",
+        )
+    ]
+
+
+def summary_rows(results: dict[str, dict[str, Any]]) -> list[dict]:
+    """One row per target (and the headline numbers without one)."""
+    makers = {"B0": _b0, "B1": _b1, "B2": _b2, "B3": _b3, "B4": _b4, "B5": _b5, "B6": _b6}
+    rows = []
+    for name, data in results.items():
+        if name in makers and "rows" in data:
+            rows += makers[name](data)
+        elif "skipped" in data:
+            rows.append(_row(name, "skipped", data["skipped"]))
+        else:
+            rows += data.get("rows", [])
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| section | metric | value | target | met |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['section']} | {r['metric']} | {_value(r)} | {r['target']} | "
+            f"{_verdict(r['pass'])} |"
+        )
+    return lines
+
+
 def render(results: dict[str, dict[str, Any]], seconds: float, command: str) -> str:
     """The report for ``results`` (section name -> section JSON)."""
-    lines = [
-        "# Benchmark report",
-        "",
-        f"`{command}` -- {seconds / 60:.1f} minutes.",
-        "",
-    ]
+    lines = ["# Benchmark report", "", f"`{command}` -- {seconds / 60:.1f} minutes.", ""]
     host = next((d["host"] for d in results.values() if "host" in d), None)
     if host:
         lines += [
@@ -41,21 +249,30 @@ def render(results: dict[str, dict[str, Any]], seconds: float, command: str) -> 
             f"{', '.join(f'{x:.1f}' for x in host['load_average'])}).",
             "",
         ]
-    lines += ["| section | metric | value | target | met |", "|---|---|---|---|---|"]
-    for name, data in results.items():
-        if "skipped" in data:
-            lines.append(f"| {name} | skipped: {data['skipped']} | | | |")
-        for r in data.get("rows", []):
-            lines.append(
-                f"| {r['section']} | {r['metric']} | {_value(r)} | {r['target']} | "
-                f"{_verdict(r['pass'])} |"
-            )
-    missed = [
-        f"{r['section']} {r['metric']}"
-        for d in results.values()
-        for r in d.get("rows", [])
-        if r["pass"] is False
-    ]
-    lines += ["", f"Targets missed: {len(missed)}."]
+    lines += ["## Summary", "", *table(summary_rows(results)), "", "## Every measurement", ""]
+    rows = [r for d in results.values() for r in d.get("rows", [])]
+    rows += [_row(name, "skipped", d["skipped"]) for name, d in results.items() if "skipped" in d]
+    lines += table(rows)
+    missed = [f"{r['section']} {r['metric']}" for r in rows if r["pass"] is False]
+    lines += ["", f"Targets missed: {len(missed)} of {sum(r['pass'] is not None for r in rows)}."]
     lines += [f"- {m}" for m in missed]
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.report DIR``: re-renders ``DIR/report.md`` from its JSON."""
+    out = Path((argv or sys.argv[1:] or [str(Path(__file__).parent / "results")])[0])
+    results = {}
+    for name, stem in FILES.items():
+        path = out / f"{stem}.json"
+        if path.exists():
+            results[name] = json.loads(path.read_text())
+    quick = any(d.get("quick") for d in results.values())
+    seconds = sum(d.get("seconds", 0.0) for d in results.values())
+    command = "python -m benchmarks" + (" --quick" if quick else "")
+    (out / "report.md").write_text(render(results, seconds, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -83,6 +83,7 @@ def test_quick_gpu_section_skips_cleanly_without_a_gpu(quick_results):
 
 def test_quick_report_has_a_row_per_metric(quick_results):
     report = (quick_results / "report.md").read_text()
+    assert "## Summary" in report
     assert "| section | metric | value | target | met |" in report
     for section in ("B0", "B1", "B2", "B3", "B4", "B5", "B6"):
         assert f"| {section} |" in report
