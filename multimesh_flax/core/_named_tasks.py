@@ -262,17 +262,18 @@ def intercept_flax_modules() -> Iterator[None]:
 # --- after tracing --------------------------------------------------------------------------
 
 
-def _inner_stacks(eqn: Any) -> list[str]:
+def inner_stacks(eqn: Any) -> list[str]:
+    """The name stacks of every equation nested inside ``eqn`` (loops, conditionals, ...)."""
     found = []
     for sub in jex.jaxprs_in_params(eqn.params):
         for inner in sub.eqns:
             found.append(str(inner.source_info.name_stack))
-            found.extend(_inner_stacks(inner))
+            found.extend(inner_stacks(inner))
     return found
 
 
 def _check_control_flow(eqn: Any, label: Label, state: _SessionState) -> None:
-    for stack in _inner_stacks(eqn):
+    for stack in inner_stacks(eqn):
         for name, _ in _components(stack):
             match = state.match(name)
             if match is None:

@@ -214,12 +214,20 @@ def canonical_sharding(sharding: Any) -> Any:
     """
     if not isinstance(sharding, NamedSharding):
         return sharding
-    entries = list(sharding.spec)
-    if not entries or entries[-1] is not None:
+    spec = canonical_spec(sharding.spec)
+    if spec is sharding.spec:
         return sharding
+    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
+
+
+def canonical_spec(spec: PartitionSpec) -> PartitionSpec:
+    """``spec`` without trailing ``None`` entries (``spec`` itself if it has none)."""
+    entries = list(spec)
+    if not entries or entries[-1] is not None:
+        return spec
     while entries and entries[-1] is None:
         entries.pop()
-    return NamedSharding(sharding.mesh, PartitionSpec(*entries), memory_kind=sharding.memory_kind)
+    return PartitionSpec(*entries)
 
 
 def _same_place(sharding: Any, place: tuple[int, ...]) -> bool:

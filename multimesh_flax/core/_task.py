@@ -339,7 +339,8 @@ def make_task(name: str | None, task: Task | None, kwargs: dict[str, Any]) -> Ta
     return Task(name=name, **kwargs)
 
 
-def _contains_tracer(tree: Any) -> bool:
+def contains_tracer(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a tracer (the call is being traced)."""
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
@@ -386,7 +387,7 @@ def task(
     def run_task(*args: Any, **kw: Any) -> Any:
         if _config.get_flag("ignore_transforms"):
             return fun(*args, **kw)
-        if current_session() is None and not _contains_tracer((args, kw)):
+        if current_session() is None and not contains_tracer((args, kw)):
             if "jit" not in eager_cache:
                 from multimesh_flax.core._jit import jit
 

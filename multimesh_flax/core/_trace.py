@@ -124,17 +124,8 @@ def _join(prefix: str, stack: str) -> str:
     return f"{prefix}/{stack}" if stack else prefix
 
 
-def _inner_stacks(eqn: Any) -> list[str]:
-    found = []
-    for sub in jex.jaxprs_in_params(eqn.params):
-        for inner in sub.eqns:
-            found.append(str(inner.source_info.name_stack))
-            found.extend(_inner_stacks(inner))
-    return found
-
-
 def _check_no_inner_tasks(eqn: Any) -> None:
-    for stack in _inner_stacks(eqn):
+    for stack in _named_tasks.inner_stacks(eqn):
         marker = _task.MARKER_RE.search(stack)
         if marker:
             name = stack[marker.end() :].split("/")[0]  # the marker is mmtask<uid>_<name>

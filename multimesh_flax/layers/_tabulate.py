@@ -24,7 +24,7 @@ import rich.table
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core import _parallelize
+from multimesh_flax.core import _parallelize, _runtime
 from multimesh_flax.layers import _placement
 
 # Keyword arguments of ``flax.linen.Module.tabulate`` (everything else goes to the model).
@@ -147,12 +147,7 @@ def _box_at(tree: Any, path: Sequence[Any]) -> Any:
 
 
 def _spec_text(spec: Any) -> str:
-    if spec is None:
-        return "-"
-    entries = list(spec)
-    while entries and entries[-1] is None:  # P(None,) reads as P(): replicated
-        entries.pop()
-    return str(type(spec)(*entries))
+    return "-" if spec is None else str(_runtime.canonical_spec(spec))  # P(None,) reads P()
 
 
 def _ids_text(ids: Sequence[int]) -> str:

@@ -32,7 +32,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
 from flax import linen as nn
 
 from multimesh_flax import errors
@@ -99,10 +98,6 @@ def resolve_path(spec: _task.Task, path: ModulePath) -> _task.ResolvedTask:
     return session.cache[key]
 
 
-def _is_traced(args: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args))
-
-
 def call_as_task(
     module: nn.Module, spec: _task.Task, call: Callable[[], Any], args: Any = ()
 ) -> Any:
@@ -113,7 +108,7 @@ def call_as_task(
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
     _record(tuple(module.path), spec)
-    if _task.current_session() is None and not _is_traced(args):
+    if _task.current_session() is None and not _task.contains_tracer(args):
         with _config.ignore_transforms():
             return call()  # eager: values only, nothing moves, no mesh needed
     resolved = resolve_path(spec, tuple(module.path))
