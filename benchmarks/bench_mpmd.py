@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +39,10 @@ from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import multimesh_flax as mm  # noqa: E402
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import replay  # noqa: E402
 
 RULES = (("batch", "data"),)
 
@@ -172,21 +177,6 @@ def measure(embed: int, batch_size: int, length: int, steps: int) -> dict:
     }
 
 
-def _replay(exe, leaves):
-    """Runs the executable's ops with no bookkeeping: the jax-only cost of the same work."""
-    env = [None] * len(exe._slots)
-    for slot, value in exe._consts.items():
-        env[slot] = value
-    for slot, value in zip(exe.input_slots, leaves, strict=True):
-        env[slot] = value
-    for op in exe.ops:
-        values = [env[s] for s in op.ins]
-        results = op.fn(*values) if op.kind == 0 else jax.device_put(values, op.shardings)
-        for s, r in zip(op.outs, results, strict=True):
-            env[s] = r
-    return [env[s] for s in exe.output_slots]
-
-
 def _median_call(fn, steps):
     times = []
     for _ in range(steps):
@@ -211,7 +201,7 @@ def dispatch_overhead(steps: int) -> dict:
     leaves = jax.tree.leaves((params, batch))
     fragments = sum(op.kind == 0 for op in exe.ops)
     t_call = _median_call(lambda: mpmd(params, batch), steps)
-    t_replay = _median_call(lambda: _replay(exe, leaves), steps)
+    t_replay = _median_call(lambda: replay(exe, leaves), steps)
     return {
         "call_us_per_fragment": 1e6 * t_call / fragments,
         "replay_us_per_fragment": 1e6 * t_replay / fragments,

@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -41,6 +42,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 import jax.numpy as jnp  # noqa: E402
 
 import multimesh_flax as mm  # noqa: E402
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks._common import replay  # noqa: E402
 
 SUBMESHES = 4
 BLOCKS = 8
@@ -137,21 +142,6 @@ def bubbles(schedule: str, m: int, width: int, batch: int, calls: int) -> dict:
     }
 
 
-def _replay_by_hand(exe, leaves):
-    """The executable's fragments and transfers with no bookkeeping: JAX's own cost."""
-    env = [None] * len(exe._slots)
-    for slot, value in exe._consts.items():
-        env[slot] = value
-    for slot, value in zip(exe.input_slots, leaves, strict=True):
-        env[slot] = value
-    for op in exe.ops:
-        values = [env[s] for s in op.ins]
-        results = op.fn(*values) if op.kind == 0 else jax.device_put(values, op.shardings)
-        for s, r in zip(op.outs, results, strict=True):
-            env[s] = r
-    return [env[s] for s in exe.output_slots]
-
-
 def _timed(fn) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn())
@@ -173,7 +163,7 @@ def dispatch_overhead(schedule: str, m: int, steps: int) -> dict:
     calls, hand = [], []
     for _ in range(steps):  # alternate, so load changes on the host hit both alike
         calls.append(_timed(lambda: step(params, data)))
-        hand.append(_timed(lambda: _replay_by_hand(exe, leaves)))
+        hand.append(_timed(lambda: replay(exe, leaves)))
     t_call, t_hand = statistics.median(calls), statistics.median(hand)
     ops = len(exe.ops)
     return {
