@@ -233,8 +233,11 @@ def layout_rules(layout: str) -> tuple[tuple[str, Any], ...]:
 class JitRunner(Runner):
     """Plain ``jax.jit`` of the unstaged model's step, called inside its mesh and rules."""
 
-    def __init__(self, name: str, call: Any, state: Any, batch: Any, mesh: Any, rules: Any):
+    def __init__(
+        self, name: str, call: Any, state: Any, batch: Any, mesh: Any, rules: Any, layout: str
+    ):
         super().__init__(name, call, state, batch)
+        self.layout = layout
         self.mesh = mesh
         self.rules = rules
         self.jitted = call
@@ -250,21 +253,39 @@ class JitRunner(Runner):
             super().step()
 
 
-def _train_step(model: nn.Module, optimizer: Any) -> Callable[..., Any]:
-    def train(state: Any, batch: Any) -> tuple[Any, Any]:
-        params, opt_state = state
-        loss, grads = jax.value_and_grad(
+def _train_step(model: nn.Module, optimizer: Any, microbatches: int = 1) -> Callable[..., Any]:
+    def loss_and_grads(params: Any, batch: Any) -> tuple[Any, Any]:
+        return jax.value_and_grad(
             lambda p: loss_fn(lambda x: model.apply({"params": p}, x), batch)
         )(params)
+
+    def accumulated(params: Any, batch: Any) -> tuple[Any, Any]:
+        """Mean loss and gradients over ``microbatches`` slices of the batch, summed in
+        microbatch order (a Python loop, unrolled into one program like the pipeline's)."""
+        total = None
+        for k in range(microbatches):
+            part = jax.tree.map(lambda x, k=k: x.reshape(microbatches, -1, *x.shape[1:])[k], batch)
+            out = loss_and_grads(params, part)
+            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        return jax.tree.map(lambda x: x / microbatches, total)
+
+    def train(state: Any, batch: Any) -> tuple[Any, Any]:
+        params, opt_state = state
+        loss, grads = accumulated(params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return loss, (optax.apply_updates(params, updates), opt_state)
 
     return train
 
 
-def build_jit(workload: Workload, layout: str, devices: int = DEVICES) -> JitRunner:
+def build_jit(
+    workload: Workload, layout: str, devices: int = DEVICES, microbatches: int = 1
+) -> JitRunner:
     """The baseline: ``jax.jit`` of the whole step on ``devices`` devices in ``layout``
-    (its mesh shape scaled to ``devices``, e.g. data parallel over all of them)."""
+    (its mesh shape scaled to ``devices``, e.g. data parallel over all of them).
+
+    With ``microbatches > 1`` the step accumulates gradients over that many slices of the
+    batch inside the one program: what microbatching costs without any pipeline."""
     shape = LAYOUTS[layout][0]
     shape = (shape[0] * devices // DEVICES, shape[1])
     mesh = jax.make_mesh(
@@ -292,13 +313,14 @@ def build_jit(workload: Workload, layout: str, devices: int = DEVICES) -> JitRun
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         state = jax.jit(init, out_shardings=state_sh)()
         jitted = jax.jit(
-            _train_step(model, optimizer),
+            _train_step(model, optimizer, microbatches),
             in_shardings=(state_sh, batch_sh),
             out_shardings=(replicated, state_sh),
             donate_argnums=(0,),
         )
     batch = jax.device_put(batch, batch_sh)
-    return JitRunner(f"{workload.name} jit {layout}", jitted, state, batch, mesh, rules)
+    name = f"{workload.name} jit {layout}" + (f" m={microbatches}" if microbatches > 1 else "")
+    return JitRunner(name, jitted, state, batch, mesh, rules, layout)
 
 
 def _mirror_shardings(opt_state: Any, params: Any, param_sh: Any, mesh: Any) -> Any:

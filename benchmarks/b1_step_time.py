@@ -7,6 +7,11 @@ stages, ``m`` microbatches, GPipe and 1F1B (identical for ``m = 1``, run once) -
 alternating step by step with that baseline; the reported ratio is the median step time of
 the pipeline over the baseline's median over the same rounds. Target: at most 1.10 for
 ``m <= 4``. Compilations during the timed steps are counted too (they must be 0).
+
+For ``gpt-tiny`` every ``m > 1`` configuration is also timed against ``jax.jit`` in the best
+layout accumulating the same ``m`` microbatches in one program: that separates what
+microbatching itself costs on this host (smaller matrix products, a gradient reduction per
+microbatch) from what the pipeline adds.
 """
 
 from __future__ import annotations
@@ -70,15 +75,36 @@ def baselines(workload: _common.Workload, rounds: int) -> tuple[dict[str, Any], 
     return results, runners[best]
 
 
+def accumulated_baselines(
+    workload: _common.Workload, base: Any, quick: bool
+) -> dict[int, _common.JitRunner]:
+    """Per ``m > 1`` of the grid, ``jax.jit`` in the best layout accumulating ``m``
+    microbatches in one program (gpt-tiny only: a gpt-small compile costs a minute)."""
+    if workload.preset != "gpt-tiny":
+        return {}
+    ms = sorted({m for _, m, _ in grid(workload, quick) if m > 1})
+    runners = {m: _common.build_jit(workload, base.layout, microbatches=m) for m in ms}
+    for runner in runners.values():
+        _common.warm(runner)
+    return runners
+
+
 def measure_config(
-    workload: _common.Workload, stages: int, m: int, schedule: str, base: Any, rounds: int
+    workload: _common.Workload,
+    stages: int,
+    m: int,
+    schedule: str,
+    base: Any,
+    rounds: int,
+    accumulated: Any = None,
 ) -> tuple[dict[str, Any], _common.MpmdRunner]:
     with _common.count_compiles() as cold:
         runner = _common.build_mpmd(workload, stages, m, schedule)
         first = _common.warm(runner)
     exe = runner.executable
+    programs = [runner.step, base.step] + ([accumulated.step] if accumulated else [])
     with _common.count_compiles() as steady:
-        mpmd_t, base_t = _common.interleaved([runner.step, base.step], rounds)
+        mpmd_t, base_t, *acc_t = _common.interleaved(programs, rounds)
     data, model = _common.stage_layout(workload, stages, m)
     result = {
         "stages": stages,
@@ -95,21 +121,28 @@ def measure_config(
         "transfers": _common.transfer_count(exe),
         "executables": exe.compile_count(),
     }
+    if acc_t:
+        result["accumulated_median_ms"] = 1e3 * _common.median(acc_t[0])
+        result["ratio_to_accumulated"] = _common.median(mpmd_t) / _common.median(acc_t[0])
+        result["accumulated_to_baseline"] = _common.median(acc_t[0]) / _common.median(base_t)
     return result, runner
 
 
 def run_workload(workload: _common.Workload, quick: bool, keep: bool) -> dict[str, Any]:
     rounds = rounds_for(workload, quick)
     base_results, base = baselines(workload, rounds)
+    accumulated = accumulated_baselines(workload, base, quick)
     configs = []
     for stages, m, schedule in grid(workload, quick):
-        result, runner = measure_config(workload, stages, m, schedule, base, rounds)
+        result, runner = measure_config(
+            workload, stages, m, schedule, base, rounds, accumulated.get(m)
+        )
         configs.append(result)
         if keep:
             KEPT[runner.name] = runner
         else:
             _common.release(runner)
-    _common.release(base)
+    _common.release(base, *accumulated.values())
     return {
         "workload": workload.describe(),
         "rounds": rounds,
@@ -138,6 +171,22 @@ def _rows(name: str, data: dict[str, Any]) -> list[dict[str, Any]]:
                 passed=(c["ratio"] <= TARGET) if gated else None,
             )
         )
+        if "ratio_to_accumulated" in c:
+            rows.append(
+                _common.row(
+                    SECTION,
+                    f"{label}: step / jax.jit accumulating the same {c['microbatches']} "
+                    "microbatches",
+                    round(c["ratio_to_accumulated"], 3),
+                )
+            )
+            rows.append(
+                _common.row(
+                    SECTION,
+                    f"{label}: that jax.jit / best jit (microbatching's own cost)",
+                    round(c["accumulated_to_baseline"], 3),
+                )
+            )
     return rows
 
 

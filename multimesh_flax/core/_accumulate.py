@@ -10,8 +10,11 @@ whole sum becomes a tail of additions after the last backward.
 :func:`reassociate_sums` rebuilds every such sum -- a tree of ``add``/``add_any`` glue with
 equal operand types over values of at least two microbatches -- as a chain in the order the
 schedule's simulation predicts its operands to be ready, so each addition can run as soon as
-its microbatch's contribution exists. The result is the same sum, up to floating-point
-rounding of the new association order.
+its microbatch's contribution exists. When the operands come from tasks on several submeshes
+(a tied embedding: the stem's and the head's gradient of one table), each submesh first sums
+its own operands, and the partial sums meet once, on the submesh whose partial is ready
+last: one transfer per step instead of one per microbatch, off the critical path. The result
+is the same sum, up to floating-point rounding of the new association order.
 """
 
 from __future__ import annotations
@@ -97,6 +100,42 @@ def _microbatches(traced: _trace.TracedProgram, leaves: list[Any]) -> set[Any]:
     return found
 
 
+def _leaf_places(traced: _trace.TracedProgram, leaves: list[Any]) -> list[Any]:
+    """Per leaf, the place of the task that produced it (``None`` for glue and inputs)."""
+    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
+    places = []
+    for v in leaves:
+        label = traced.labels[producer[v]] if v in producer else None
+        places.append(None if label is None else _pipeline.place_of(traced.tasks[label[0]].mesh))
+    return places
+
+
+def _sum_in_order(
+    template: Any, leaves: list[Any], places: list[Any], ready: dict[Any, Any], out: Any
+) -> list[Any]:
+    """The sum of ``leaves`` as chains in ready order: one partial sum per place, then the
+    partials, starting with the one ready last (see module doc)."""
+    key = lambda v: ready.get(v, _EARLY)  # noqa: E731
+    groups: dict[Any, list[Any]] = {}
+    for v, place in sorted(zip(leaves, places, strict=True), key=lambda vp: key(vp[0])):
+        groups.setdefault(place, []).append(v)
+    if len(groups) == 1:
+        return _chain(template, sorted(leaves, key=key), out)
+    eqns, partials = [], []
+    for group in groups.values():
+        if len(group) == 1:
+            partials.append(group[0])
+            continue
+        partial = jex.Var(out.aval)
+        eqns += _chain(template, group, partial)
+        partials.append(partial)
+        ready[partial] = key(group[-1])
+    partials.sort(key=key)
+    # The last-ready partial goes first: glue with equal input bytes from two places runs
+    # where its first operand lives (``_partition``), so the other partials move to it.
+    return eqns + _chain(template, [partials[-1], *partials[:-1]], out)
+
+
 def _chain(template: Any, leaves: list[Any], out: Any) -> list[Any]:
     """``leaves[0] + leaves[1] + ...`` left to right, the last addition writing ``out``."""
     eqns, acc = [], leaves[0]
@@ -121,12 +160,15 @@ def reassociate_sums(
     for tree in _sum_trees(traced, plan):
         if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves)) < 2:
             continue
-        order = sorted(tree.leaves, key=lambda v: ready.get(v, _EARLY))
-        if order == tree.leaves:
-            continue
+        root = eqns[tree.root]
+        chain = _sum_in_order(
+            root, tree.leaves, _leaf_places(traced, tree.leaves), ready, root.outvars[0]
+        )
+        if [e.invars for e in chain] == [eqns[i].invars for i in tree.nodes[::-1]]:
+            continue  # already summed in this order
         for i in tree.nodes:
             replaced[i] = []
-        replaced[tree.root] = _chain(eqns[tree.root], order, eqns[tree.root].outvars[0])
+        replaced[tree.root] = chain
     if not replaced:
         return traced, plan
     return _rebuild(traced, plan, replaced)

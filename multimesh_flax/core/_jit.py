@@ -37,6 +37,31 @@ def _leaf_key(x: Any) -> Hashable:
     return (tuple(shape), x.dtype, bool(getattr(x, "weak_type", False)))
 
 
+_KEYS_BY_AVALS: dict[tuple[Any, ...], tuple[Hashable, ...]] = {}
+_MAX_REMEMBERED = 256
+
+
+def _leaf_keys(leaves: Sequence[Any]) -> tuple[Hashable, ...]:
+    """``_leaf_key`` of every leaf, remembered per tuple of avals.
+
+    A training step's state has hundreds of leaves; building their keys attribute by
+    attribute costs about a microsecond each, every call. Arrays carry a cached ``aval``
+    (shape, dtype, weak type and abstract sharding) that hashes fast, so keys are built once
+    per distinct tuple of avals. The abstract sharding only makes that memo finer than the
+    keys themselves: arrays that differ only in placement still share one program.
+    """
+    try:
+        avals = tuple([x.aval for x in leaves])
+    except AttributeError:  # numpy arrays, Python scalars
+        return tuple(map(_leaf_key, leaves))
+    keys = _KEYS_BY_AVALS.get(avals)
+    if keys is None:
+        if len(_KEYS_BY_AVALS) >= _MAX_REMEMBERED:
+            _KEYS_BY_AVALS.clear()
+        keys = _KEYS_BY_AVALS[avals] = tuple(map(_leaf_key, leaves))
+    return keys
+
+
 class _FastPath:
     """A program without tasks: one ``jax.jit``, traced under ``autoshard`` like the rest."""
 
@@ -110,7 +135,7 @@ class MpmdJit:
         leaves, in_tree = jax.tree_util.tree_flatten((dynamic, kwargs))
         key = (
             in_tree,
-            tuple(_leaf_key(x) for x in leaves),
+            _leaf_keys(leaves),
             statics,
             self.devices or _mesh.get_device_list(),
             id(_mesh.get_multi_mesh()),

@@ -36,12 +36,10 @@ import numpy as np
 
 from multimesh_flax.core import _accumulate, _mesh, _pipeline, _trace
 
-Place = tuple[int, ...]
+Place = _pipeline.Place
 
 
-def place_of(mesh: jax.sharding.Mesh) -> Place:
-    """The place (sorted device ids) of a mesh."""
-    return tuple(sorted(int(i) for i in mesh.device_ids.reshape(-1)))
+place_of = _pipeline.place_of
 
 
 def nbytes(var: Any) -> int:
@@ -306,8 +304,8 @@ def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list
         if at is not None and all(made_at.get(v, -1) <= at for v in frag.invars):
             target = merged[at]
             target.eqns.extend(frag.eqns)
-            if target.microbatch != frag.microbatch:
-                target.microbatch = None
+            if target.label is None and target.microbatch != frag.microbatch:
+                target.microbatch = None  # glue of several microbatches (a task's keeps its)
         else:
             at = len(merged)
             merged.append(frag)

@@ -142,8 +142,8 @@ def _group_stages(
     for mb, uids in order.items():
         groups: list[list[int]] = []
         for uid in uids:
-            place = _place_of(traced.tasks[uid].mesh)
-            if groups and _place_of(traced.tasks[groups[-1][0]].mesh) == place:
+            place = place_of(traced.tasks[uid].mesh)
+            if groups and place_of(traced.tasks[groups[-1][0]].mesh) == place:
                 groups[-1].append(uid)
             else:
                 groups.append([uid])
@@ -209,7 +209,8 @@ def _units(
     return units
 
 
-def _place_of(mesh: Any) -> Place:
+def place_of(mesh: Any) -> Place:
+    """The place (sorted device ids) of a mesh."""
     return tuple(sorted(int(i) for i in mesh.device_ids.reshape(-1)))
 
 
@@ -226,7 +227,7 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
         return None
     mixed = _drop_mixing(traced.jaxpr, mbs)
     order = _group_stages(traced, _stage_ranks(traced, mbs, mixed))
-    places_of = {uid: _place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
+    places_of = {uid: place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
     regions = _regions(traced, order, places_of)
     for region in regions.values():
         if region.call.options.schedule is not None:

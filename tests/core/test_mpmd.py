@@ -181,6 +181,26 @@ def test_repeated_calls_compile_nothing():
     assert _compiles(messages) == []
 
 
+def test_arguments_differing_only_in_placement_share_one_program():
+    loss, params, batch, _ = _chain("4_2_2")
+    step = mm.jit(jax.value_and_grad(loss))
+    pair = jax.make_mesh(
+        (2,), ("p",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[6:]
+    )
+    elsewhere = [jax.device_put(w, NamedSharding(pair, P("p"))) for w in params]
+    first = step(params, batch)
+    _assert_trees_close(step(elsewhere, batch), first)
+    assert len(step._cache) == 1, "a placement change must move inputs, not rebuild"
+    halves = (batch[0][:4], batch[1][:4])
+    _assert_trees_close(step(params, halves), _reference_value_and_grad(loss, params, halves))
+    assert len(step._cache) == 2
+
+
+def _reference_value_and_grad(loss, params, batch):
+    with mm.ignore_transforms():
+        return jax.value_and_grad(loss)(params, batch)
+
+
 def test_compile_counter_sees_compiles():
     with _jax_log() as messages:
         jax.jit(lambda x: x * 3.5 + 1)(jnp.ones(3))
