@@ -261,12 +261,16 @@ def _train_step(model: nn.Module, optimizer: Any, microbatches: int = 1) -> Call
 
     def accumulated(params: Any, batch: Any) -> tuple[Any, Any]:
         """Mean loss and gradients over ``microbatches`` slices of the batch, summed in
-        microbatch order (a Python loop, unrolled into one program like the pipeline's)."""
-        total = None
-        for k in range(microbatches):
-            part = jax.tree.map(lambda x, k=k: x.reshape(microbatches, -1, *x.shape[1:])[k], batch)
-            out = loss_and_grads(params, part)
-            total = out if total is None else jax.tree.map(jnp.add, total, out)
+        microbatch order by a ``lax.scan`` (its body compiles once, however many slices)."""
+        if microbatches == 1:
+            return loss_and_grads(params, batch)
+        parts = jax.tree.map(lambda x: x.reshape(microbatches, -1, *x.shape[1:]), batch)
+
+        def add(total: Any, part: Any) -> tuple[Any, None]:
+            return jax.tree.map(jnp.add, total, loss_and_grads(params, part)), None
+
+        zero = jax.tree.map(jnp.zeros_like, (jnp.zeros((), jnp.float32), params))
+        total, _ = jax.lax.scan(add, zero, parts)
         return jax.tree.map(lambda x: x / microbatches, total)
 
     def train(state: Any, batch: Any) -> tuple[Any, Any]:

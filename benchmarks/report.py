@@ -131,6 +131,16 @@ def _b3(data: dict[str, Any]) -> list[dict]:
                 c["ratio_first_step"] <= 1.5,
             )
         )
+        if "ratio_first_step_accumulated" in c:
+            rows.append(
+                _row(
+                    "B3",
+                    f"{label}: the same / jax.jit accumulating {c['microbatches']} microbatches "
+                    "(wall; XLA compile time)",
+                    f"{c['ratio_first_step_accumulated']:.2f}; "
+                    f"{c['ratio_xla_compile_accumulated']:.2f}",
+                )
+            )
         rows.append(
             _row(
                 "B3",

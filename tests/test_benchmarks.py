@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,33 @@ def test_quick_step_time_compares_against_every_jit_layout(quick_results):
     for config in tiny["configs"]:
         assert config["ratio"] > 0
         assert config["compiles_timed_steps"] == 0
+        if config["microbatches"] > 1:
+            assert config["ratio_to_accumulated"] > 0
+            assert config["accumulated_to_baseline"] > 0
+
+
+def test_quick_cold_compile_has_both_references(quick_results):
+    data = json.loads((quick_results / "b3_compile.json").read_text())
+    for cold in data["cold"]:
+        assert cold["ratio_first_step"] > 0
+        assert cold["ratio_first_step_accumulated"] > 0
+
+
+def test_accumulating_baseline_computes_the_plain_step():
+    # The microbatch-accumulating jax.jit baseline must train exactly like the plain one
+    # (mean loss, mean gradients), or ratios against it would compare different work. Adam
+    # turns the rounding of a differently ordered sum into up to ~1e-5 of a 1e-3 update.
+    import numpy as np
+
+    from benchmarks import _common, b2_dispatch
+
+    plain = _common.build_jit(b2_dispatch.WORKLOAD, "data 4 x tensor 2")
+    accumulated = _common.build_jit(b2_dispatch.WORKLOAD, "data 4 x tensor 2", microbatches=2)
+    for runner in (plain, accumulated):
+        runner.step()
+    np.testing.assert_allclose(accumulated.loss, plain.loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(accumulated.state), jax.tree.leaves(plain.state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
 def test_quick_memory_matches_tabulate(quick_results):
