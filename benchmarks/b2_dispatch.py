@@ -1,19 +1,22 @@
 """B2 dispatch overhead: what the MPMD runtime adds per fragment and per step.
 
-A GPT so small that compute is negligible (4 blocks of width 32, batch 8, length 8), so a
-step's wall time is dispatch. Per configuration, three things are timed alternately:
+A GPT so small that compute is small (4 blocks of width 32, batch 8, length 8), so a step's
+wall time is mostly dispatch. Per configuration, three things are timed alternately:
 
 * ``call`` -- the ``parallelize_step`` step function, as a user calls it;
 * ``replay`` -- the same jitted fragments and ``device_put`` transfers called by hand in the
   same order with no bookkeeping (JAX's own cost for the same work);
 * ``jit`` -- plain ``jax.jit`` of the same step, data parallel over the 8 devices.
 
-Each call and replay is also timed up to the moment it returns, before waiting for its
-results: that *host time* is dispatch alone (JAX runs the programs asynchronously), free of
-the compute noise in whole-step times.
-``runtime_us_per_fragment = (host time of call - host time of replay) / fragments`` is the
-runtime's own cost (signature lookup, argument checks, slot bookkeeping, frees); target at
-most 50 us. ``per step`` numbers are the same differences for a whole step.
+Every fragment's ``jax.jit`` and every ``jax.device_put`` is wrapped in a clock during
+``call`` and ``replay``; the time each spends *outside* those JAX calls is Python-side work:
+for the replay, only what any program juggling these arrays pays (flattening the state,
+dropping each intermediate array after its last use, which frees its buffers); for the
+call, that plus the runtime's own bookkeeping (signature lookup, argument checks, slots,
+the step function's wrapping). ``runtime_us_per_fragment`` is the median over rounds of
+(call's outside time - the replay's in the same round) / fragments; target at most 50 us.
+Whole-step differences cannot resolve this on a shared host: steps take milliseconds and
+vary by more than the overhead, and JAX on CPU often runs a program before its call returns.
 """
 
 from __future__ import annotations
@@ -36,6 +39,40 @@ WORKLOAD = _common.Workload(
 )
 
 
+class _JaxClock:
+    """Adds up the time spent inside an executable's fragment calls and ``jax.device_put``
+    while active (``with clock:``); ``inside`` is reset by ``start()``."""
+
+    def __init__(self, exe: Any) -> None:
+        self.exe = exe
+        self.inside = 0.0
+        self._saved: list[tuple[Any, Any]] = []
+
+    def _timed(self, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.inside += time.perf_counter() - start
+
+        return wrapped
+
+    def __enter__(self) -> _JaxClock:
+        self.inside = 0.0
+        self._saved = [(op, op.fn) for op in self.exe.ops if op.kind == 0]
+        for op, fn in self._saved:
+            op.fn = self._timed(fn)
+        self._device_put = jax.device_put
+        jax.device_put = self._timed(self._device_put)
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        jax.device_put = self._device_put
+        for op, fn in self._saved:
+            op.fn = fn
+
+
 class _Alternating:
     """One state passed around between the step function and a hand replay of its ops, so
     the two can be timed round by round on the same state (the step donates its state)."""
@@ -45,20 +82,27 @@ class _Alternating:
         self.exe = runner.executable
         self.tree = jax.tree_util.tree_structure(runner.state)
         self.batch_leaves = jax.tree_util.tree_leaves(runner.batch)
-        self.host: dict[str, list[float]] = {"call": [], "replay": []}
+        self.own: list[float] = []  # per call: time outside JAX's fragment calls and puts
+        self.host: list[float] = []  # per call: time until the call returned
+        self.replay_own: list[float] = []  # the same for the hand replay
 
     def call(self) -> None:
-        start = time.perf_counter()
-        loss, state = self.runner.step_fn(self.runner.state, self.runner.batch)
-        self.host["call"].append(time.perf_counter() - start)
+        with _JaxClock(self.exe) as clock:
+            start = time.perf_counter()
+            loss, state = self.runner.step_fn(self.runner.state, self.runner.batch)
+            elapsed = time.perf_counter() - start
+        self.own.append(elapsed - clock.inside)
+        self.host.append(elapsed)
         jax.block_until_ready((loss, state))
         self.runner.state = state
 
     def replay(self) -> None:
-        start = time.perf_counter()
-        leaves = [*jax.tree_util.tree_leaves(self.runner.state), *self.batch_leaves]
-        outs = _common.replay(self.exe, leaves)
-        self.host["replay"].append(time.perf_counter() - start)
+        with _JaxClock(self.exe) as clock:
+            start = time.perf_counter()
+            leaves = [*jax.tree_util.tree_leaves(self.runner.state), *self.batch_leaves]
+            outs = _common.replay(self.exe, leaves)
+            elapsed = time.perf_counter() - start
+        self.replay_own.append(elapsed - clock.inside)
         jax.block_until_ready(outs)
         self.runner.state = jax.tree_util.tree_unflatten(self.tree, outs[1:])
 
@@ -71,7 +115,10 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
     calls, replays, jits = _common.interleaved([both.call, both.replay, base.step], rounds)
     fragments = _common.fragment_count(exe)
     call, rep, jit = (_common.median(t) for t in (calls, replays, jits))
-    host_call, host_rep = (_common.median(both.host[k]) for k in ("call", "replay"))
+    own, host = _common.median(both.own), _common.median(both.host)
+    replay_own = _common.median(both.replay_own)
+    # Paired by round (the two ran back to back), so drifting load cancels out.
+    runtime = _common.median([a - b for a, b in zip(both.own, both.replay_own, strict=True)])
     _common.release(runner)
     return {
         "stages": stages,
@@ -84,11 +131,12 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
         "jit_us": 1e6 * jit,
         "call_us_per_fragment": 1e6 * call / fragments,
         "replay_us_per_fragment": 1e6 * rep / fragments,
-        "host_call_us": 1e6 * host_call,
-        "host_call_us_per_fragment": 1e6 * host_call / fragments,
-        "host_replay_us": 1e6 * host_rep,
-        "runtime_us_per_step": 1e6 * (host_call - host_rep),
-        "runtime_us_per_fragment": 1e6 * (host_call - host_rep) / fragments,
+        "host_call_us": 1e6 * host,
+        "host_call_us_per_fragment": 1e6 * host / fragments,
+        "outside_jax_us_per_step": 1e6 * own,
+        "replay_outside_jax_us_per_step": 1e6 * replay_own,
+        "runtime_us_per_step": 1e6 * runtime,
+        "runtime_us_per_fragment": 1e6 * runtime / fragments,
         "whole_step_difference_us": 1e6 * (call - rep),
         "extra_us_per_step_vs_jit": 1e6 * (call - jit),
     }
@@ -135,7 +183,15 @@ def run(quick: bool) -> dict[str, Any]:
         rows.append(
             _common.row(
                 SECTION,
-                f"{label}: host time to dispatch a fragment (JAX's dispatch included)",
+                f"{label}: time outside JAX calls per step, runtime / hand replay",
+                f"{r['outside_jax_us_per_step']:,.0f} / {r['replay_outside_jax_us_per_step']:,.0f}",
+                unit="us",
+            )
+        )
+        rows.append(
+            _common.row(
+                SECTION,
+                f"{label}: call time per fragment (JAX's dispatch included)",
                 round(r["host_call_us_per_fragment"]),
                 unit="us",
             )

@@ -110,7 +110,7 @@ def _b2(data: dict[str, Any]) -> list[dict]:
         ),
         _row(
             "B2",
-            "runtime overhead per step / host time to dispatch a fragment (JAX's included)",
+            "runtime overhead per step / call time per fragment (JAX's dispatch included)",
             f"{min(steps) / 1e3:.1f} - {max(steps) / 1e3:.1f} ms / "
             f"{min(calls):.0f} - {max(calls):.0f} us",
         ),
