@@ -115,7 +115,10 @@ def _sum_in_order(
 ) -> list[Any]:
     """The sum of ``leaves`` as chains in ready order: one partial sum per place, then the
     partials, starting with the one ready last (see module doc)."""
-    key = lambda v: ready.get(v, _EARLY)  # noqa: E731
+
+    def key(v: Any) -> Any:
+        return ready.get(v, _EARLY)
+
     groups: dict[Any, list[Any]] = {}
     for v, place in sorted(zip(leaves, places, strict=True), key=lambda vp: key(vp[0])):
         groups.setdefault(place, []).append(v)
@@ -160,15 +163,14 @@ def reassociate_sums(
     for tree in _sum_trees(traced, plan):
         if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves)) < 2:
             continue
+        places = _leaf_places(traced, tree.leaves)
+        in_order = tree.leaves == sorted(tree.leaves, key=lambda v: ready.get(v, _EARLY))
+        if in_order and len(set(places)) == 1:
+            continue  # already summed in ready order, all on one submesh
         root = eqns[tree.root]
-        chain = _sum_in_order(
-            root, tree.leaves, _leaf_places(traced, tree.leaves), ready, root.outvars[0]
-        )
-        if [e.invars for e in chain] == [eqns[i].invars for i in tree.nodes[::-1]]:
-            continue  # already summed in this order
         for i in tree.nodes:
             replaced[i] = []
-        replaced[tree.root] = chain
+        replaced[tree.root] = _sum_in_order(root, tree.leaves, places, ready, root.outvars[0])
     if not replaced:
         return traced, plan
     return _rebuild(traced, plan, replaced)
