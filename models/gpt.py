@@ -21,8 +21,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import pipeline
 from ._attention import Attention
+from ._decoder import PreNormBlock, StagedDecoder
 from ._layers import (
     BATCH,
     EMBED,
@@ -106,8 +106,9 @@ class _GeluMLP(nn.Module):
         return constrain(self.proj(h), HIDDEN)
 
 
-class GPTBlock(nn.Module):
-    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``.
+class GPTBlock(PreNormBlock):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``, with
+    LayerNorm, biased attention without rotary positions and a GELU MLP.
 
     Attributes:
         config: Model hyperparameters.
@@ -122,41 +123,18 @@ class GPTBlock(nn.Module):
         (['attn', 'attn_norm', 'mlp', 'mlp_norm'], (2, 8, 64))
     """
 
-    config: ModelConfig
+    @nn.nowrap
+    def make_norm(self) -> nn.Module:
+        return layer_norm(self.config)
 
-    def setup(self):
+    @nn.nowrap
+    def make_attention(self) -> nn.Module:
         cfg = self.config
-        self.attn_norm = layer_norm(cfg)
-        self.attn = Attention(cfg, use_bias=True, use_rope=False, out_std=residual_std(cfg))
-        self.mlp_norm = layer_norm(cfg)
-        self.mlp = _GeluMLP(cfg)
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        return Attention(cfg, use_bias=True, use_rope=False, out_std=residual_std(cfg))
 
-    def __call__(
-        self,
-        x: jax.Array,
-        positions: jax.Array | None = None,
-        *,
-        deterministic: bool = True,
-        decode: bool = False,
-    ) -> jax.Array:
-        """Updates the residual stream `x` ``(batch, length, embed)``.
-
-        Args:
-            x: The residual stream.
-            positions: Unused by GPT blocks (positions enter in `GPTEmbed`); accepted so
-                every block has the same signature.
-            deterministic: Disables dropout when true.
-            decode: Use and update the ``"cache"`` collection (see `models._attention`).
-
-        Returns:
-            The updated residual stream, same shape as `x`.
-        """
-        positions = default_positions(x.shape, positions)
-        h = self.attn(self.attn_norm(x), positions, deterministic=deterministic, decode=decode)
-        x = x + self.dropout(h, deterministic=deterministic)
-        h = self.mlp(self.mlp_norm(x))
-        return constrain(x + self.dropout(h, deterministic=deterministic), HIDDEN)
+    @nn.nowrap
+    def make_mlp(self) -> nn.Module:
+        return _GeluMLP(self.config)
 
 
 class GPTHead(nn.Module):
@@ -196,7 +174,7 @@ class GPTHead(nn.Module):
         return constrain(logits, (BATCH, LENGTH, VOCAB))
 
 
-class GPT(nn.Module):
+class GPT(StagedDecoder):
     """GPT-2 style decoder-only transformer: `GPTEmbed`, `GPTBlock` x L, `GPTHead`.
 
     Parameter tree (top level): ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``.
@@ -219,49 +197,10 @@ class GPT(nn.Module):
         (2, 8, 264)
     """
 
-    config: ModelConfig
-    stages: int | None = None
+    stem_cls = GPTEmbed
+    block_cls = GPTBlock
+    head_cls = GPTHead
 
-    def setup(self):
-        cfg = self.config
-        stages = self.stages
-        if stages is not None:
-            pipeline.check_stages(cfg.num_layers, stages)
-        last = 0 if stages is None else stages - 1
-        self.stem = pipeline.on_stage(GPTEmbed, 0, stages)(cfg)
-        self.blocks = [
-            pipeline.on_stage(GPTBlock, self._stage_of(i), stages)(cfg)
-            for i in range(cfg.num_layers)
-        ]
-        self.head = pipeline.on_stage(GPTHead, last, stages)(cfg)
-
-    def _stage_of(self, index: int) -> int:
-        if self.stages is None:
-            return 0
-        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
-
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        *,
-        deterministic: bool = True,
-        decode: bool = False,
-    ) -> jax.Array:
-        """Returns next-token logits ``(batch, length, vocab)`` for integer `tokens`.
-
-        Args:
-            tokens: Token ids, shape ``(batch, length)``.
-            positions: Absolute positions of `tokens`, shape ``(batch, length)``; defaults
-                to ``0 .. length-1``. Pass them when decoding with a cache.
-            deterministic: Disables dropout when true (needs a ``"dropout"`` rng otherwise).
-            decode: Use and update the ``"cache"`` collection (see `models.generate`).
-
-        Returns:
-            Logits in the config's compute dtype.
-        """
-        positions = default_positions(tokens.shape, positions)
-        x = self.stem(tokens, positions, deterministic=deterministic)
-        for block in self.blocks:
-            x = block(x, positions, deterministic=deterministic, decode=decode)
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head against the stem's token table (tied embeddings)."""
         return self.head(x, self.stem.embed.embedding)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from . import pipeline
 from ._attention import Attention
+from ._decoder import PreNormBlock, StagedDecoder
 from ._layers import (
     BATCH,
     EMBED,
@@ -29,7 +29,6 @@ from ._layers import (
     MLP,
     VOCAB,
     constrain,
-    default_positions,
     dense,
     residual_std,
     rms_norm,
@@ -93,11 +92,10 @@ class _SwiGLU(nn.Module):
         return constrain(self.down(h), HIDDEN)
 
 
-class LlamaBlock(nn.Module):
-    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``.
-
-    Attention is grouped-query (``config.num_kv_heads`` key/value heads) with rotary
-    positions; the MLP is SwiGLU.
+class LlamaBlock(PreNormBlock):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``, with
+    RMSNorm, grouped-query attention (``config.num_kv_heads`` key/value heads) with rotary
+    positions and a SwiGLU MLP.
 
     Attributes:
         config: Model hyperparameters.
@@ -112,41 +110,18 @@ class LlamaBlock(nn.Module):
         (64, 2, 16)
     """
 
-    config: ModelConfig
+    @nn.nowrap
+    def make_norm(self) -> nn.Module:
+        return rms_norm(self.config)
 
-    def setup(self):
+    @nn.nowrap
+    def make_attention(self) -> nn.Module:
         cfg = self.config
-        self.attn_norm = rms_norm(cfg)
-        self.attn = Attention(cfg, use_bias=False, use_rope=True, out_std=residual_std(cfg))
-        self.mlp_norm = rms_norm(cfg)
-        self.mlp = _SwiGLU(cfg)
-        self.dropout = nn.Dropout(cfg.dropout_rate)
+        return Attention(cfg, use_bias=False, use_rope=True, out_std=residual_std(cfg))
 
-    def __call__(
-        self,
-        x: jax.Array,
-        positions: jax.Array | None = None,
-        *,
-        deterministic: bool = True,
-        decode: bool = False,
-    ) -> jax.Array:
-        """Updates the residual stream `x` ``(batch, length, embed)``.
-
-        Args:
-            x: The residual stream.
-            positions: Absolute positions ``(batch, length)`` for the rotary embedding;
-                defaults to ``0 .. length-1``. Pass them when decoding with a cache.
-            deterministic: Disables dropout when true (Llama presets have no dropout).
-            decode: Use and update the ``"cache"`` collection (see `models._attention`).
-
-        Returns:
-            The updated residual stream, same shape as `x`.
-        """
-        positions = default_positions(x.shape, positions)
-        h = self.attn(self.attn_norm(x), positions, deterministic=deterministic, decode=decode)
-        x = x + self.dropout(h, deterministic=deterministic)
-        h = self.mlp(self.mlp_norm(x))
-        return constrain(x + self.dropout(h, deterministic=deterministic), HIDDEN)
+    @nn.nowrap
+    def make_mlp(self) -> nn.Module:
+        return _SwiGLU(self.config)
 
 
 class LlamaHead(nn.Module):
@@ -178,7 +153,7 @@ class LlamaHead(nn.Module):
         return constrain(logits, (BATCH, LENGTH, VOCAB))
 
 
-class Llama(nn.Module):
+class Llama(StagedDecoder):
     """Llama style decoder-only transformer: `LlamaEmbed`, `LlamaBlock` x L, `LlamaHead`.
 
     Parameter tree (top level): ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``.
@@ -200,49 +175,6 @@ class Llama(nn.Module):
         (2, 8, 264)
     """
 
-    config: ModelConfig
-    stages: int | None = None
-
-    def setup(self):
-        cfg = self.config
-        stages = self.stages
-        if stages is not None:
-            pipeline.check_stages(cfg.num_layers, stages)
-        last = 0 if stages is None else stages - 1
-        self.stem = pipeline.on_stage(LlamaEmbed, 0, stages)(cfg)
-        self.blocks = [
-            pipeline.on_stage(LlamaBlock, self._stage_of(i), stages)(cfg)
-            for i in range(cfg.num_layers)
-        ]
-        self.head = pipeline.on_stage(LlamaHead, last, stages)(cfg)
-
-    def _stage_of(self, index: int) -> int:
-        if self.stages is None:
-            return 0
-        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
-
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        *,
-        deterministic: bool = True,
-        decode: bool = False,
-    ) -> jax.Array:
-        """Returns next-token logits ``(batch, length, vocab)`` for integer `tokens`.
-
-        Args:
-            tokens: Token ids, shape ``(batch, length)``.
-            positions: Absolute positions of `tokens`, shape ``(batch, length)``; defaults
-                to ``0 .. length-1``. Pass them when decoding with a cache.
-            deterministic: Disables dropout when true.
-            decode: Use and update the ``"cache"`` collection (see `models.generate`).
-
-        Returns:
-            Logits in the config's compute dtype.
-        """
-        positions = default_positions(tokens.shape, positions)
-        x = self.stem(tokens, positions, deterministic=deterministic)
-        for block in self.blocks:
-            x = block(x, positions, deterministic=deterministic, decode=decode)
-        return self.head(x)
+    stem_cls = LlamaEmbed
+    block_cls = LlamaBlock
+    head_cls = LlamaHead

@@ -1,0 +1,143 @@
+"""What GPT and Llama share: the pre-norm block and the staged decoder around the blocks.
+
+* `PreNormBlock` -- ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``, with dropout
+  on both branches. A family says which norm, attention and MLP it uses (``make_norm``,
+  ``make_attention``, ``make_mlp``); parameter names are the same for every family.
+* `StagedDecoder` -- ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``, each placed on
+  its pipeline stage when ``stages`` is set (`models.pipeline`). A family names its three
+  stage classes (``stem_cls``, ``block_cls``, ``head_cls``) and, if its head takes more
+  than the residual stream, overrides ``logits``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import flax.linen as nn
+import jax
+
+from . import pipeline
+from ._layers import HIDDEN, constrain, default_positions
+from .configs import ModelConfig
+
+
+class PreNormBlock(nn.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``.
+
+    Subclasses implement ``make_norm``, ``make_attention`` and ``make_mlp``.
+
+    Attributes:
+        config: Model hyperparameters.
+    """
+
+    config: ModelConfig
+
+    @nn.nowrap
+    def make_norm(self) -> nn.Module:
+        raise NotImplementedError
+
+    @nn.nowrap
+    def make_attention(self) -> nn.Module:
+        raise NotImplementedError
+
+    @nn.nowrap
+    def make_mlp(self) -> nn.Module:
+        raise NotImplementedError
+
+    def setup(self):
+        self.attn_norm = self.make_norm()
+        self.attn = self.make_attention()
+        self.mlp_norm = self.make_norm()
+        self.mlp = self.make_mlp()
+        self.dropout = nn.Dropout(self.config.dropout_rate)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Updates the residual stream `x` ``(batch, length, embed)``.
+
+        Args:
+            x: The residual stream.
+            positions: Absolute positions ``(batch, length)``, defaulting to
+                ``0 .. length-1``; used by rotary attention, accepted by every block so all
+                have the same signature. Pass them when decoding with a cache.
+            deterministic: Disables dropout when true.
+            decode: Use and update the ``"cache"`` collection (see `models._attention`).
+
+        Returns:
+            The updated residual stream, same shape as `x`.
+        """
+        positions = default_positions(x.shape, positions)
+        h = self.attn(self.attn_norm(x), positions, deterministic=deterministic, decode=decode)
+        x = x + self.dropout(h, deterministic=deterministic)
+        h = self.mlp(self.mlp_norm(x))
+        return constrain(x + self.dropout(h, deterministic=deterministic), HIDDEN)
+
+
+class StagedDecoder(nn.Module):
+    """``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``, optionally one task per stage.
+
+    Attributes:
+        config: Model hyperparameters.
+        stages: ``None`` (run where called) or a pipeline stage count that divides
+            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
+    """
+
+    config: ModelConfig
+    stages: int | None = None
+
+    stem_cls: ClassVar[type[nn.Module]]
+    block_cls: ClassVar[type[nn.Module]]
+    head_cls: ClassVar[type[nn.Module]]
+
+    def setup(self):
+        cfg, stages = self.config, self.stages
+        if stages is not None:
+            pipeline.check_stages(cfg.num_layers, stages)
+        last = 0 if stages is None else stages - 1
+        self.stem = pipeline.on_stage(self.stem_cls, 0, stages)(cfg)
+        self.blocks = [
+            pipeline.on_stage(self.block_cls, self._stage_of(i), stages)(cfg)
+            for i in range(cfg.num_layers)
+        ]
+        self.head = pipeline.on_stage(self.head_cls, last, stages)(cfg)
+
+    def _stage_of(self, index: int) -> int:
+        if self.stages is None:
+            return 0
+        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The head applied to the final residual stream."""
+        return self.head(x)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+    ) -> jax.Array:
+        """Returns next-token logits ``(batch, length, vocab)`` for integer `tokens`.
+
+        Args:
+            tokens: Token ids, shape ``(batch, length)``.
+            positions: Absolute positions of `tokens`, shape ``(batch, length)``; defaults
+                to ``0 .. length-1``. Pass them when decoding with a cache.
+            deterministic: Disables dropout when true (needs a ``"dropout"`` rng otherwise).
+            decode: Use and update the ``"cache"`` collection (see `models.generate`).
+
+        Returns:
+            Logits in the config's compute dtype.
+        """
+        positions = default_positions(tokens.shape, positions)
+        x = self.stem(tokens, positions, deterministic=deterministic)
+        for block in self.blocks:
+            x = block(x, positions, deterministic=deterministic, decode=decode)
+        return self.logits(x)
