@@ -29,6 +29,19 @@ KEPT: dict[str, _common.MpmdRunner] = {}
 RESULTS: dict[str, dict[str, Any]] = {}
 
 
+def kept_or_built(
+    workload: _common.Workload, stages: int, m: int, schedule: str
+) -> tuple[_common.MpmdRunner, bool]:
+    """B1's compiled runner for this configuration, or a new warmed one; the flag says
+    whether it is new (then the caller releases it)."""
+    runner = KEPT.get(_common.mpmd_name(workload, stages, m, schedule))
+    if runner is not None:
+        return runner, False
+    runner = _common.build_mpmd(workload, stages, m, schedule)
+    _common.warm(runner)
+    return runner, True
+
+
 def grid(workload: _common.Workload, quick: bool) -> list[tuple[int, int, str]]:
     """``(stages, microbatches, schedule)`` configurations measured for ``workload``."""
     if quick:

@@ -133,12 +133,7 @@ def _blocks_only(runner: _common.MpmdRunner) -> dict[int, int]:
 def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> dict[str, Any]:
     from benchmarks import b1_step_time
 
-    name = _common.mpmd_name(workload, stages, m, schedule)
-    runner = b1_step_time.KEPT.get(name)
-    owned = runner is None
-    if runner is None:
-        runner = _common.build_mpmd(workload, stages, m, schedule)
-        _common.warm(runner)
+    runner, owned = b1_step_time.kept_or_built(workload, stages, m, schedule)
     params = device_bytes(runner.state.params)
     placement = _tabulated(runner, workload, stages).bytes_per_device()
     opt = device_bytes(runner.state.opt_state)
@@ -149,7 +144,7 @@ def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> d
     walked = walk(exe, leaves)
     runner.state = jax.tree_util.tree_unflatten(tree, walked.pop("outputs")[1:])
     result = {
-        "name": name,
+        "name": runner.name,
         "stages": stages,
         "microbatches": m,
         "schedule": schedule,

@@ -67,12 +67,7 @@ def hidden_bytes(runner: _common.MpmdRunner) -> int:
 def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> dict[str, Any]:
     from benchmarks import b1_step_time
 
-    name = _common.mpmd_name(workload, stages, m, schedule)
-    runner = b1_step_time.KEPT.get(name)
-    owned = runner is None
-    if runner is None:
-        runner = _common.build_mpmd(workload, stages, m, schedule)
-        _common.warm(runner)
+    runner, owned = b1_step_time.kept_or_built(workload, stages, m, schedule)
     exe = runner.executable
     expected = analytic(workload, stages)
     measured = exe.transfer_bytes()
@@ -81,7 +76,7 @@ def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> d
     for t in listed:
         by_size[t["bytes"]] = by_size.get(t["bytes"], 0) + 1
     result = {
-        "name": name,
+        "name": runner.name,
         "stages": stages,
         "microbatches": m,
         "schedule": schedule,

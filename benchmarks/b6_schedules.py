@@ -41,12 +41,7 @@ def _record(step: Any, calls: int) -> dict[str, Any]:
 def gpt(stages: int, m: int, schedule: str, calls: int) -> dict[str, Any]:
     from benchmarks import b1_step_time
 
-    name = _common.mpmd_name(_common.TINY, stages, m, schedule)
-    runner = b1_step_time.KEPT.get(name)
-    owned = runner is None
-    if runner is None:
-        runner = _common.build_mpmd(_common.TINY, stages, m, schedule)
-        _common.warm(runner)
+    runner, owned = b1_step_time.kept_or_built(_common.TINY, stages, m, schedule)
     recorded = _record(runner.step, calls)
     sched = runner.executable.schedule
     result = {

@@ -12,16 +12,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-FILES = {
-    "B0": "b0_calibration",
-    "B1": "b1_step_time",
-    "B2": "b2_dispatch",
-    "B3": "b3_compile",
-    "B4": "b4_memory",
-    "B5": "b5_transfers",
-    "B6": "b6_schedules",
-    "GPU": "gpu",
-}
+from benchmarks import SECTIONS
+
+FILES = {**SECTIONS, "GPU": "gpu"}  # section -> JSON file stem
 
 
 def _value(r: dict[str, Any]) -> str:
