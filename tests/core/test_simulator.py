@@ -11,6 +11,8 @@ from multimesh_flax import errors
 from multimesh_flax.core._schedules import Schedule, ScheduleOp, make_schedule
 from multimesh_flax.core._simulator import SimulationResult, simulate
 
+EXACT = 1e-12  # closed-form answers: only float rounding may differ
+
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p", [2, 4])
@@ -19,16 +21,19 @@ def test_bubble_of_gpipe_and_1f1b(name, p, m):
     # Unsplit backward costs B + W = 2 and forward 1: every stage is a uniform (1, 2) step,
     # so the formula holds unchanged.
     result = simulate(make_schedule(name, p, m))
-    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), atol=0.02)
-    np.testing.assert_allclose(result.makespan, 3 * (m + p - 1))
-    np.testing.assert_allclose(result.busy_time, [3.0 * m] * p)
+    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(result.makespan, 3 * (m + p - 1), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(result.busy_time, [3.0 * m] * p, rtol=0, atol=EXACT)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_bubble_formula_with_unequal_forward_and_backward(name):
     p, m = 4, 8
     result = simulate(make_schedule(name, p, m), costs={"F": 1.0, "B": 2.5, "W": 0.5})
-    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), atol=0.02)
+    # Every stage is a uniform (1, 3) step: makespan 4 (m + p - 1), busy 4 m per row.
+    np.testing.assert_allclose(result.bubble_fraction, (p - 1) / (m + p - 1), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(result.makespan, 4 * (m + p - 1), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(result.busy_time, [4.0 * m] * p, rtol=0, atol=EXACT)
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -38,7 +43,8 @@ def test_zero_bubble_beats_1f1b(p, m):
     one_f_one_b = simulate(make_schedule("1f1b", p, m))
     assert zb.bubble_fraction < one_f_one_b.bubble_fraction
     # Equal costs: every row works without a gap from r to r + 3m (only the ramp is idle).
-    np.testing.assert_allclose(zb.makespan, 3 * m + p - 1)
+    np.testing.assert_allclose(zb.makespan, 3 * m + p - 1, rtol=0, atol=EXACT)
+    np.testing.assert_allclose(zb.bubble_fraction, (p - 1) / (3 * m + p - 1), rtol=0, atol=EXACT)
     assert max(zb.peak_in_flight) <= 2 * p - 1
 
 
@@ -50,8 +56,12 @@ def test_interleaved_beats_1f1b(p, v, multiple):
     interleaved = simulate(make_schedule("interleaved-1f1b", v * p, m, interleave=v))
     one_f_one_b = simulate(make_schedule("1f1b", p, m))
     assert interleaved.bubble_fraction < one_f_one_b.bubble_fraction
-    # Megatron-LM's estimate: the bubble shrinks by the number of chunks per row.
-    np.testing.assert_allclose(interleaved.bubble_fraction, (p - 1) / (v * m + p - 1), atol=0.02)
+    # With m a multiple of p and equal costs the ramp is p - 1 chunk steps (3 time units
+    # each) before and after v m steps of work: the bubble shrinks by the chunks per row.
+    bubble = (p - 1) / (v * m + p - 1)
+    np.testing.assert_allclose(interleaved.bubble_fraction, bubble, rtol=0, atol=EXACT)
+    np.testing.assert_allclose(interleaved.makespan, 3 * (v * m + p - 1), rtol=0, atol=EXACT)
+    np.testing.assert_allclose(interleaved.busy_time, [3.0 * v * m] * p, rtol=0, atol=EXACT)
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -68,8 +78,10 @@ def test_transfer_cost_adds_to_cross_row_edges():
     base = simulate(make_schedule("gpipe", p, m))
     slow = simulate(make_schedule("gpipe", p, m), costs={"transfer": transfer})
     # The critical path crosses p - 1 boundaries forward and p - 1 backward.
-    np.testing.assert_allclose(slow.makespan, base.makespan + 2 * (p - 1) * transfer)
-    np.testing.assert_allclose(slow.busy_time, base.busy_time)
+    np.testing.assert_allclose(
+        slow.makespan, base.makespan + 2 * (p - 1) * transfer, rtol=0, atol=EXACT
+    )
+    np.testing.assert_allclose(slow.busy_time, base.busy_time, rtol=0, atol=EXACT)
 
 
 def test_callable_costs_and_unsplit_backward():
