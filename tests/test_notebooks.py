@@ -7,13 +7,28 @@ Rebuild the ``.ipynb`` files after editing a source with ``notebooks/execute.py`
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import pytest
 
-jupytext = pytest.importorskip("jupytext")
-nbclient = pytest.importorskip("nbclient")
-nbformat = pytest.importorskip("nbformat")
+
+def _dev_dependency(name: str):
+    """Imports a module of the ``dev`` dependency group; a missing one fails, never skips."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        pytest.fail(
+            f"The dev dependency {name!r} is missing (declared in pyproject.toml's `dev` "
+            f"group). Install it: `pip install {name}` or `python dev.py test`. ({e})",
+            pytrace=False,
+        )
+
+
+jupytext = _dev_dependency("jupytext")
+nbclient = _dev_dependency("nbclient")
+nbformat = _dev_dependency("nbformat")
+_dev_dependency("ipykernel")  # the kernel the smoke runs start
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]-*.py"))
