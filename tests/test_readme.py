@@ -1,20 +1,133 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written and do what their comments promise.
 
+The blocks run once, in order, in one namespace (later blocks use names from earlier ones);
+each block's stdout and a shallow copy of the namespace right after it are kept. Promises are
+checked per block found by a marker (a snippet of its source), not by position, so new README
+sections do not shift them; numbers are compared with the same code run under
+``mm.ignore_transforms()`` (every transform the identity: plain JAX on one device).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
 import re
 from pathlib import Path
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+
+import multimesh_flax as mm
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@dataclasses.dataclass
+class Ran:
+    """One README block after it ran: its stdout, the namespace then, and any error."""
+
+    source: str
+    stdout: str
+    namespace: dict[str, Any]
+    error: BaseException | None
+
+
+@pytest.fixture(scope="module")
+def ran() -> list[Ran]:
+    namespace: dict[str, Any] = {}
+    results: list[Ran] = []
+    for index, block in enumerate(BLOCKS):
+        out, error = io.StringIO(), None
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(block, f"README block {index}", "exec"), namespace)
+        except Exception as e:  # reported by the test of this block
+            error = e
+        results.append(Ran(block, out.getvalue(), dict(namespace), error))
+        if error is not None:
+            break  # later blocks depend on this one
+    return results
+
+
+def _devices(array: jax.Array) -> set[int]:
+    return {d.id for d in array.devices()}
+
+
+def _first_program(r: Ran) -> None:
+    # print(out, out.devices())  # [1. 3. 5.] {CpuDevice(id=1)} -- lives on device 1 only
+    out = r.namespace["out"]
+    np.testing.assert_array_equal(np.asarray(out), np.arange(3.0) * 2 + 1)
+    assert _devices(out) == {1}
+    assert r.stdout.splitlines()[0] == "[1. 3. 5.] {CpuDevice(id=1)}"
+    assert "2 fragments" in r.stdout  # the describe() dump: one fragment per device
+
+
+def _logical_sharding(r: Ran) -> None:
+    # param 1 row-sharded on devices 0-3, param 2 column-sharded on 4-7
+    ns, params = r.namespace, r.namespace["params"]
+    assert _devices(params[0]) == {0, 1, 2, 3} and params[0].sharding.spec == P("x", None)
+    assert _devices(params[1]) == {4, 5, 6, 7} and params[1].sharding.spec == P(None, "x")
+    with mm.ignore_transforms():
+        loss, expected = ns["step"]((jnp.ones((16, 16)), jnp.ones((16, 8))), jnp.ones((8, 16)))
+    np.testing.assert_allclose(float(ns["loss"]), float(loss), rtol=1e-5, atol=1e-6)
+    for got, want in zip(params, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def _flax_step(r: Ran) -> None:
+    # print(float(loss), ...sharding.spec)  # P('x', 'y')
+    ns, params = r.namespace, r.namespace["state"].params
+    kernel = params["layer_1"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == P("x", "y") and _devices(kernel) == {4, 5, 6, 7}
+    assert _devices(params["layer_0"]["Dense_0"]["kernel"]) == {0, 1, 2, 3}
+    assert int(ns["state"].step) == 3
+    assert r.stdout.splitlines()[-1] == f"{float(ns['loss'])} P('x', 'y')"
+    assert "Pipeline Summary" in r.stdout  # the tabulate table came first
+
+
+def _name_based(r: Ran) -> None:
+    # w[0] on stage 0 (devices 0-3), w[1] on stage 1 (devices 4-7)
+    ns = r.namespace
+    assert _devices(ns["w"][0]) == {0, 1, 2, 3} and _devices(ns["w"][1]) == {4, 5, 6, 7}
+    with mm.ignore_transforms():
+        expected = jax.grad(ns["program"])((jnp.ones((8, 8)), jnp.ones((8, 8))), jnp.ones((4, 8)))
+    for got, want in zip(ns["grads"], expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+# A snippet that identifies the block -> the check of what that block promises.
+PROMISES = {
+    "mm.task(lambda x: x * 2": _first_program,
+    "l2 = mm.task(layer2": _logical_sharding,
+    "class Pipeline(nn.Module)": _flax_step,
+    "multi.register_task(": _name_based,
+}
+
+
 def test_readme_has_examples():
-    assert len(BLOCKS) >= 2
+    assert len(BLOCKS) >= len(PROMISES)
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index, capsys):
-    namespace: dict = {}
-    for block in BLOCKS[: index + 1]:  # later blocks may use names from earlier ones
-        exec(compile(block, f"README block {index}", "exec"), namespace)
+def test_readme_example_runs(index, ran):
+    assert index < len(ran), f"README block {index} did not run: an earlier block raised"
+    if ran[index].error is not None:
+        raise ran[index].error
+
+
+@pytest.mark.parametrize("marker", list(PROMISES))
+def test_readme_example_keeps_its_promise(marker, ran):
+    found = [r for r in ran if marker in r.source]
+    in_readme = sum(marker in block for block in BLOCKS)
+    assert in_readme == 1, (
+        f"Expected exactly one README block containing {marker!r}, found {in_readme}; "
+        "update PROMISES in tests/test_readme.py to the README's current examples."
+    )
+    assert found and found[0].error is None, f"the block with {marker!r} did not run cleanly"
+    PROMISES[marker](found[0])
