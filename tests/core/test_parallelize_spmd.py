@@ -67,14 +67,14 @@ def test_no_task_replicates_inputs_and_params():
     for leaf in [*jax.tree.leaves(params), x]:
         assert _device_ids(leaf) == set(range(8))
         assert leaf.sharding.is_fully_replicated
-    # Workaround for the fast-path bug below: call inside `autoshard`.
-    with mm.autoshard():
-        y = sharded_fun(params, x)
+    y = sharded_fun(params, x)
     np.testing.assert_allclose(np.asarray(y), _reference(), rtol=RTOL, atol=ATOL)
     assert sharded_fun.describe(params, x).startswith("fast path")
 
 
 def test_no_task_sharded_fun_runs_without_extra_context():
+    # Regression (fixed in 2be0ad2): the task-free fast path was traced without `autoshard`,
+    # so a constraint over logical names failed unless the caller entered `mm.autoshard()`.
     sharded_fun, sharded_init, sharded_batch = mm.parallelize(
         f, init_params=init_params, get_input_batch=get_input_batch
     )
@@ -161,7 +161,13 @@ def test_initial_batch_returns_two_functions():
 def test_get_input_batch_returns_three_functions():
     result = mm.parallelize(_task_f(), init_params=init_params, get_input_batch=get_input_batch)
     assert len(result) == 3
-    assert all(callable(r) for r in result)
+    sharded_fun, sharded_init, sharded_batch = result
+    params, x = sharded_init(), sharded_batch()
+    np.testing.assert_allclose(np.asarray(x), np.asarray(get_input_batch()), rtol=0, atol=0)
+    for name, leaf in init_params().items():
+        np.testing.assert_allclose(np.asarray(params[name]), np.asarray(leaf), rtol=0, atol=0)
+    y = sharded_fun(params, x)
+    np.testing.assert_allclose(np.asarray(y), _reference(), rtol=RTOL, atol=ATOL)
 
 
 def test_batch_only_function():
