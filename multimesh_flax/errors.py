@@ -316,3 +316,50 @@ class ModelConfigError(MultiMeshError, ValueError):
     non-positive size, ``dropout_rate`` outside ``[0, 1)``). The message lists the valid
     names or says which value to change.
     """
+
+
+# --- pretrained checkpoints (models.hf) -----------------------------------------------------
+
+
+class PretrainedConfigError(MultiMeshError, ValueError):
+    """A Hugging Face model folder has no readable ``config.json`` or no weights.
+
+    Raised by ``models.hf.load`` when the folder does not exist, lacks ``config.json`` (or it
+    is not JSON, or misses a field the model needs), or holds neither ``model.safetensors``
+    nor ``model.safetensors.index.json``; and by ``models.hf.save`` when the target exists.
+    Point at the folder that ``save_pretrained`` wrote (PyTorch ``.bin`` weights must be
+    converted to safetensors first), or save into a new folder.
+    """
+
+
+class UnsupportedArchitectureError(MultiMeshError, ValueError):
+    """A Hugging Face checkpoint describes a model the reference models cannot reproduce.
+
+    ``models.hf`` reads ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` checkpoints with the
+    features ``models.GPT`` and ``models.Llama`` implement. Another architecture, or a
+    feature such as rope scaling, attention biases in Llama or an exact-erf GELU in GPT-2,
+    raises this; the message names the ``config.json`` field and the supported values.
+    """
+
+
+class PretrainedTensorError(MultiMeshError, ValueError):
+    """A checkpoint's tensors do not match its ``config.json``, or a file cannot be read.
+
+    Raised for a missing tensor, a tensor the model does not have, a tensor of the wrong
+    shape, a ``model.safetensors.index.json`` naming a file that is absent, and a truncated
+    or corrupt ``.safetensors`` file; the message names the file and the key. When saving,
+    raised for a parameter tree that is not the tree of ``models.GPT``/``models.Llama`` for
+    the given config. Re-download or re-save the checkpoint, or fix ``config.json``.
+    """
+
+
+class VocabularySplitError(MultiMeshError, ValueError):
+    """A vocabulary does not split evenly over the ``model`` axis it is sharded on.
+
+    The token table and the output head shard their vocabulary dimension over the stage's
+    ``model`` axis, so its size must be a multiple of that axis. Pass
+    ``vocab_multiple=<model axis size>`` to ``models.hf.load``/``load_placed`` to pad the
+    table with zero rows (the extra ids are never produced by the tokenizer; give
+    ``vocab_size=`` to ``models.hf.save`` to cut them off again), or use a ``model`` axis
+    that divides the vocabulary.
+    """

@@ -1,0 +1,87 @@
+"""Llama (``LlamaForCausalLM``) tensors <-> the parameters of `models.Llama`.
+
+Llama stores ``torch.nn.Linear`` weights ``(out, in)``; ours are ``(in, out)``, with the
+attention projections split per head: ``q_proj`` ``(heads * head_dim, embed)`` becomes the
+query kernel ``(embed, heads, head_dim)``, ``k_proj``/``v_proj`` the ``(embed, kv_heads,
+head_dim)`` kernels (grouped-query attention when ``kv_heads < heads``) and ``o_proj`` the
+``(heads, head_dim, embed)`` output kernel.
+
+Rotary embeddings need no permutation here. Meta's original weights rotate interleaved
+feature pairs ``(2i, 2i+1)``; Hugging Face's conversion script permutes the rows of
+``q_proj``/``k_proj`` once so that its ``rotate_half`` pairs feature ``i`` with ``i + D/2``
+instead. `models._attention.apply_rotary` uses that same half-split pairing with the same
+frequencies (``theta ** (-2i / D)``), so Hugging Face rows map onto our heads unchanged.
+
+With ``tie_word_embeddings`` the checkpoint has only ``model.embed_tokens.weight``; it fills
+both our token table and our (always separate) ``lm_head``, which is its transpose.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..configs import ModelConfig
+from ._layout import Rule, same, transposed, transposed_reshaped
+
+IGNORED = re.compile(r"^(lm_head\.weight|.*\.rotary_emb\.inv_freq)$")
+"""Keys a Llama checkpoint may hold that carry no parameter (a tied head, rotary buffers)."""
+
+
+def canonical_key(key: str) -> str:
+    """Llama keys are already canonical."""
+    return key
+
+
+def _attention(config: ModelConfig, i: int) -> list[Rule]:
+    e, h, k, d = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
+    assert k is not None and d is not None
+    p, b = f"model.layers.{i}.self_attn", (f"blocks_{i}", "attn")
+    out = transposed_reshaped(f"{p}.o_proj.weight", (e, h * d), (*b, "out", "kernel"), (h, d, e))
+    return [
+        transposed_reshaped(f"{p}.q_proj.weight", (h * d, e), (*b, "query", "kernel"), (e, h, d)),
+        transposed_reshaped(f"{p}.k_proj.weight", (k * d, e), (*b, "key", "kernel"), (e, k, d)),
+        transposed_reshaped(f"{p}.v_proj.weight", (k * d, e), (*b, "value", "kernel"), (e, k, d)),
+        out,
+    ]
+
+
+def _block(config: ModelConfig, i: int) -> list[Rule]:
+    e, m = config.embed_dim, config.mlp_dim
+    p, b = f"model.layers.{i}", f"blocks_{i}"
+    return [
+        same(f"{p}.input_layernorm.weight", (e,), (b, "attn_norm", "scale")),
+        *_attention(config, i),
+        same(f"{p}.post_attention_layernorm.weight", (e,), (b, "mlp_norm", "scale")),
+        transposed(f"{p}.mlp.gate_proj.weight", (m, e), (b, "mlp", "gate", "kernel")),
+        transposed(f"{p}.mlp.up_proj.weight", (m, e), (b, "mlp", "up", "kernel")),
+        transposed(f"{p}.mlp.down_proj.weight", (e, m), (b, "mlp", "down", "kernel")),
+    ]
+
+
+def _tied_embedding(vocab: int, embed: int) -> Rule:
+    def both(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [xs[0], np.ascontiguousarray(xs[0].T)]
+
+    def table(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [xs[0]]
+
+    ours = (("stem", "embed", "embedding"), ("head", "lm_head", "kernel"))
+    return Rule(("model.embed_tokens.weight",), ((vocab, embed),), ours, both, table)
+
+
+def rules(config: ModelConfig, tied: bool) -> list[Rule]:
+    """Every tensor of a Llama checkpoint for `config`, in stage order."""
+    v, e = config.vocab_size, config.embed_dim
+    if tied:
+        out = [_tied_embedding(v, e)]
+    else:
+        out = [same("model.embed_tokens.weight", (v, e), ("stem", "embed", "embedding"))]
+    for i in range(config.num_layers):
+        out += _block(config, i)
+    out.append(same("model.norm.weight", (e,), ("head", "final_norm", "scale")))
+    if not tied:
+        out.append(transposed("lm_head.weight", (v, e), ("head", "lm_head", "kernel")))
+    return out
