@@ -70,6 +70,15 @@ def _split_rng(rng: Any) -> tuple[Any, Any]:
     return params_key, dropout_key
 
 
+def dropout_key_of(step_key: Any, microbatch: Any) -> Any:
+    """The dropout key of one microbatch: ``fold_in(step_key, microbatch)``.
+
+    ``step_key`` is ``fold_in(dropout_key, step)``; ``microbatch`` is ``None`` (no
+    microbatching: the step key itself) or the microbatch's index.
+    """
+    return step_key if microbatch is None else jax.random.fold_in(step_key, microbatch)
+
+
 class _Model:
     """Initializes and applies ``model`` for ``loss_fn`` (``model_fn`` is what it sees)."""
 
@@ -81,10 +90,15 @@ class _Model:
         self.params_key, self.dropout_key = _split_rng(rng)
         self.pipeline = pipeline  # microbatch options, or None for one full-batch pass
 
-    def batch_loss(self, model_fn: Callable[..., Any], batch: Any) -> Any:
-        """``loss_fn`` over the batch, as ``microbatches`` pipelined chunks when asked."""
+    def batch_loss(self, model_fn_at: Callable[[Any], Callable[..., Any]], batch: Any) -> Any:
+        """``loss_fn`` over the batch, as ``microbatches`` pipelined chunks when asked.
+
+        ``model_fn_at(k)`` is the model applied with microbatch ``k``'s dropout key (``k`` is
+        ``None`` for the full batch, a traced index otherwise: the index rides along as an
+        extra batch leaf, so a body traced once still sees each microbatch's own index).
+        """
         if self.pipeline is None:
-            return self.loss_fn(model_fn, batch)
+            return self.loss_fn(model_fn_at(None), batch)
         count = self.pipeline["microbatches"]
         length = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if length % count:
@@ -95,14 +109,14 @@ class _Model:
             )
         size = length // count
         chunked = _microbatch.microbatch(
-            lambda b: self.loss_fn(model_fn, b),
+            lambda b: self.loss_fn(model_fn_at(b[1][0]), b[0]),
             0,
             size,
             schedule=self.pipeline["schedule"],
             interleave=self.pipeline["interleave"],
             reduce="mean",
         )
-        return chunked(batch)
+        return chunked((batch, jax.numpy.arange(length) // size))  # example -> its microbatch
 
     def init_variables(self, batch: Any) -> Any:
         captured: dict[str, Any] = {}
@@ -122,20 +136,25 @@ class _Model:
         return captured["variables"]
 
     def loss(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
-        rngs = {"dropout": jax.random.fold_in(self.dropout_key, step)}
+        step_key = jax.random.fold_in(self.dropout_key, step)
         updates: dict[str, Any] = {}
 
-        def model_fn(*args: Any, **kwargs: Any) -> Any:
-            variables = {"params": params, **model_state}
-            if not model_state:
-                return self.model.apply(variables, *args, rngs=rngs, **kwargs)
-            out, new = self.model.apply(
-                variables, *args, rngs=rngs, mutable=list(model_state), **kwargs
-            )
-            updates.update(new)
-            return out
+        def model_fn_at(microbatch: Any) -> Callable[..., Any]:
+            rngs = {"dropout": dropout_key_of(step_key, microbatch)}
 
-        loss = self.batch_loss(model_fn, batch)
+            def model_fn(*args: Any, **kwargs: Any) -> Any:
+                variables = {"params": params, **model_state}
+                if not model_state:
+                    return self.model.apply(variables, *args, rngs=rngs, **kwargs)
+                out, new = self.model.apply(
+                    variables, *args, rngs=rngs, mutable=list(model_state), **kwargs
+                )
+                updates.update(new)
+                return out
+
+            return model_fn
+
+        loss = self.batch_loss(model_fn_at, batch)
         return loss, {**model_state, **updates}
 
 
@@ -412,8 +431,11 @@ def parallelize_step(
             dimension is split over that submesh's devices.
         loss_fn: ``loss_fn(model_fn, batch) -> scalar``; ``model_fn(*args, **kwargs)`` runs
             the model. Default: the model's output is the loss.
-        rng: a PRNG key for initialization and dropout (default ``jax.random.key(0)``);
-            step ``i`` uses ``fold_in(dropout_key, i)``.
+        rng: a PRNG key for initialization and dropout (default ``jax.random.key(0)``).
+            ``params_key, dropout_key = jax.random.split(rng)``; step ``i`` applies the
+            model with the dropout rng ``step_key = fold_in(dropout_key, i)``, and with
+            ``microbatches`` microbatch ``k`` of step ``i`` uses ``fold_in(step_key, k)``:
+            every step and every microbatch draws its own masks.
         microbatches: split each batch along its leading dimension into this many
             microbatches and pipeline them (``multimesh_flax.microbatch``); the loss is the
             mean over microbatches, which equals the full-batch mean for mean losses. With
