@@ -215,6 +215,11 @@ def _check_layout(options: TrainOptions, device_count: int) -> None:
 def _check_run_dir(options: TrainOptions) -> None:
     if options.resume or options.out is None:
         return
+    if Path(options.out).exists() and not Path(options.out).is_dir():
+        raise _fail(
+            f"Expected `--out` to be a run folder (new or empty), got '{options.out}', which is "
+            "an existing file. Choose another `--out` path, or move the file away."
+        )
     checkpoint = Path(options.out) / _sample.CHECKPOINT_DIR
     if checkpoint.is_dir() and any(checkpoint.iterdir()):
         raise _fail(

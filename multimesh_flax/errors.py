@@ -44,8 +44,9 @@ class UnknownMeshAxisError(MultiMeshError, ValueError):
 class MeshIndexError(MultiMeshError, ValueError):
     """An index or device position lies outside what the mesh or device list holds.
 
-    Raised for ``MultiMesh.slice(stage=5)`` on a 2-stage mesh, or a ``TaskMesh`` position
-    beyond the executable's device list. Use an index in ``[0, size)``.
+    Raised for ``MultiMesh.slice(stage=5)`` on a 2-stage mesh, an index that is not an
+    integer (``stage=1.0``), a ``TaskMesh`` position beyond the executable's device list, or
+    an integer device position beyond ``jax.devices()``. Use an integer in ``[0, size)``.
     """
 
 
@@ -279,22 +280,24 @@ class RunOptionError(MultiMeshError, ValueError):
 
 
 class DevicePositionError(MultiMeshError, TypeError):
-    """A ``TaskMesh`` was given something other than integer device positions.
+    """A device list holds something that is neither a jax device nor an integer position.
 
     ``TaskMesh(devices=...)`` takes *positions* ``0..N-1`` in the executable's device list
     (``range(4)``), not ``jax.Device`` objects or ids of another type. To pin a task to
     particular devices, pass a ``jax.sharding.Mesh`` as ``mesh=``, or the devices as
-    ``task(..., devices=...)``.
+    ``task(..., devices=...)``. The ``devices`` of ``task``, ``jit``, ``parallelize`` and
+    ``MultiMesh`` take jax devices or integer positions (in the executable's device list for
+    ``task``, in ``jax.devices()`` for the others); a string or other object raises this.
     """
 
 
 class ContextFlagError(MultiMeshError, ValueError):
     """A compiler switch got a value that is not a bool, or a switch name does not exist.
 
-    ``autoshard``, ``enable_fast_path``, ``enable_recomputation`` and ``ignore_transforms``
-    take ``True`` or ``False`` (``context`` also ``None`` for "unchanged"); a string such as
-    ``"false"`` would otherwise silently turn the switch on. ``get_flag`` knows exactly those
-    four names.
+    ``autoshard``, ``enable_fast_path``, ``enable_recomputation``, ``ignore_transforms`` and
+    ``strict`` take ``True`` or ``False`` (``context`` also ``None`` for "unchanged"); a string
+    such as ``"false"`` would otherwise silently turn the switch on. ``get_flag`` knows exactly
+    those five names.
     """
 
 
@@ -315,6 +318,40 @@ class ModelConfigError(MultiMeshError, ValueError):
     sizes that do not fit together (``num_kv_heads`` not dividing ``num_heads``, a
     non-positive size, ``dropout_rate`` outside ``[0, 1)``). The message lists the valid
     names or says which value to change.
+    """
+
+
+# --- added for issue 17: nothing silent -----------------------------------------------------
+
+
+class ConsumedArrayError(MultiMeshError, ValueError):
+    """An input array was donated to an earlier call and no longer exists.
+
+    ``parallelize_step``'s ``step_fn`` donates the train state, and ``jit(...,
+    donate_argnums=...)`` the arguments named there: the call reuses their buffers for its
+    outputs, so the arrays passed in are deleted. Passing the same arrays again (``loss, new =
+    step(state, x)`` twice, forgetting to rebind ``state``) would crash the process. Use the
+    state or outputs the earlier call returned: ``loss, state = step(state, x)``.
+    """
+
+
+class PlacementWarning(UserWarning):
+    """Something runs, but probably not where or how it was meant to.
+
+    Warned (once per cause) when a ``register_task`` pattern matched no name in a traced
+    program, a logical axis name has no rule, a task is traced by a JAX transformation other
+    than ``multimesh_flax.jit``/``parallelize`` (so it is not placed), or a ``MultiMesh`` with
+    registered tasks is used outside its ``with`` block. The message says what happened and
+    how to get the other behaviour. Under ``context(strict=True)`` these become errors
+    (``StrictModeError``); to silence one, filter this class with ``warnings.filterwarnings``.
+    """
+
+
+class StrictModeError(MultiMeshError, ValueError):
+    """A ``PlacementWarning`` raised as an error because ``context(strict=True)`` is on.
+
+    The message is the warning's: it names what would have been placed differently from what
+    the program says, and how to fix it.
     """
 
 
@@ -362,4 +399,37 @@ class VocabularySplitError(MultiMeshError, ValueError):
     table with zero rows (the extra ids are never produced by the tokenizer; give
     ``vocab_size=`` to ``models.hf.save`` to cut them off again), or use a ``model`` axis
     that divides the vocabulary.
+    """
+
+
+# --- Flax NNX -------------------------------------------------------------------------------
+
+
+class UnmappedLogicalAxisError(LogicalRulesError):
+    """A task-wrapped NNX variable names a logical axis that no rule of its task mentions.
+
+    ``Task[Block]`` creates each variable sharded by its ``out_sharding`` logical names through
+    the task's rules. A name the rules do not mention at all is almost always a typo or a
+    forgotten rule, so it is an error rather than a silent replication. Add a rule to
+    ``logical_axes``: ``(name, None)`` to replicate, ``(name, "<mesh axis>")`` to shard.
+    """
+
+
+class UnplacedVariableError(MultiMeshError, ValueError):
+    """An NNX variable with sharding metadata was created outside every mesh.
+
+    ``nnx.with_partitioning(init, names)`` asks NNX to shard the variable when it is created,
+    which needs a mesh. Create the module through ``multimesh_flax.task(Block, ...)`` (its
+    variables are born on the task's submesh), inside ``jax.set_mesh(mesh)``, or with
+    ``nnx.use_eager_sharding(False)`` to create it unsharded.
+    """
+
+
+class GraphArgumentError(MultiMeshError, ValueError):
+    """``multimesh_flax.jit`` got NNX graph objects it cannot carry through the program.
+
+    Raised when the jitted function returns an NNX graph object (return arrays; the graph
+    objects passed in are updated in place), or when an ``nnx.Optimizer``'s state does not
+    belong to the model passed to ``optimizer.update`` (build the optimizer from that model:
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``).
     """

@@ -658,7 +658,7 @@ CATALOGUE: list[Mistake] = [
       E.ContextFlagError, ("`ignore_transforms`", "'yes'"), "pass a bool (or None)"),
     M("context-unknown-switch", "contexts", "`get_flag('autoshards')`",
       lambda env: mm.core.get_flag("autoshards"),
-      E.ContextFlagError, ("'autoshards'", "'autoshard'"), "use one of the four switches"),
+      E.ContextFlagError, ("'autoshards'", "'autoshard'"), "use one of the five switches"),
     M("timeline-empty", "contexts", "`recorded_bubble` of an empty timeline",
       lambda env: mm.recorded_bubble(mm.Timeline()),
       E.TimelineDataError, ("no events", "inside `record_timeline`"),

@@ -62,12 +62,27 @@ def test_public_name_is_importable(name):
     assert namespace[name] is getattr(module, name)
 
 
+WARNING_CLASSES = ["PlacementWarning"]
+
+
 def _error_classes():
     return [
         obj
         for _, obj in inspect.getmembers(errors, inspect.isclass)
-        if obj.__module__ == errors.__name__
+        if obj.__module__ == errors.__name__ and obj.__name__ not in WARNING_CLASSES
     ]
+
+
+def test_warning_classes_are_pinned():
+    warning_classes = [
+        name
+        for name, obj in inspect.getmembers(errors, inspect.isclass)
+        if obj.__module__ == errors.__name__ and issubclass(obj, Warning)
+    ]
+    assert warning_classes == WARNING_CLASSES
+    assert issubclass(errors.PlacementWarning, UserWarning)
+    assert errors.PlacementWarning.__doc__.strip()
+    assert not issubclass(errors.PlacementWarning, errors.MultiMeshError)
 
 
 def test_errors_module_defines_classes():

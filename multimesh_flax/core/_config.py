@@ -9,7 +9,10 @@ at once:
 * :func:`enable_recomputation` -- task backward passes recompute their forward
   (``jax.checkpoint``) instead of keeping activations;
 * :func:`ignore_transforms` -- every multimesh transformation becomes the identity, for
-  debugging and as the numerical reference.
+  debugging and as the numerical reference;
+* ``strict`` (through :func:`context` only) -- a ``PlacementWarning`` (a pattern that matched
+  nothing, a logical name without a rule, a task traced by a foreign transformation) is raised
+  as ``StrictModeError`` instead.
 
 Every manager restores the previous value on exit, also when the body raises. A value that
 is not a bool raises ``ContextFlagError`` on entry, before anything changes.
@@ -33,6 +36,7 @@ class _Flags:
     enable_fast_path: bool = True
     enable_recomputation: bool = False
     ignore_transforms: bool = False
+    strict: bool = False
 
 
 class _ThreadFlags(threading.local):
@@ -50,7 +54,7 @@ def get_flag(name: str) -> bool:
     """Returns the current value of one switch (``"autoshard"``, ``"ignore_transforms"``, ...).
 
     Raises:
-        ContextFlagError: ``name`` is not one of the four switches.
+        ContextFlagError: ``name`` is not one of the five switches.
     """
     if name not in _NAMES:
         raise errors.ContextFlagError(f"Unknown switch {name!r}; expected one of {list(_NAMES)}.")
@@ -156,8 +160,13 @@ def context(
     enable_recomputation: bool | None = None,
     enable_fast_path: bool | None = None,
     ignore_transforms: bool | None = None,
+    strict: bool | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """Sets several switches at once; ``None`` leaves a switch as it is.
+
+    ``strict=True`` turns every ``PlacementWarning`` (a ``register_task`` pattern that matched
+    nothing, a logical name with no rule, a task traced by ``jax.jit`` instead of
+    ``multimesh_flax.jit``) into a ``StrictModeError``.
 
     Example:
         >>> import multimesh_flax as mm
@@ -170,4 +179,5 @@ def context(
         enable_recomputation=enable_recomputation,
         enable_fast_path=enable_fast_path,
         ignore_transforms=ignore_transforms,
+        strict=strict,
     )

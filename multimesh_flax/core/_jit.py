@@ -223,8 +223,9 @@ def jit(
 
     Args:
         fun: the function to compile.
-        devices: the device list that ``TaskMesh`` positions index (default: the current
-            ``MultiMesh``'s devices, else ``jax.devices()``).
+        devices: the device list that ``TaskMesh`` positions index, as jax devices or
+            integer positions in ``jax.devices()`` (default: the current ``MultiMesh``'s
+            devices, else ``jax.devices()``).
         static_argnums: positional arguments treated as compile-time constants.
         donate_argnums: positional arguments whose buffers the program may reuse.
 
@@ -250,8 +251,8 @@ def jit(
             "function itself, not its result."
         )
     if devices is not None:
-        count = np.asarray(devices).size
-        if count == 0:
+        devices = _mesh.as_device_array(devices, "devices")
+        if devices.size == 0:
             raise errors.ParallelizeArgumentError(
                 "Expected at least one device in `devices`, got none. Pass a list of jax "
                 "devices, or omit `devices` for the current MultiMesh or all devices."

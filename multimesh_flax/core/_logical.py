@@ -26,7 +26,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _named_tasks, _task
+from multimesh_flax.core import _config, _named_tasks, _task, _warnings
 
 
 def _entry_names(entry: Any) -> tuple[str, ...]:
@@ -142,9 +142,44 @@ def _check_specs(axis_resources: Any) -> None:
         )
 
 
+def warn_unmapped_names(logical: PartitionSpec, resolved: _task.ResolvedTask) -> None:
+    """Warns for each logical name in ``logical`` that no rule of ``resolved`` names.
+
+    Only for tasks given explicit, non-empty ``logical_axes``: with the default identity rules
+    (or none, as ``task(devices=...)`` without ``device_axes`` has), names that are not mesh
+    axes replicate by design.
+    """
+    known = {name for name, _ in resolved.rules}
+    if resolved.task.logical_axes is None or not known:
+        return
+    for entry in logical:
+        for name in _entry_names(entry):
+            if name not in known:
+                _warn_unmapped(name, known, resolved)
+
+
+def _warn_unmapped(name: str, known: set[str], resolved: _task.ResolvedTask) -> None:
+    axes = tuple(resolved.mesh.axis_names)
+    if name in axes:
+        what = (
+            f"is a mesh axis name of task {resolved.name!r} (axes {axes}), not a logical name "
+            "its rules map"
+        )
+    else:
+        what = f"has no rule in task {resolved.name!r}"
+    _warnings.warn_placement(
+        ("logical-name", name, resolved.name),
+        f"Logical axis name {name!r} {what}, so that dimension is replicated. Closest rule "
+        f"names: {_warnings.closest(name, known)}; rules: {list(resolved.rules)}. Fix the "
+        f"name, add a rule ({name!r}, <mesh axis>) to `logical_axes`, or ({name!r}, None) to "
+        "replicate on purpose.",
+    )
+
+
 def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.ResolvedTask) -> Any:
     logical = PartitionSpec() if spec is None else spec
     mesh_spec = logical_to_mesh_spec(logical, x.shape, dict(resolved.mesh.shape), resolved.rules)
+    warn_unmapped_names(logical, resolved)
     return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, mesh_spec))
 
 

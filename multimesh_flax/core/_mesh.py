@@ -89,6 +89,43 @@ def check_unique(items: Sequence[Any], what: str) -> None:
         )
 
 
+def is_position(value: Any) -> bool:
+    """Whether ``value`` is an integer device position (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_device_array(devices: Any, argument: str) -> np.ndarray:
+    """``devices`` as an object array of jax devices; integers index ``jax.devices()``.
+
+    Keeps the shape of ``devices`` (a ``range``, list, nested list or array).
+
+    Raises:
+        MeshIndexError: a position outside ``jax.devices()``.
+        DevicePositionError: an entry that is neither a ``jax.Device`` nor an integer.
+    """
+    grid = np.asarray(list(devices) if isinstance(devices, range) else devices, dtype=object)
+    pool = jax.devices()
+    flat = []
+    for d in grid.reshape(-1):
+        if is_position(d):
+            if not 0 <= d < len(pool):
+                raise errors.MeshIndexError(
+                    f"Device position {d} in `{argument}` is outside jax.devices() "
+                    f"({len(pool)} devices, positions 0..{len(pool) - 1}). Use positions in "
+                    "that range, or pass jax devices."
+                )
+            d = pool[int(d)]
+        elif not isinstance(d, jax.Device):
+            raise errors.DevicePositionError(
+                f"Expected `{argument}` as jax devices or integer positions in jax.devices(), "
+                f"got {type(d).__name__}: {d!r}. Pass e.g. jax.devices()[:4] or range(4)."
+            )
+        flat.append(d)
+    out = np.empty(len(flat), dtype=object)
+    out[:] = flat
+    return out.reshape(grid.shape)
+
+
 # --- the executable's device list -----------------------------------------------------------
 
 
@@ -260,6 +297,14 @@ class TaskMesh:
 # --- MultiMesh ------------------------------------------------------------------------------
 
 
+def _int_hint(value: Any) -> int:
+    """An integer to suggest in place of a mistyped index (``1.0`` -> ``1``)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
 class MultiMesh(Context):
     """A global device mesh with named submeshes.
 
@@ -272,7 +317,8 @@ class MultiMesh(Context):
     Args:
         axis_sizes: the size of each global axis.
         axis_names: the name of each global axis.
-        devices: devices to use (any shape with the right count); default ``jax.devices()``.
+        devices: devices to use (any shape with the right count), as jax devices or integer
+            positions in ``jax.devices()`` (``range(8)``); default ``jax.devices()``.
         global_mesh: an existing ``jax.sharding.Mesh`` to wrap; the other arguments must then
             be omitted.
 
@@ -312,9 +358,7 @@ class MultiMesh(Context):
             )
         sizes, names = _as_axes(axis_sizes, axis_names)
         _check_names_sizes(sizes, names)
-        if devices is not None and not isinstance(devices, np.ndarray):
-            devices = list(devices)
-        pool = np.asarray(jax.devices() if devices is None else devices, dtype=object)
+        pool = as_device_array(jax.devices() if devices is None else devices, "devices")
         flat = pool.reshape(-1)
         if devices is None and flat.size > math.prod(sizes):
             flat = flat[: math.prod(sizes)]
@@ -364,7 +408,12 @@ class MultiMesh(Context):
                 index.append(slice(None))
                 continue
             i = indices[name]
-            if not isinstance(i, (int, np.integer)) or not 0 <= i < size:
+            if not isinstance(i, (int, np.integer)) or isinstance(i, (bool, np.bool_)):
+                raise errors.MeshIndexError(
+                    f"Expected an integer index for mesh axis {name!r}, got "
+                    f"{type(i).__name__}: {name}={i!r}. Pass an int, e.g. {name}={_int_hint(i)}."
+                )
+            if not 0 <= i < size:
                 raise errors.MeshIndexError(
                     f"Index {name}={i!r} is out of range for mesh axis {name!r} of size "
                     f"{size}. Use an index in [0, {size})."

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _jit, _partition, _runtime, _trace
+from multimesh_flax.core import _jit, _mesh, _partition, _runtime, _trace
 
 
 def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
@@ -109,7 +109,8 @@ def parallelize(
         init_params: a function of no arguments returning the (unsharded) parameters.
         get_input_batch: a function of no arguments returning an example batch.
         initial_batch: an example batch (arrays), instead of ``get_input_batch``.
-        devices: the device list to parallelize over (default: all devices).
+        devices: the device list to parallelize over, as jax devices or integer positions in
+            ``jax.devices()`` (default: all devices).
 
     Returns:
         ``(sharded_fun, sharded_init_params, sharded_get_input_batch)`` when
@@ -134,6 +135,7 @@ def parallelize(
         256.0
     """
     _check_args(fun, init_params, get_input_batch, initial_batch)
+    devices = None if devices is None else _mesh.as_device_array(devices, "devices")
     has_batch = get_input_batch is not None or initial_batch is not None
     params_shape = jax.eval_shape(init_params) if init_params is not None else None
     batch_shape = None

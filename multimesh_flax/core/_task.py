@@ -287,8 +287,13 @@ def enter_task(resolved: ResolvedTask) -> Iterator[ResolvedTask]:
 # --- task(fun) ------------------------------------------------------------------------------
 
 
-def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh:
-    grid = np.asarray(devices, dtype=object)
+def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh | _mesh.TaskMesh:
+    """The mesh that ``task(devices=...)`` stands for.
+
+    Integer entries are positions in the executable's device list, as in ``TaskMesh``:
+    ``devices=[0, 1]`` is ``mesh=TaskMesh(devices=[0, 1])``. Anything else must be jax devices.
+    """
+    grid = np.asarray(list(devices) if isinstance(devices, range) else devices, dtype=object)
     if device_axes is None:
         names = ("devices",) if grid.ndim == 1 else tuple(f"axis_{i}" for i in range(grid.ndim))
     else:
@@ -298,7 +303,11 @@ def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh:
             f"Expected one name per axis of `devices` (shape {grid.shape}), got "
             f"`device_axes`={names!r}. Give one name per axis."
         )
-    return _mesh.make_auto_mesh(grid, names)
+    if grid.size and all(_mesh.is_position(d) for d in grid.reshape(-1)):
+        return _mesh.TaskMesh(
+            devices=grid.reshape(-1).tolist(), axis_sizes=grid.shape, axis_names=names
+        )
+    return _mesh.make_auto_mesh(_mesh.as_device_array(grid, "devices"), names)
 
 
 def make_task(name: str | None, task: Task | None, kwargs: dict[str, Any]) -> Task:

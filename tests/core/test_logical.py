@@ -127,7 +127,7 @@ def _constrained(spec, rules, shape=(8, 8)):
     [
         (P("batch", "model"), (("batch", "x"), ("model", "y")), P("x", "y")),
         (P("batch", "model"), (("model", "x"), ("batch", "x"), ("batch", "y")), P("y", "x")),
-        (P("batch", "embed"), (("batch", "x"),), P("x", None)),
+        (P("batch", "embed"), (("batch", "x"), ("embed", None)), P("x", None)),
         (P("batch", None), (("batch", "x"), ("batch", "y")), P(("x", "y"), None)),
     ],
 )

@@ -225,7 +225,7 @@ def test_sharded_stages_on_two_device_submeshes():
             layer,
             name=f"block{s}",
             mesh=mm.TaskMesh(devices=[2 * s, 2 * s + 1], axis_names=("x",)),
-            logical_axes=[("batch", "x")],
+            logical_axes=[("batch", "x"), ("model", None)],
         )
         for s in range(4)
     ]
