@@ -33,9 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +62,34 @@ _STATE = "state"
 _METADATA = "metadata"
 
 
+# --- background saves finish before the interpreter exits ---------------------------------
+
+# Managers with a background save in flight, by id. A pending save must keep its manager
+# alive until it is finished (``Checkpointer(d).save(...)`` drops the Checkpointer at once);
+# an entry leaves when the save is waited for, so nothing else is kept alive.
+_PENDING: dict[int, ocp.CheckpointManager] = {}
+_PENDING_LOCK = threading.Lock()
+
+
+def _finish_pending_saves() -> None:
+    """Waits for every background save still in flight (runs at interpreter exit)."""
+    with _PENDING_LOCK:
+        managers = list(_PENDING.values())
+        _PENDING.clear()
+    for manager in managers:
+        try:
+            manager.wait_until_finished()
+            manager.close()
+        except Exception:  # exit must go on; say what was lost
+            logger.exception("A background checkpoint save failed at interpreter exit")
+
+
+# Orbax's background writes submit work to thread pools that Python shuts down before the
+# ``atexit`` handlers run; ``threading._register_atexit`` runs before that shutdown.
+_register_at_exit = getattr(threading, "_register_atexit", atexit.register)
+_register_at_exit(_finish_pending_saves)
+
+
 def _own_buffers(tree: Any) -> Any:
     """Copies restored arrays into buffers that XLA owns.
 
@@ -78,7 +108,9 @@ class Checkpointer:
       directory: where the step directories live; created unless ``read_only``.
       max_to_keep: keep only this many newest checkpoints (``None`` keeps all).
       async_save: if true, ``save`` returns once the arrays are copied to host and writes
-        in the background; ``wait_until_finished`` (or ``close``) waits for it.
+        in the background; ``wait_until_finished`` (or ``close``, or leaving a ``with``
+        block) waits for it. A save still in flight when the interpreter exits is finished
+        then, so ``Checkpointer(d).save(step, state)`` as a script's last line is kept.
       read_only: open an existing directory for restoring only: nothing is created,
         written or cleaned up, and ``save`` raises.
 
@@ -176,6 +208,8 @@ class Checkpointer:
                 f"orbax declined to save step {step} in '{self.directory}' (its save policy "
                 "skipped it). Save under a larger step."
             )
+        with _PENDING_LOCK:
+            _PENDING[id(self._manager)] = self._manager
         logger.info("Saving checkpoint step %d to %s", step, self.directory)
 
     def restore(self, step: int | None = None, target: Any = None) -> Any:
@@ -218,10 +252,16 @@ class Checkpointer:
     def wait_until_finished(self) -> None:
         """Blocks until a background save has been written and finalized."""
         self._manager.wait_until_finished()
+        self._forget_pending()
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager."""
         self._manager.close()
+        self._forget_pending()
+
+    def _forget_pending(self) -> None:
+        with _PENDING_LOCK:
+            _PENDING.pop(id(self._manager), None)
 
     def __enter__(self) -> Checkpointer:
         return self

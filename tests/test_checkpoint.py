@@ -410,3 +410,40 @@ def test_save_killed_midway_leaves_previous_checkpoint_intact(tmp_path):
     np.testing.assert_array_equal(
         np.asarray(checkpoint.restore_checkpoint(tmp_path, target)["w"]), 2.0
     )
+
+
+# --- a script that ends right after an asynchronous save (issue 17, item 2) ----------------
+
+_SAVE_AND_EXIT = textwrap.dedent(
+    """
+    import sys
+    import jax.numpy as jnp
+    from multimesh_flax.checkpoint import Checkpointer
+
+    Checkpointer(sys.argv[1]).save(0, {"w": jnp.arange(4096.0), "step": 0})
+    with Checkpointer(sys.argv[2]) as ckpt:
+        ckpt.save(5, {"w": jnp.arange(4096.0) * 2})
+    print("script ended")
+    """
+)
+
+
+def test_background_save_finishes_when_the_script_exits(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    dropped, scoped = tmp_path / "dropped", tmp_path / "scoped"
+    child = subprocess.run(
+        [sys.executable, "-c", _SAVE_AND_EXIT, str(dropped), str(scoped)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    assert "script ended" in child.stdout
+    assert "ERROR" not in child.stderr, child.stderr
+    assert sorted(os.listdir(dropped)) == ["0"]  # finalized: no orbax-checkpoint-tmp left
+    restored = checkpoint.restore_checkpoint(dropped, {"w": jnp.zeros(4096), "step": 1})
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4096.0))
+    assert restored["step"] == 0
+    restored = checkpoint.restore_checkpoint(scoped, {"w": jnp.zeros(4096)})
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(4096.0) * 2)
