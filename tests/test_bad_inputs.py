@@ -24,8 +24,10 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
 import os
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -727,6 +729,48 @@ CATALOGUE: list[Mistake] = [
     M("model-multimesh", "models", "`make_multimesh(2, 2, 1)` on 8 devices",
       lambda env: _models().pipeline.make_multimesh(2, 2, 1),
       E.MeshShapeError, ("= 8", "2 x 2 x 1 = 4"), "make the product the device count"),
+    # --- pretrained checkpoints (models.hf) ---
+    M("hf-no-config", "pretrained checkpoints", "`hf.load` of a folder without config.json",
+      lambda env: _hf().load(_hf_folder(env, "no-config")),
+      E.PretrainedConfigError, ("config.json", "save_pretrained"),
+      "point at the folder `save_pretrained` wrote"),
+    M("hf-architecture", "pretrained checkpoints", "`hf.load` of a Mistral checkpoint",
+      lambda env: _hf().load(_hf_folder(env, "architecture")),
+      E.UnsupportedArchitectureError, ("MistralForCausalLM", "GPT2LMHeadModel and Llama"),
+      "convert the model to GPT-2 or Llama"),
+    M("hf-missing-tensor", "pretrained checkpoints", "config.json says 5 layers, weights hold 4",
+      lambda env: _hf().load(_hf_folder(env, "missing-tensor")),
+      E.PretrainedTensorError, ("'transformer.h.4.ln_1.weight'", "missing", "Fix config.json"),
+      "fix config.json or copy the complete checkpoint"),
+    M("hf-extra-tensor", "pretrained checkpoints", "config.json says 2 layers, weights hold 4",
+      lambda env: _hf().load(_hf_folder(env, "extra-tensor")),
+      E.PretrainedTensorError, ("'transformer.h.2.", "model.safetensors", "not part of"),
+      "fix config.json or remove the tensors"),
+    M("hf-shape", "pretrained checkpoints", "a tensor whose shape config.json contradicts",
+      lambda env: _hf().load(_hf_folder(env, "shape")),
+      E.PretrainedTensorError, ("'transformer.wpe.weight'", "(64, 32)", "implies (32, 32)"),
+      "fix config.json or the checkpoint"),
+    M("hf-truncated", "pretrained checkpoints", "a truncated safetensors shard",
+      lambda env: _hf().load(_hf_folder(env, "truncated")),
+      E.PretrainedTensorError, ("model-00003-of-00006.safetensors", "truncated", "Re-download"),
+      "re-download or re-save the checkpoint"),
+    M("hf-vocab-split", "pretrained checkpoints", "a 319-id vocabulary on a `model` axis of 2",
+      lambda env: _hf().load_placed(_hf_folder(env, "odd-vocab"),
+                                    _models().pipeline.make_multimesh(2, 2, 2), stages=2),
+      E.VocabularySplitError, ("(319 ids)", "`vocab_multiple=2`", "320 ids"),
+      "pad with `vocab_multiple`, or use a `model` axis that divides it"),
+    M("hf-stages", "pretrained checkpoints", "`hf.load(..., stages=3)` for 4 layers",
+      lambda env: _hf().load(_HF / "gpt2", stages=3),
+      E.InvalidTaskError, ("got 3", "one of [1, 2, 4]"), "pick a stage count that divides"),
+    M("hf-save-exists", "pretrained checkpoints", "`hf.save` into an existing model folder",
+      lambda env: _hf().save(_HF / "gpt2", *_hf().load(_HF / "gpt2")),
+      E.PretrainedConfigError, ("already exists", "`overwrite=True`"),
+      "save into a new folder or pass `overwrite=True`"),
+    M("hf-save-params", "pretrained checkpoints", "`hf.save` of parameters of another model",
+      lambda env: _hf().save(env.root.parent / "hf-never-written", _hf().load(_HF / "gpt2")[0],
+                             _hf().load(_HF / "llama")[1]),
+      E.PretrainedTensorError, ("parameters of GPT", "make_model(config)"),
+      "pass the `params` of `make_model(config)`"),
     # --- command line ---
     M("cli-demo-devices", "CLI", "`mmflax demo --devices 3`",
       lambda env: _cli(env, "demo", "--devices", "3"),
@@ -785,6 +829,43 @@ def _models():
     import models.pipeline  # noqa: F401
 
     return models
+
+
+_HF = Path(__file__).resolve().parent / "fixtures" / "hf"
+
+
+def _hf():
+    import models.hf
+
+    return models.hf
+
+
+def _hf_folder(env: Env, kind: str) -> Path:
+    """A broken copy of a fixture checkpoint, made once, beside (not inside) ``env.root``."""
+    folder = env.root.parent / f"hf-{kind}"
+    if folder.exists():
+        return folder
+    source = "llama" if kind in ("truncated", "odd-vocab", "architecture") else "gpt2"
+    if kind == "odd-vocab":
+        config, params = _hf().load(_HF / source)
+        return _hf().save(folder, config, params, vocab_size=319)
+    shutil.copytree(_HF / source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if kind == "no-config":
+        (folder / "config.json").unlink()
+        return folder
+    if kind == "truncated":
+        shard = folder / "model-00003-of-00006.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+        return folder
+    changes = {
+        "architecture": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+        "missing-tensor": {"n_layer": 5},
+        "extra-tensor": {"n_layer": 2},
+        "shape": {"n_positions": 32},
+    }[kind]
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
 
 
 # --- state snapshots ------------------------------------------------------------------------
