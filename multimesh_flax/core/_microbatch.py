@@ -13,18 +13,19 @@ computes the same values and the schedule plays no part.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _logical, _schedules, _task
+from multimesh_flax.core import _config, _logical, _schedules, _task
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
 _REDUCTIONS = ("sum", "mean")
@@ -225,8 +226,45 @@ def _run(
             if split.arg_shardings is not None:
                 chunk = _logical.with_sharding_constraint(chunk, split.arg_shardings)
             chunk_args = (*args[: split.argnum], chunk, *args[split.argnum + 1 :])
-            outs.append(fun(*chunk_args, **kwargs))
+            with _explaining_split(fun, split, args, kwargs, m):
+                outs.append(fun(*chunk_args, **kwargs))
     return _reduce(outs, split.reduce, m)
+
+
+@contextlib.contextmanager
+def _explaining_split(
+    fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any], m: int
+) -> Iterator[None]:
+    """Turns a shape error that only the split causes into a ``MicrobatchAxisError``.
+
+    Forgetting ``argnum`` splits the parameters instead of the batch, and ``fun`` then fails
+    deep inside JAX (``dot_general`` shapes). If ``fun`` accepts the unsplit arguments (one
+    abstract evaluation, on this error path only), the split is to blame; otherwise the
+    error is ``fun``'s own and propagates unchanged.
+    """
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if isinstance(e, errors.MultiMeshError) or not _fits_unsplit(fun, args, kwargs):
+            raise
+        leaves = jax.tree_util.tree_leaves(args[split.argnum])
+        shapes = [tuple(np.shape(leaf)) for leaf in leaves][:4]
+        raise errors.MicrobatchAxisError(
+            f"Splitting positional argument `argnum`={split.argnum} (leaf shapes {shapes}"
+            f"{' ...' if len(leaves) > 4 else ''}) along `dim`={split.dim} into {m} "
+            f"microbatches of {split.size} made `fun` fail: {str(e).splitlines()[0]} The "
+            "unsplit arguments work, so the wrong argument was split. Pass the batch's index "
+            "as `argnum` (e.g. `argnum=1` for fun(params, batch))."
+        ) from e
+
+
+def _fits_unsplit(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        with _config.ignore_transforms():
+            jax.eval_shape(functools.partial(fun, **kwargs), *args)
+    except Exception:
+        return False
+    return True
 
 
 def microbatch(

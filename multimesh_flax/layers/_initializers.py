@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
 from flax import linen as nn
+from flax.linen import module as _linen_module
 
 from multimesh_flax import errors
 
@@ -45,4 +47,24 @@ def shard_axes(*names: str | None, init: Initializer | None = None) -> Initializ
             f"shard_axes{names!r}. Example: shard_axes('embed', 'mlp')."
         )
     base = nn.initializers.xavier_normal() if init is None else init
-    return nn.with_logical_partitioning(base, tuple(names))
+    linen_init = nn.with_logical_partitioning(base, tuple(names))
+
+    def initializer(key: Any, shape: Any, dtype: Any = jnp.float32) -> Any:
+        _check_rank(names, shape)
+        return linen_init(key, shape, dtype)
+
+    return initializer
+
+
+def _check_rank(names: tuple[str | None, ...], shape: Any) -> None:
+    """Refuses more logical names than the parameter has dimensions, naming the module."""
+    if len(names) <= len(shape):
+        return
+    stack = _linen_module._context.module_stack
+    module = stack[-1] if stack and stack[-1] is not None else None
+    where = f" of module `{'/'.join(module.path) or type(module).__name__}`" if module else ""
+    raise errors.PartitionSpecError(
+        f"shard_axes{names!r} names {len(names)} dimensions, but the parameter{where} has "
+        f"shape {tuple(shape)} ({len(shape)} dimensions). Give one name (or None) per "
+        f"dimension, e.g. shard_axes{names[: len(shape)]!r}."
+    )

@@ -114,6 +114,7 @@ class _Model:
             size,
             schedule=self.pipeline["schedule"],
             interleave=self.pipeline["interleave"],
+            custom_schedule=self.pipeline.get("custom_schedule"),
             reduce="mean",
         )
         return chunked((batch, jax.numpy.arange(length) // size))  # example -> its microbatch
@@ -253,6 +254,17 @@ def _pipeline_options(
             "Choose a microbatch count that divides the batch size."
         )
     return {"microbatches": microbatches, "schedule": schedule, "interleave": interleave}
+
+
+def _with_custom_schedule(pipeline: dict[str, Any] | None, custom: Any) -> Any:
+    if custom is None:
+        return pipeline
+    if pipeline is None:
+        raise errors.ParallelizeArgumentError(
+            "Got `custom_schedule` without `microbatches`. A schedule orders microbatches: "
+            "pass `microbatches=m`."
+        )
+    return {**pipeline, "custom_schedule": custom}
 
 
 def _zeros(shapes: Any) -> Any:
@@ -414,6 +426,7 @@ def parallelize_step(
     microbatches: int | None = None,
     schedule: str | None = None,
     interleave: int | None = None,
+    custom_schedule: Any = None,
 ) -> tuple[Any, ...]:
     """Builds a placed training state and a compiled MPMD training step.
 
@@ -441,8 +454,11 @@ def parallelize_step(
             mean over microbatches, which equals the full-batch mean for mean losses. With
             mutable collections (batch statistics) the last microbatch's update is kept.
         schedule: the pipeline schedule for ``microbatches`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zero-bubble-h2"``; default: program order).
+            ``"interleaved-1f1b"``, ``"zero-bubble-h2"``, ``"custom"``; default: program
+            order).
         interleave: stages per submesh for ``"interleaved-1f1b"``.
+        custom_schedule: for ``"custom"`` (implies it), one sequence of ops per submesh, as
+            ``microbatch``'s ``custom_schedule``.
 
     Returns:
         ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
@@ -478,7 +494,9 @@ def parallelize_step(
     _check_model_and_optimizer(model, optimizer)
     _check_loss_fn(loss_fn)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
-    pipeline = _pipeline_options(microbatches, schedule, interleave, batch_shape)
+    pipeline = _with_custom_schedule(
+        _pipeline_options(microbatches, schedule, interleave, batch_shape), custom_schedule
+    )
     devices, multi, result_mesh = _devices_of(mesh)
     setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline)
     with multi if multi is not None else _config.context(), _mesh.use_device_list(devices):
