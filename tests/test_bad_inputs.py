@@ -156,6 +156,8 @@ class Env:
             _Net(), optax.sgd(0.1), global_batch=self.x, microbatches=2, schedule="1f1b"
         )
         self.check_step()
+        self.state_ckpt = root / "state_ckpt"  # the train state, to restore without a target
+        checkpoint.save_checkpoint(self.state_ckpt, 0, self.state)
 
     def _canary(self) -> np.ndarray:
         value, grads = self.canary(self.ws, self.x)
@@ -806,8 +808,96 @@ CATALOGUE: list[Mistake] = [
     M("cli-sample-required", "CLI", "`mmflax sample` without `--checkpoint`",
       lambda env: _cli(env, "sample"),
       CommandLineExit, ("--checkpoint", "mmflax sample --help"), "pass `--checkpoint`"),
+    # --- issue 17: mistakes that used to crash, misplace or mislead ---
+    M("step-consumed-state", "parallelize_step", "`step(state, x)` twice (`state` not rebound: "
+      "the first step consumed it)", lambda env: _step_twice(env),
+      E.ConsumedArrayError, ("args[0].", "consumed by an earlier call", "donate_argnums",
+                             "loss, state = step_fn(state, batch)"),
+      "use the state the earlier step returned", after=lambda env: env.check_step()),
+    M("jit-consumed-input", "jit/parallelize", "an `mm.jit(..., donate_argnums=0)` input reused",
+      lambda env: _donate_twice(env),
+      E.ConsumedArrayError, ("`args[0]`", "float32[8, 4]", "`donate_argnums`=(0,)",
+                             "Pass what that call returned"),
+      "pass what the earlier call returned"),
+    M("cli-out-file", "CLI", "`mmflax train --out notes.txt` (an existing file)",
+      lambda env: _cli(env, "train", "--out", str(env.file)),
+      CommandLineExit, ("notes.txt'", "existing file", "another `--out`"),
+      "choose another `--out` path"),
+    M("slice-index-type", "meshes", "`MultiMesh.slice(stage=1.0)` (a float index)",
+      lambda env: env.multi.slice(stage=1.0),
+      E.MeshIndexError, ("integer index", "float: stage=1.0", "stage=1"), "pass an int"),
+    M("device-strings", "meshes", "`jit(f, devices=['cpu:0'])` (strings, not devices)",
+      lambda env: mm.jit(_double, devices=["cpu:0"]),
+      E.DevicePositionError, ("str: 'cpu:0'", "jax devices or integer positions", "range(4)"),
+      "pass jax devices or integer positions"),
+    M("device-position-range", "meshes", "`MultiMesh(devices=range(1, 9))` on 8 devices",
+      lambda env: mm.MultiMesh(axis_sizes=(8,), axis_names=("x",), devices=range(1, 9)),
+      E.MeshIndexError, ("Device position 8", "8 devices", "positions 0..7"),
+      "use positions in `range(len(jax.devices()))`"),
+    M("microbatch-wrong-argnum", "microbatching", "`microbatch(loss, 0, 2)` on `loss(params, "
+      "batch)` (forgot `argnum=1`: the parameters are split)",
+      lambda env: mm.jit(jax.grad(mm.microbatch(_chain(), 0, 2)))(env.ws, env.x),
+      E.MicrobatchAxisError, ("`argnum`=0", "(4, 4), (4, 1)", "dot_general",
+                              "wrong argument was split", "`argnum=1`"),
+      "pass the batch's index as `argnum`"),
+    M("microbatch-shards", "microbatching", "`microbatches=2` on a batch of 10 over 2 data "
+      "shards (microbatches of 5)",
+      lambda env: mm.parallelize_step(_DataNet(), optax.sgd(0.1), global_batch=jnp.ones((10, 4)),
+                                      microbatches=2),
+      E.UnevenShardingError, ("size 5", "2 shards", "microbatch 0 of 2 microbatches",
+                              "Use fewer microbatches"),
+      "use fewer microbatches or a batch that microbatches x shards divides"),
+    M("shard-axes-rank", "Flax wrappers", "`shard_axes` with 3 names on a 2-D kernel",
+      lambda env: mm.tabulate(_RankNet(), _key(), env.x),
+      E.PartitionSpecError, ("shard_axes('embed', 'mlp', 'x')", "`Dense_0`", "shape (4, 4)",
+                             "shard_axes('embed', 'mlp')"),
+      "give one name (or None) per dimension"),
+    M("step-restored-dict", "parallelize_step", "`step(ckpt.restore(), x)` (restored without "
+      "`target=`: plain dicts)",
+      lambda env: env.step(checkpoint.restore_checkpoint(env.state_ckpt), env.x),
+      E.ParallelizeArgumentError, ("got a dict", "without `target=`", "restore(target=state)"),
+      "restore with `target=state`", after=lambda env: env.check_step()),
 ]
 # fmt: on
+
+
+def _step_twice(env):
+    """``loss, new = step(state, x)`` and again with the same (consumed) ``state``."""
+    old = env.state
+    _, env.state = env.step(old, env.x)
+    env.step(old, env.x)
+
+
+def _donate_twice(env):
+    donating = mm.jit(lambda x: x * 2, donate_argnums=0)
+    x = jnp.ones((8, 4)) + 0  # a fresh array the first call consumes
+    donating(x)
+    donating(x)
+
+
+class _BatchDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(mm.with_sharding_constraint(x, P("batch", None)))
+
+
+class _DataNet(nn.Module):
+    """A task whose batch shards over 2 devices (rule ``batch -> x``)."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = mm.layers.task(_BatchDense, mesh=TM(devices=[0, 1], axis_names=("x",)),
+                               logical_axes=[("batch", "x")])
+        return (dense()(x) ** 2).mean()
+
+
+class _RankNet(nn.Module):
+    """A Dense task whose kernel is given three logical names."""
+
+    @nn.compact
+    def __call__(self, x):
+        dense = mm.layers.task(nn.Dense, mesh=TM(devices=[0, 1], axis_names=("x",)))
+        return dense(4, kernel_init=mm.shard_axes("embed", "mlp", "x"))(x)
 
 
 def _save_into(env):

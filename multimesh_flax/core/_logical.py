@@ -19,10 +19,12 @@ Resolution, for one array:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax._src import source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
@@ -176,9 +178,35 @@ def _warn_unmapped(name: str, known: set[str], resolved: _task.ResolvedTask) -> 
     )
 
 
+def _microbatch_note(index: int) -> str:
+    """Why a microbatch's dimension is what it is, with the microbatch count when known."""
+    from multimesh_flax.core import _microbatch  # imports this module
+
+    # The innermost ``microbatch`` call being traced: named by the scope, else (inside the
+    # body's own trace, where outer scopes are not visible) the latest one registered.
+    found = re.findall(r"mmmb(\d+)_\d+", str(source_info_util.current_name_stack()))
+    uid = int(found[-1]) if found else max(_microbatch._CALLS, default=None)
+    call = _microbatch._CALLS.get(uid) if uid is not None else None
+    count = f"{call.num_microbatches} " if call is not None else ""
+    return (
+        f"The array is microbatch {index} of {count}microbatches (`microbatch` or "
+        "`parallelize_step(..., microbatches=m)`): its batch dimension is the batch divided "
+        "by the number of microbatches. Use fewer microbatches, or a batch that the "
+        "microbatch count times the shard count divides."
+    )
+
+
 def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.ResolvedTask) -> Any:
     logical = PartitionSpec() if spec is None else spec
-    mesh_spec = logical_to_mesh_spec(logical, x.shape, dict(resolved.mesh.shape), resolved.rules)
+    try:
+        mesh_spec = logical_to_mesh_spec(
+            logical, x.shape, dict(resolved.mesh.shape), resolved.rules
+        )
+    except errors.UnevenShardingError as e:
+        index = _task.current_microbatch_index()
+        if index is None:
+            raise
+        raise errors.UnevenShardingError(f"{e} {_microbatch_note(index)}") from e
     warn_unmapped_names(logical, resolved)
     return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, mesh_spec))
 
