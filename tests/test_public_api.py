@@ -3,8 +3,6 @@
 import importlib
 import inspect
 
-import pytest
-
 import multimesh_flax
 from multimesh_flax import errors
 
@@ -53,13 +51,16 @@ def test_all_is_pinned():
     assert len(set(multimesh_flax.__all__)) == len(multimesh_flax.__all__)
 
 
-@pytest.mark.parametrize("name", PUBLIC_NAMES)
-def test_public_name_is_importable(name):
+def test_public_names_are_importable():
+    # One test for all names (a failure lists every broken one), not one item per name.
     module = importlib.import_module("multimesh_flax")
-    assert getattr(module, name) is not None
-    namespace = {}
-    exec(f"from multimesh_flax import {name}", namespace)
-    assert namespace[name] is getattr(module, name)
+    broken = []
+    for name in PUBLIC_NAMES:
+        namespace = {}
+        exec(f"from multimesh_flax import {name}", namespace)
+        if getattr(module, name, None) is None or namespace[name] is not getattr(module, name):
+            broken.append(name)
+    assert not broken
 
 
 WARNING_CLASSES = ["PlacementWarning"]
@@ -89,20 +90,20 @@ def test_errors_module_defines_classes():
     assert len(_error_classes()) >= 10
 
 
-@pytest.mark.parametrize("cls", _error_classes(), ids=lambda c: c.__name__)
-def test_error_class_has_a_docstring(cls):
-    assert cls.__doc__ and cls.__doc__.strip()
+def test_error_classes_have_docstrings():
+    assert not [c.__name__ for c in _error_classes() if not (c.__doc__ or "").strip()]
 
 
-@pytest.mark.parametrize(
-    "cls",
-    [c for c in _error_classes() if c is not errors.MultiMeshError],
-    ids=lambda c: c.__name__,
-)
-def test_error_class_is_a_value_or_type_error(cls):
-    assert issubclass(cls, (ValueError, TypeError))
-    assert issubclass(cls, errors.MultiMeshError)
-    assert cls.__name__.endswith("Error")
+def test_error_classes_are_value_or_type_errors():
+    def wrong(cls):
+        return not (
+            issubclass(cls, (ValueError, TypeError))
+            and issubclass(cls, errors.MultiMeshError)
+            and cls.__name__.endswith("Error")
+        )
+
+    others = [c for c in _error_classes() if c is not errors.MultiMeshError]
+    assert not [c.__name__ for c in others if wrong(c)]
 
 
 def test_base_error_groups_the_others():
