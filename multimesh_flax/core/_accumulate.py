@@ -44,8 +44,9 @@ def _ready_times(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> 
     return ready
 
 
-def _is_sum(eqn: Any, mb: Any) -> bool:
-    if eqn.primitive.name not in _SUMS or mb is not None or len(eqn.invars) != 2:
+def _is_sum(eqn: Any) -> bool:
+    """An addition of two (non-literal) values of the result's type."""
+    if eqn.primitive.name not in _SUMS or len(eqn.invars) != 2:
         return False
     aval = eqn.outvars[0].aval
     return all(not isinstance(v, jex.Literal) and v.aval == aval for v in eqn.invars)
@@ -58,15 +59,23 @@ class _Tree:
     leaves: list[Any]
 
 
-def _sum_trees(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> list[_Tree]:
+def _sum_trees(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, producer: dict[Any, int]
+) -> list[_Tree]:
+    """The trees of additions rooted at sums outside every microbatch.
+
+    A tree's inner nodes are additions whose only reader is another addition of the tree,
+    also inside a microbatch: when each microbatch's body is one traced program, a shared
+    parameter's gradient shares from two tasks (a tied table) are added inside the
+    microbatch's backward before the sum over microbatches adds them up.
+    """
     eqns = traced.jaxpr.eqns
-    producer: dict[Any, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     uses: dict[Any, int] = {v: 1 for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     for e in eqns:
         for v in e.invars:
             if not isinstance(v, jex.Literal):
                 uses[v] = uses.get(v, 0) + 1
-    sums = {i for i, e in enumerate(eqns) if _is_sum(e, plan.microbatch[i])}
+    sums = {i for i, e in enumerate(eqns) if _is_sum(e)}
     inner = {
         producer[v]
         for i in sums
@@ -75,6 +84,8 @@ def _sum_trees(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> li
     }
     trees = []
     for root in sorted(sums - inner):
+        if plan.microbatch[root] is not None:
+            continue
         tree = _Tree(root, [], [])
         stack: list[tuple[bool, Any]] = [(True, root)]
         while stack:  # in order: leaves come out left to right
@@ -90,19 +101,18 @@ def _sum_trees(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> li
     return trees
 
 
-def _microbatches(traced: _trace.TracedProgram, leaves: list[Any]) -> set[Any]:
-    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
-    found = set()
-    for v in leaves:
-        if v in producer:
-            found.add(_pipeline.microbatch_of(traced.stacks[producer[v]]))
+def _microbatches(
+    traced: _trace.TracedProgram, leaves: list[Any], producer: dict[Any, int]
+) -> set[Any]:
+    found = {_pipeline.microbatch_of(traced.stacks[producer[v]]) for v in leaves if v in producer}
     found.discard(None)
     return found
 
 
-def _leaf_places(traced: _trace.TracedProgram, leaves: list[Any]) -> list[Any]:
+def _leaf_places(
+    traced: _trace.TracedProgram, leaves: list[Any], producer: dict[Any, int]
+) -> list[Any]:
     """Per leaf, the place of the task that produced it (``None`` for glue and inputs)."""
-    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
     places = []
     for v in leaves:
         label = traced.labels[producer[v]] if v in producer else None
@@ -159,11 +169,12 @@ def reassociate_sums(
     """
     ready = _ready_times(traced, plan)
     eqns = traced.jaxpr.eqns
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     replaced: dict[int, list[Any]] = {}  # root index -> new chain; other nodes -> []
-    for tree in _sum_trees(traced, plan):
-        if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves)) < 2:
+    for tree in _sum_trees(traced, plan, producer):
+        if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves, producer)) < 2:
             continue
-        places = _leaf_places(traced, tree.leaves)
+        places = _leaf_places(traced, tree.leaves, producer)
         in_order = tree.leaves == sorted(tree.leaves, key=lambda v: ready.get(v, _EARLY))
         if in_order and len(set(places)) == 1:
             continue  # already summed in ready order, all on one submesh

@@ -202,6 +202,46 @@ class _Split:
     argnum: int
     arg_shardings: Any
     reduce: str
+    trace_once: bool = True
+
+
+class _Body:
+    """``fun`` applied to one chunk, traced once and replayed for every microbatch.
+
+    Under ``jit`` the body is a ``jax.jit`` of ``fun`` over the chunk (the other arguments
+    are closed over), so the chunks ``1..m-1`` reuse the program traced for chunk ``0``, and
+    JAX's differentiation rules, which are cached per program, differentiate it once too:
+    tracing costs the same for 1 and for 32 microbatches. The partitioner inlines the ``m``
+    calls, each under its microbatch scope, into the same per-microbatch equations an
+    unrolled loop would give. Chunk ``0`` is traced under microbatch iteration ``0``; if a
+    task resolved its mesh from that index (``loop_dependent_mesh_slice``) the microbatches
+    differ, and the remaining chunks are traced one by one instead.
+    """
+
+    def __init__(self, fun: Callable[..., Any], split: _Split, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.fun, self.split, self.args, self.kwargs = fun, split, args, kwargs
+        self.shared = jax.jit(self.apply) if split.trace_once else None
+
+    def apply(self, chunk: Any) -> Any:
+        at = self.split.argnum
+        return self.fun(*self.args[:at], chunk, *self.args[at + 1 :], **self.kwargs)
+
+    def __call__(self, k: int, chunk: Any) -> Any:
+        if self.shared is None:
+            return self.apply(chunk)
+        if k > 0:
+            return self.shared(chunk)
+        session = _task.current_session()
+        before, session.loop_dependent = session.loop_dependent, False
+        try:
+            out = self.shared(chunk)
+        finally:
+            dependent = session.loop_dependent
+            session.loop_dependent = before or dependent
+        if dependent:
+            self.shared = None
+        return out
 
 
 def _run(
@@ -219,15 +259,16 @@ def _run(
     batch = args[split.argnum]
     m = _num_microbatches(batch, split.dim, split.size)
     uid = _register(options, m)
+    # Outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop.
+    body = _Body(fun, split if uid else dataclasses.replace(split, trace_once=False), args, kwargs)
     outs = []
     for k in range(m):
         with jax.named_scope(f"mmmb{uid}_{k}"), _task.microbatch_iteration(k):
             chunk = _chunk(batch, k, split.dim, split.size)
             if split.arg_shardings is not None:
                 chunk = _logical.with_sharding_constraint(chunk, split.arg_shardings)
-            chunk_args = (*args[: split.argnum], chunk, *args[split.argnum + 1 :])
             with _explaining_split(fun, split, args, kwargs, m):
-                outs.append(fun(*chunk_args, **kwargs))
+                outs.append(body(k, chunk))
     return _reduce(outs, split.reduce, m)
 
 
@@ -279,6 +320,7 @@ def microbatch(
     custom_schedule: Sequence[Sequence[Any]] | None = None,
     arg_shardings: Any = None,
     reduce: str = "sum",
+    trace_once: bool = True,
 ) -> Callable[..., Any]:
     """Unrolls ``fun`` over microbatches of one argument and reduces the results.
 
@@ -313,6 +355,12 @@ def microbatch(
         arg_shardings: a logical ``PartitionSpec`` pytree (prefix) applied to each chunk
             with ``with_sharding_constraint``.
         reduce: ``"sum"`` or ``"mean"``.
+        trace_once: under :func:`jit`, trace ``fun`` once and replay its program for every
+            microbatch (as ``jax.lax.map`` does; tracing then costs the same for any
+            number of microbatches). ``fun`` must then not hand traced values out through
+            side effects (e.g. appending to a list it closes over): that raises JAX's
+            ``UnexpectedTracerError``. ``False`` traces ``fun`` once per microbatch. Tasks
+            with a ``loop_dependent_mesh_slice`` are traced per microbatch either way.
 
     Returns:
         A function with ``fun``'s signature.
@@ -366,7 +414,7 @@ def microbatch(
             "averaged losses, 'sum' to add the microbatch results."
         )
     options = _make_options(schedule, num_stages, interleave, custom_schedule)
-    split = _Split(int(dim), int(size), int(argnum), arg_shardings, reduce)
+    split = _Split(int(dim), int(size), int(argnum), arg_shardings, reduce, bool(trace_once))
 
     @functools.wraps(fun)
     def microbatched(*args: Any, **kwargs: Any) -> Any:

@@ -157,6 +157,9 @@ def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
     has_home = spec.mesh is not None or spec.mesh_slice is not None
     if loop_slice is None or (index is None and has_home):
         return spec.mesh_slice
+    session = current_session()
+    if session is not None and index is not None:
+        session.loop_dependent = True  # microbatches differ: ``microbatch`` must unroll
     return dict(loop_slice(index or 0))
 
 
@@ -222,6 +225,9 @@ class TraceSession:
         self.tasks: dict[int, ResolvedTask] = {}
         # Per-trace memo for callers that resolve one task once per trace (Flax modules).
         self.cache: dict[Any, ResolvedTask] = {}
+        # Whether a task resolved its mesh from the microbatch index: then the microbatches
+        # of one ``microbatch`` call differ and cannot share one traced body.
+        self.loop_dependent = False
 
 
 class _TaskState(threading.local):

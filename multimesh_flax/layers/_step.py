@@ -90,12 +90,16 @@ class _Model:
         self.params_key, self.dropout_key = _split_rng(rng)
         self.pipeline = pipeline  # microbatch options, or None for one full-batch pass
 
-    def batch_loss(self, model_fn_at: Callable[[Any], Callable[..., Any]], batch: Any) -> Any:
+    def batch_loss(
+        self, model_fn_at: Callable[[Any], Callable[..., Any]], batch: Any, trace_once: bool = True
+    ) -> Any:
         """``loss_fn`` over the batch, as ``microbatches`` pipelined chunks when asked.
 
         ``model_fn_at(k)`` is the model applied with microbatch ``k``'s dropout key (``k`` is
         ``None`` for the full batch, a traced index otherwise: the index rides along as an
         extra batch leaf, so a body traced once still sees each microbatch's own index).
+        ``trace_once=False`` traces the model once per microbatch: needed when ``model_fn``
+        hands mutable collections out through a side effect (see ``microbatch``).
         """
         if self.pipeline is None:
             return self.loss_fn(model_fn_at(None), batch)
@@ -116,6 +120,7 @@ class _Model:
             interleave=self.pipeline["interleave"],
             custom_schedule=self.pipeline.get("custom_schedule"),
             reduce="mean",
+            trace_once=trace_once,
         )
         return chunked((batch, jax.numpy.arange(length) // size))  # example -> its microbatch
 
@@ -155,7 +160,7 @@ class _Model:
 
             return model_fn
 
-        loss = self.batch_loss(model_fn_at, batch)
+        loss = self.batch_loss(model_fn_at, batch, trace_once=not model_state)
         return loss, {**model_state, **updates}
 
 
