@@ -9,7 +9,7 @@ from multimesh_flax import checkpoint as checkpoint
 from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax import layers as layers
-from multimesh_flax._front import task
+from multimesh_flax._front import jit, task
 from multimesh_flax.core import (
     Context,
     MultiMesh,
@@ -25,7 +25,6 @@ from multimesh_flax.core import (
     enable_fast_path,
     enable_recomputation,
     ignore_transforms,
-    jit,
     logical_to_mesh_spec,
     make_schedule,
     measured_costs,

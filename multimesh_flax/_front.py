@@ -1,4 +1,5 @@
-"""The front door's ``task``: Flax module classes and plain functions alike."""
+"""The front door's ``task`` and ``jit``: Flax Linen and NNX module classes and plain
+functions alike; ``jit`` also takes NNX graph objects as arguments."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 from flax import linen as nn
+from flax import nnx
 
 from multimesh_flax import errors
 from multimesh_flax.core import _task as _core_task
+from multimesh_flax.layers import _nnx_jit, _nnx_task
 from multimesh_flax.layers import _task as _flax_task
+
+jit = _nnx_jit.jit
 
 
 def task(
@@ -19,7 +24,7 @@ def task(
     task: _core_task.Task | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Runs ``fun`` as a task: a Flax module class becomes ``Task[Module]``
+    """Runs ``fun`` as a task: a Flax module class (Linen or NNX) becomes ``Task[Module]``
     (:func:`multimesh_flax.layers.task`), anything else a task function
     (:func:`multimesh_flax.core.task`).
 
@@ -33,6 +38,8 @@ def task(
     """
     if isinstance(fun, type) and issubclass(fun, nn.Module):
         return _flax_task.task(fun, name, task=task, **kwargs)
+    if _nnx_task.is_nnx_class(fun) or isinstance(fun, nnx.Module):
+        return _nnx_task.task(fun, name, task=task, **kwargs)
     if isinstance(fun, nn.Module):
         raise errors.TaskTypeError(
             f"Expected a Flax module class such as `nn.Dense` (or a function), got an "

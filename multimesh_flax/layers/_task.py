@@ -193,7 +193,8 @@ def task(
     """Wraps a Flax module class so that each instance runs as a task on its submesh.
 
     Args:
-        model: a ``flax.linen.Module`` subclass (``nn.Dense``, your ``MLPBlock``, ...).
+        model: a ``flax.linen.Module`` subclass (``nn.Dense``, your ``MLPBlock``, ...), or
+            an ``flax.nnx.Module`` subclass (see :func:`multimesh_flax.layers._nnx_task.task`).
         name: the task's display name (default: the module instance's name, e.g.
             ``layer_0``, else the module class name).
         task: a ready ``Task``; exclusive with ``kwargs``.
@@ -233,3 +234,7 @@ def task_spec_of(module: nn.Module | type[nn.Module]) -> _task.Task | None:
     """The ``Task`` of a ``Task[Module]`` class or instance, else ``None``."""
     cls = module if isinstance(module, type) else type(module)
     return getattr(cls, "task_spec", None)
+    from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
+
+    if _nnx_task.is_nnx_class(model):
+        return _nnx_task.task(model, name, task=task, **kwargs)
