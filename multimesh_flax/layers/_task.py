@@ -224,6 +224,10 @@ def task(
         >>> params["kernel"].value.shape
         (9, 16)
     """
+    from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
+
+    if _nnx_task.is_nnx_class(model):
+        return _nnx_task.task(model, name, task=task, **kwargs)
     _check_model(model)
     if task is None:
         _check_rules_have_mesh(kwargs)
@@ -234,7 +238,3 @@ def task_spec_of(module: nn.Module | type[nn.Module]) -> _task.Task | None:
     """The ``Task`` of a ``Task[Module]`` class or instance, else ``None``."""
     cls = module if isinstance(module, type) else type(module)
     return getattr(cls, "task_spec", None)
-    from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
-
-    if _nnx_task.is_nnx_class(model):
-        return _nnx_task.task(model, name, task=task, **kwargs)
