@@ -1,0 +1,362 @@
+"""Mutation spot-check: plant one-line bugs in a copy of the repository, see which tests catch them.
+
+Each mutation replaces one stable source snippet of a core function (placement, fragmenting,
+gradient accumulation order, schedule order, logical rule resolution, dropout key folding,
+checkpoint target checking, simulator formulas, ...) and runs the test files that should
+notice. A mutation is *caught* when those tests fail. The table of results is kept in
+``tests/MUTATIONS.md``; every mutation there must be caught.
+
+The shared working tree is never touched: the script exports ``HEAD`` (or, with
+``--worktree``, copies the working tree) into a temporary folder, checks first that the
+selected tests pass there unmutated (the baseline), then applies one mutation at a time,
+runs its tests with ``-x`` under a timeout and restores the file. When a snippet is no
+longer found (the code moved on), the row says so: update the snippet here.
+
+Not collected by pytest (the name does not start with ``test_``); run it by hand, it costs
+minutes of CPU::
+
+    .venv/bin/python tests/mutation_check.py            # all mutations, markdown table
+    .venv/bin/python tests/mutation_check.py --list     # names and whether snippets exist
+    .venv/bin/python tests/mutation_check.py --only key-fold-step sim-bubble
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TIMEOUT_S = 900
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    """One planted bug: in ``path``, ``old`` (must occur exactly once) becomes ``new``."""
+
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest arguments: files, node ids, ``-k`` expressions
+    what: str
+
+
+SIM = ("tests/core/test_simulator.py",)
+SCHED = ("tests/core/test_schedules.py", "tests/core/test_simulator.py")
+PARITY = ("tests/core/test_pipeline_parity.py",)
+
+MUTATIONS = (
+    Mutation(
+        "sim-bubble",
+        "multimesh_flax/core/_simulator.py",
+        "bubble_fraction=idle / (rows * makespan) if makespan > 0 else 0.0",
+        "bubble_fraction=idle / (rows * makespan + 1) if makespan > 0 else 0.0",
+        SIM,
+        "simulator: bubble fraction idle / (rows * makespan + 1)",
+    ),
+    Mutation(
+        "sim-transfer",
+        "multimesh_flax/core/_simulator.py",
+        'start = max(start, end[dep] + (cost(dep.stage, "transfer") if crossing else 0.0))',
+        "start = max(start, end[dep])",
+        SIM,
+        "simulator: transfers between rows cost nothing",
+    ),
+    Mutation(
+        "sim-unsplit-backward",
+        "multimesh_flax/core/_simulator.py",
+        'return cost(op.stage, "B") + cost(op.stage, "W")',
+        'return cost(op.stage, "B")',
+        SIM,
+        "simulator: an unsplit backward costs B only (W forgotten)",
+    ),
+    Mutation(
+        "sched-1f1b-warmup",
+        "multimesh_flax/core/_schedules.py",
+        "warmup = min(rows - r - 1, m)",
+        "warmup = min(rows - r, m)",
+        SCHED,
+        "schedule order: 1F1B warms up one forward too many",
+    ),
+    Mutation(
+        "sched-interleaved-warmup",
+        "multimesh_flax/core/_schedules.py",
+        "warmup = min(2 * (rows - r - 1) + (chunks - 1) * rows, total)",
+        "warmup = min(2 * (rows - r - 1) + chunks * rows, total)",
+        SCHED,
+        "schedule order: interleaved 1F1B warms up a row too many",
+    ),
+    Mutation(
+        "logical-axis-once",
+        "multimesh_flax/core/_logical.py",
+        "if name not in names or any(a in used for a in axes):",
+        "if name not in names:",
+        ("tests/core/test_logical.py",),
+        "logical rules: a mesh axis may shard two dimensions of one array",
+    ),
+    Mutation(
+        "logical-oversharding",
+        "multimesh_flax/core/_logical.py",
+        "if count > shape[d]:",
+        "if count > 2 * shape[d]:",
+        ("tests/core/test_logical.py",),
+        "logical rules: a rule is kept although it shards a dimension into more parts than it has",
+    ),
+    Mutation(
+        "key-fold-step",
+        "multimesh_flax/layers/_step.py",
+        "step_key = jax.random.fold_in(self.dropout_key, step)",
+        "step_key = jax.random.fold_in(self.dropout_key, 0)",
+        ("tests/layers/test_dropout_keys.py",),
+        "dropout keys: every step uses step 0's key (same masks every step)",
+    ),
+    Mutation(
+        "key-fold-microbatch",
+        "multimesh_flax/layers/_step.py",
+        "return step_key if microbatch is None else jax.random.fold_in(step_key, microbatch)",
+        "return step_key",
+        ("tests/layers/test_dropout_keys.py",),
+        "dropout keys: every microbatch of a step shares the step's key",
+    ),
+    Mutation(
+        "microbatch-chunk",
+        "multimesh_flax/core/_microbatch.py",
+        "return jax.lax.slice_in_dim(leaf, k * size, (k + 1) * size, axis=axis)",
+        "return jax.lax.slice_in_dim(leaf, 0, size, axis=axis)",
+        ("tests/core/test_microbatch.py",),
+        "microbatching: every microbatch is the first chunk",
+    ),
+    Mutation(
+        "microbatch-mean",
+        "multimesh_flax/core/_microbatch.py",
+        "total = jax.tree_util.tree_map(lambda x: x / m, total)",
+        "total = jax.tree_util.tree_map(lambda x: x, total)",
+        ("tests/core/test_microbatch.py",),
+        "microbatching: reduce='mean' returns the sum",
+    ),
+    Mutation(
+        "placement-innermost-task",
+        "multimesh_flax/layers/_placement.py",
+        "if param_path[:n] == module_path and (best is None or n > len(best[0])):",
+        "if param_path[:n] == module_path and (best is None or n < len(best[0])):",
+        ("tests/layers/test_flax_task.py", "tests/layers/test_tabulate.py"),
+        "placement: a parameter belongs to its outermost task, not its innermost",
+    ),
+    Mutation(
+        "placement-mirror",
+        "multimesh_flax/layers/_placement.py",
+        "if hit is not None and hit[0] == tuple(np.shape(leaf)):",
+        "if hit is not None and hit[0] != tuple(np.shape(leaf)):",
+        ("tests/layers/test_step.py", "-k", "optimizer_state"),
+        "placement: optimizer state no longer sits with its parameter",
+    ),
+    Mutation(
+        "checkpoint-dtype",
+        "multimesh_flax/checkpoint.py",
+        "same_dtype = np.dtype(saved.dtype) == np.dtype(target.dtype)",
+        "same_dtype = True",
+        ("tests/test_checkpoint.py", "-k", "mismatch or rejected"),
+        "checkpoint target check: a dtype mismatch passes",
+    ),
+    Mutation(
+        "dispatch-schedule-order",
+        "multimesh_flax/core/_pipeline.py",
+        "return keys.get(unit, (-math.inf,)) if unit is not None else (-math.inf,), index",
+        "return (-math.inf,), index",
+        PARITY,
+        "schedule order: fragments dispatch in program order, ignoring the schedule",
+    ),
+    Mutation(
+        "fragment-microbatch-index",
+        "multimesh_flax/core/_pipeline.py",
+        "uid, k = int(match.group(1)), int(match.group(2))",
+        "uid, k = int(match.group(1)), 0",
+        PARITY,
+        "fragmenting: every equation is attributed to microbatch 0",
+    ),
+    Mutation(
+        "accumulate-order",
+        "multimesh_flax/core/_accumulate.py",
+        "return _chain(template, sorted(leaves, key=key), out)",
+        "return _chain(template, leaves, out)",
+        ("tests/core/test_pipeline_parity.py", "-k", "gradient", "tests/core/test_accumulate.py"),
+        "accumulation order: gradient sums on one submesh keep program order, not ready order",
+    ),
+    Mutation(
+        "fast-path-autoshard",
+        "multimesh_flax/core/_jit.py",
+        "with _config.autoshard(), _mesh.use_device_list(devices):",
+        "with _mesh.use_device_list(devices):",
+        ("tests/core/test_parallelize_spmd.py",),
+        "fast path: a program without tasks is traced without autoshard",
+    ),
+)
+
+
+# --- the copy ---------------------------------------------------------------------------------
+
+
+def make_copy(dest: Path, worktree: bool) -> None:
+    """``HEAD`` (``git archive``) or the working tree (without .git/.venv) into ``dest``."""
+    if worktree:
+        ignore = shutil.ignore_patterns(".git", ".venv", "__pycache__", "runs", "*.egg-info")
+        shutil.copytree(ROOT, dest, ignore=ignore, dirs_exist_ok=True)
+        return
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", "HEAD"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def snippet_status(root: Path, mutation: Mutation) -> str | None:
+    """``None`` when the snippet occurs exactly once, else why the mutation cannot apply."""
+    path = root / mutation.path
+    if not path.exists():
+        return f"file {mutation.path} no longer exists: update this mutation"
+    count = path.read_text().count(mutation.old)
+    if count == 1:
+        return None
+    found = "not found" if count == 0 else f"found {count} times"
+    return f"snippet {found} in {mutation.path}: update this mutation"
+
+
+# --- running tests ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # "passed", "failed", "timeout", "error"
+    detail: str
+    seconds: float
+
+
+def run_tests(root: Path, tests: tuple[str, ...], timeout: float, stop_first: bool) -> Outcome:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", *(["-x"] if stop_first else [])]
+    cmd += list(tests)
+    env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(
+            cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return Outcome("timeout", f"no result within {timeout:.0f} s", time.monotonic() - start)
+    seconds = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        return Outcome("passed", _summary(out), seconds)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)
+    if proc.returncode in (1, 2) and failed:
+        return Outcome("failed", failed[0], seconds)
+    return Outcome("error", f"pytest exit {proc.returncode}: {_summary(out)}", seconds)
+
+
+def _summary(out: str) -> str:
+    lines = [line for line in out.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def check_imports_the_copy(root: Path) -> None:
+    """Refuses to run if Python in the copy would import the shared tree's package."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    code = "import multimesh_flax, sys; sys.stdout.write(multimesh_flax.__file__)"
+    where = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    ).stdout
+    if not Path(where).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(f"the copy imports multimesh_flax from {where}, not from {root}")
+
+
+# --- the check --------------------------------------------------------------------------------
+
+
+def mutate_and_run(root: Path, mutation: Mutation, timeout: float) -> tuple[str, str, float]:
+    """``(verdict, caught by / reason, seconds)`` for one mutation."""
+    problem = snippet_status(root, mutation)
+    if problem is not None:
+        return "SNIPPET MISSING", problem, 0.0
+    path = root / mutation.path
+    original = path.read_text()
+    path.write_text(original.replace(mutation.old, mutation.new))
+    try:
+        outcome = run_tests(root, mutation.tests, timeout, stop_first=True)
+    finally:
+        path.write_text(original)
+    if outcome.status == "failed":
+        return "caught", outcome.detail, outcome.seconds
+    if outcome.status == "passed":
+        return "MISSED", outcome.detail, outcome.seconds
+    return outcome.status.upper(), outcome.detail, outcome.seconds
+
+
+def baseline(root: Path, mutations: list[Mutation], timeout: float) -> dict[tuple[str, ...], str]:
+    """Per distinct test selection, ``"ok"`` or why it fails without any mutation."""
+    results = {}
+    for tests in dict.fromkeys(m.tests for m in mutations):
+        outcome = run_tests(root, tests, timeout, stop_first=False)
+        results[tests] = "ok" if outcome.status == "passed" else outcome.detail
+        print(f"baseline {' '.join(tests)}: {results[tests]} ({outcome.seconds:.0f} s)", flush=True)
+    return results
+
+
+def table(rows: list[tuple[Mutation, str, str, float]]) -> str:
+    lines = [
+        "| mutation | file | planted bug | verdict | caught by | s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, verdict, detail, seconds in rows:
+        lines.append(
+            f"| `{m.name}` | `{m.path}` | {m.what} | {verdict} | `{detail}` | {seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
+    parser.add_argument("--list", action="store_true", help="list mutations, run nothing")
+    parser.add_argument("--worktree", action="store_true", help="copy the working tree, not HEAD")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the unmutated run")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="s per run")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutations {sorted(unknown)}; see --list")
+    with tempfile.TemporaryDirectory(prefix="mmflax-mutants-") as tmp:
+        root = Path(tmp)
+        make_copy(root, args.worktree)
+        if args.list:
+            for m in chosen:
+                print(f"{m.name:28} {snippet_status(root, m) or 'ok'}")
+            return 0
+        check_imports_the_copy(root)
+        broken = {} if args.no_baseline else baseline(root, chosen, args.timeout)
+        rows = []
+        for m in chosen:
+            if broken.get(m.tests, "ok") != "ok":
+                rows.append((m, "BASELINE FAILS", broken[m.tests], 0.0))
+                continue
+            verdict, detail, seconds = mutate_and_run(root, m, args.timeout)
+            print(f"{m.name}: {verdict} ({detail}, {seconds:.0f} s)", flush=True)
+            rows.append((m, verdict, detail, seconds))
+    print()
+    print(table(rows))
+    return 0 if all(verdict == "caught" for _, verdict, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
