@@ -211,6 +211,14 @@ def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _task.Resolved
     return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, mesh_spec))
 
 
+def _mesh_given(axis_resources: Any) -> bool:
+    """Whether a mesh is set (``jax.set_mesh``) or ``axis_resources`` names one itself."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return True
+    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=_is_spec)
+    return any(isinstance(leaf, jax.sharding.Sharding) for leaf in leaves)
+
+
 def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
     """Applies logical sharding annotations to ``x`` (an array or pytree).
 
@@ -218,7 +226,10 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
     scope or Flax module), logical names resolve through the task's rules against its submesh.
     Under ``autoshard`` outside every task, ``x`` is returned unchanged (replicated
     placement is decided by the program). Under ``ignore_transforms`` it is the identity.
-    Otherwise it is ``jax.lax.with_sharding_constraint``.
+    With no task, no ``autoshard`` and no mesh (neither ``jax.set_mesh`` nor a
+    ``NamedSharding`` in ``axis_resources``) -- a model called eagerly -- it is the identity
+    too, as ``flax.linen.with_logical_constraint`` is without a mesh. Otherwise (a mesh set
+    with ``jax.set_mesh``) it is ``jax.lax.with_sharding_constraint``.
 
     Args:
         x: an array or pytree of arrays.
@@ -240,7 +251,7 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         return x
     resolved = _named_tasks.current_task()
     if resolved is None:
-        if _config.get_flag("autoshard"):
+        if _config.get_flag("autoshard") or not _mesh_given(axis_resources):
             return x
         return jax.lax.with_sharding_constraint(x, axis_resources)
     _check_specs(axis_resources)
