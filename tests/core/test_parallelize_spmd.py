@@ -82,6 +82,20 @@ def test_no_task_sharded_fun_runs_without_extra_context():
     np.testing.assert_allclose(np.asarray(y), _reference(), rtol=RTOL, atol=ATOL)
 
 
+def test_no_task_fast_path_keeps_logical_names_away_from_a_set_mesh():
+    # The task-free fast path traces under `autoshard`, where a constraint outside every task
+    # leaves the value as it is. Traced without it, a mesh set with `jax.set_mesh` sends the
+    # logical names to `jax.lax.with_sharding_constraint`, which rejects them ('batch' is not
+    # an axis of this mesh).
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharded_fun, sharded_init, sharded_batch = mm.parallelize(
+        f, init_params=init_params, get_input_batch=get_input_batch
+    )
+    with jax.set_mesh(mesh):
+        y = sharded_fun(sharded_init(), sharded_batch())
+    np.testing.assert_allclose(np.asarray(y), _reference(), rtol=RTOL, atol=ATOL)
+
+
 # --- one task on a 1-D mesh of 8 devices ----------------------------------------------------
 
 
