@@ -1,16 +1,19 @@
-"""The ``mmflax`` command line: ``demo``, ``train`` and ``sample``.
+"""The ``mmflax`` command line: ``demo``, ``train``, ``sample`` and ``export``.
 
 * ``mmflax train`` trains the tiny GPT pipelined over 2 stages x (2 data x 2 tensor) on 8
   simulated CPU devices (real devices on a GPU host) with 4 microbatches under 1F1B, and
   writes a run folder: ``metrics.json``, ``loss.png``, ``timeline.png``, ``samples.txt`` and
   an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
+  ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama checkpoint instead
+  (`models.hf`), on any stage layout, tokenizing with its ``tokenizer.json`` when it has one.
 * ``mmflax sample --checkpoint RUN_DIR`` generates text from a run's latest checkpoint.
+* ``mmflax export --checkpoint RUN_DIR --to HF_DIR`` writes it as a Hugging Face folder.
 * ``mmflax demo`` (also plain ``mmflax``) runs the placement demo: a two-layer function on
   two submeshes, printing where every array lives.
 
 Bad arguments print ``mmflax: <message>`` to stderr and exit with status 2, never a
 traceback; a failed ``--check-reference`` exits with status 1. The work lives in `_train`,
-`_sample` and `_demo`; this module parses, sets up the devices and prints.
+`_sample`, `_export` and `_demo`; this module parses, sets up the devices and prints.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ def _add_train(sub: Any) -> None:
     add("--out", help="run folder (default: runs/<date-time>; with --resume: the newest run)")
     add("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     add(
+        "--init-from",
+        metavar="HF_DIR",
+        help="fine-tune a Hugging Face GPT-2/Llama folder (config.json + safetensors) instead "
+        "of training --model from scratch; its tokenizer.json is used when present",
+    )
+    add(
         "--check-reference",
         action="store_true",
         help="also train the unstaged model on one device on the same batches; exit 1 unless "
@@ -118,11 +127,21 @@ def _add_sample(sub: Any) -> None:
     add("--seed", type=int, default=0, help="sampling seed (0)")
 
 
+def _add_export(sub: Any) -> None:
+    export = sub.add_parser(
+        "export", help="write a run's checkpoint as a Hugging Face model folder"
+    )
+    add = export.add_argument
+    add("--checkpoint", required=True, metavar="RUN_DIR", help="run folder of `mmflax train`")
+    add("--to", required=True, metavar="HF_DIR", help="new folder to write")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mmflax",
         description="multimesh_flax: pipelined training of the reference models (train), "
-        "sampling from a run (sample) and the placement demo (demo, the default).",
+        "sampling from a run (sample), exporting it to Hugging Face format (export) and the "
+        "placement demo (demo, the default).",
     )
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
     demo = sub.add_parser("demo", help="place a two-layer function on two submeshes")
@@ -131,6 +150,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_train(sub)
     _add_sample(sub)
+    _add_export(sub)
     return parser
 
 
@@ -153,7 +173,7 @@ def _run_train(args: argparse.Namespace) -> int:
     options = _run_options.resolve_options({**given, "resume": args.resume or None})
     _run_options.check_options(options, _device_count())  # fail before any tracing
     print(
-        f"mmflax train: {options.model} on {options.layout} (stages x data x tensor), "
+        f"mmflax train: {options.init_from or options.model} on {options.layout} (stages x data x tensor), "
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)
@@ -226,7 +246,21 @@ def _run_sample(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"demo": _run_demo, "train": _run_train, "sample": _run_sample}
+def _run_export(args: argparse.Namespace) -> int:
+    _configure_devices(_DEFAULT_DEVICES, accelerators=True)
+    from multimesh_flax import _export
+
+    folder = _export.export(args.checkpoint, args.to)
+    print(f"wrote {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))})")
+    return 0
+
+
+_COMMANDS = {
+    "demo": _run_demo,
+    "train": _run_train,
+    "sample": _run_sample,
+    "export": _run_export,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv or ["demo"])
         if args.command is None:
-            raise _ArgumentError("choose a command: demo, train or sample (see `mmflax --help`)")
+            raise _ArgumentError(
+                "choose a command: demo, train, sample or export (see `mmflax --help`)"
+            )
         return _COMMANDS[args.command](args)
     except (_ArgumentError, errors.MultiMeshError) as e:
         print(f"mmflax: {e}", file=sys.stderr)

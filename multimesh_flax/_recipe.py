@@ -3,13 +3,15 @@
 `_train` (``mmflax train``) and `_sample` (``mmflax sample``) build the same things from the
 same saved settings, so they share this module:
 
-* `model_config` resolves a preset name and a layer count into a `models.ModelConfig`;
+* `model_config` resolves a preset name and a layer count into a `models.ModelConfig`
+  (`run_config` also reads it from a Hugging Face folder given as ``init_from``);
   `make_model` builds the model for it, pipelined over ``stages`` or unstaged (``None``). The
   parameter tree is the same either way, so a checkpoint moves between them.
 * `make_optimizer`: AdamW (``b2`` 0.95) with gradient clipping and a linear warmup to a
   constant rate; the rate does not depend on the run's length, so a resumed run continues
   the same schedule.
 * `lm_loss` is the next-token cross entropy in ``parallelize_step``'s ``loss_fn`` form.
+* `make_tokenizer`: the byte tokenizer, or the ``tokenizer.json`` of an ``init_from`` folder.
 * `batch_stream` yields the run's batches from step ``start`` on: batch ``i`` is the same
   whether a run starts at 0 or resumes at ``i``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -28,6 +31,7 @@ from flax import linen as nn
 from models import GPT, ByteTokenizer, Family, Llama, ModelConfig, cross_entropy_loss, get_config
 from models import iterate_batches as _iterate_batches
 from models import load_corpus as _load_corpus
+from multimesh_flax import errors
 
 Batch = dict[str, np.ndarray]
 
@@ -39,6 +43,53 @@ def model_config(preset: str, layers: int | None = None) -> ModelConfig:
     """The preset ``preset`` with ``layers`` blocks (``None``: the preset's own count)."""
     overrides = {} if layers is None else {"num_layers": layers}
     return get_config(preset, **overrides)
+
+
+def run_config(model: str, layers: int | None, init_from: str | None) -> ModelConfig:
+    """The config of a run: the preset ``model``, or the Hugging Face folder ``init_from``.
+
+    A pretrained model trains in float32 whatever dtype its checkpoint stores.
+
+    Raises:
+        RunOptionError: ``layers`` differs from the pretrained model's layer count.
+    """
+    if init_from is None:
+        return model_config(model, layers)
+    from models import hf
+
+    config = hf.load_config(init_from, dtype=np.float32)
+    if layers is not None and layers != config.num_layers:
+        raise errors.RunOptionError(
+            f"`--layers` {layers} differs from the {config.num_layers} layers of the "
+            f"checkpoint in '{init_from}'. Drop `--layers` when fine-tuning with `--init-from`."
+        )
+    return config
+
+
+def make_tokenizer(init_from: str | None) -> Any:
+    """The tokenizer of a run: ``init_from``'s ``tokenizer.json`` if it has one, else bytes.
+
+    Without a tokenizer.json, a checkpoint's ids 0-258 are read as bytes and specials (as
+    for the presets), and its vocabulary as a padded byte vocabulary.
+
+    Raises:
+        RunOptionError: ``init_from`` has no tokenizer.json and a vocabulary too small for
+            the byte tokenizer's ids.
+    """
+    if init_from is None:
+        return TOKENIZER
+    from models import hf
+
+    if (Path(init_from) / "tokenizer.json").is_file():
+        return hf.HFTokenizer.from_folder(init_from)
+    vocab = hf.load_config(init_from).vocab_size
+    if vocab <= TOKENIZER.pad_id:
+        raise errors.RunOptionError(
+            f"'{init_from}' has no tokenizer.json, and its {vocab}-id vocabulary cannot hold "
+            f"the byte tokenizer's ids (0-{TOKENIZER.pad_id}). Add the checkpoint's "
+            "tokenizer.json to the folder."
+        )
+    return ByteTokenizer(multiple=vocab)  # byte ids; decodes every id the model can emit
 
 
 def make_model(config: ModelConfig, stages: int | None = None) -> nn.Module:
@@ -67,9 +118,9 @@ def lm_loss(model_fn: Callable[..., jax.Array], batch: Batch) -> jax.Array:
     return cross_entropy_loss(model_fn(batch["inputs"]), batch["targets"])
 
 
-def corpus_tokens(corpus: str) -> np.ndarray:
+def corpus_tokens(corpus: str, tokenizer: Any = TOKENIZER) -> np.ndarray:
     """The token ids of the shipped corpus ``corpus`` (see `models.data.load_corpus`)."""
-    return TOKENIZER.encode(_load_corpus(corpus))
+    return tokenizer.encode(_load_corpus(corpus))
 
 
 def batch_stream(

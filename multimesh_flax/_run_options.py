@@ -26,11 +26,23 @@ from multimesh_flax import _recipe, _sample, errors
 from multimesh_flax.checkpoint import Checkpointer
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
-RUN_KEYS = ("model", "layers", "batch_size", "seq_len", "lr", "warmup", "seed", "corpus")
+RUN_KEYS = (
+    "model",
+    "layers",
+    "batch_size",
+    "seq_len",
+    "lr",
+    "warmup",
+    "seed",
+    "corpus",
+    "init_from",
+)
 """Settings that define a run: a resumed run keeps them."""
 LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule")
 """Settings of the parallel layout: a resumed run may change them."""
 RUNS_DIR = Path("runs")
+PRETRAINED = "pretrained"
+"""The ``model`` of a run that starts from ``--init-from`` (a Hugging Face folder)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +50,7 @@ class TrainOptions:
     """Every setting of a training run; the fields are the ``mmflax train`` options.
 
     Attributes:
-        model: a preset of `models.PRESETS`.
+        model: a preset of `models.PRESETS` (`PRETRAINED` with ``init_from``).
         layers: transformer blocks (``None``: the preset's count).
         stages, data, tensor: the layout: pipeline stages, each on ``data x tensor`` devices.
         microbatches: microbatches per step; ``schedule``: their pipeline schedule.
@@ -51,6 +63,8 @@ class TrainOptions:
         check_reference: also train the unstaged model on one device and compare losses.
         log_every: steps between loss read-outs (the bar's postfix).
         progress: show the tqdm bar.
+        init_from: a Hugging Face GPT-2/Llama folder (`models.hf`) to fine-tune instead of
+            training ``model`` from scratch; its ``tokenizer.json``, if any, tokenizes.
     """
 
     model: str = "gpt-tiny"
@@ -72,6 +86,7 @@ class TrainOptions:
     check_reference: bool = False
     log_every: int = 10
     progress: bool = True
+    init_from: str | None = None
 
     @property
     def layout(self) -> str:
@@ -126,13 +141,19 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
         RunOptionError: ``resume`` with a run setting (`RUN_KEYS`) other than the saved one.
     """
     chosen = {key: value for key, value in given.items() if value is not None}
+    if "init_from" in chosen and "model" in chosen:
+        raise _fail(
+            f"`--model` {chosen['model']!r} and `--init-from` {chosen['init_from']!r} both "
+            "choose the model. Drop `--model` to fine-tune the checkpoint, or `--init-from` to "
+            "train the preset from scratch."
+        )
     if chosen.get("resume"):
         run_dir = _resume_dir(chosen.get("out"))
         saved = _saved_options(run_dir)
         for key in RUN_KEYS:
-            if key in chosen and chosen[key] != saved[key]:
+            if key in chosen and chosen[key] != saved.get(key):
                 raise _fail(
-                    f"`{_flag(key)}` {chosen[key]!r} differs from {saved[key]!r}, the value of "
+                    f"`{_flag(key)}` {chosen[key]!r} differs from {saved.get(key)!r}, the value of "
                     f"the run in '{run_dir}'. A resumed run keeps its model, data and optimizer "
                     "settings; only the layout and `--steps` may change. Drop the option, or "
                     "start a new run in another `--out`."
@@ -140,6 +161,8 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
         chosen = {**saved, **chosen, "out": str(run_dir)}
     else:
         chosen.setdefault("out", fresh_run_dir())
+    if chosen.get("init_from") is not None:
+        chosen.setdefault("model", PRETRAINED)
     options = TrainOptions(**chosen)
     if options.layers is None and options.model in PRESETS:
         options = dataclasses.replace(options, layers=PRESETS[options.model].num_layers)
@@ -165,11 +188,11 @@ def _check_ranges(options: TrainOptions) -> None:
 
 
 def _check_model(options: TrainOptions) -> ModelConfig:
-    if options.model not in PRESETS:
+    if options.init_from is None and options.model not in PRESETS:
         raise _fail(
             f"Unknown `--model` preset {options.model!r}. Available presets: {', '.join(PRESETS)}."
         )
-    config = _recipe.model_config(options.model, options.layers)
+    config = _recipe.run_config(options.model, options.layers, options.init_from)
     if config.num_layers % options.stages:
         divisors = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
         raise _fail(

@@ -112,12 +112,22 @@ def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
         microbatches=options.microbatches,
         schedule=options.schedule,
     )
+    if options.init_from is not None and not options.resume:
+        state = state.replace(params=_pretrained_params(options, multi))
     return step_fn, state, placement
+
+
+def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
+    """The ``--init-from`` checkpoint's parameters, each tensor placed on its stage."""
+    from models import hf
+
+    _, params = hf.load_placed(options.init_from, multi, stages=options.stages, dtype=np.float32)
+    return params
 
 
 def _run_steps(step_fn: Any, state: Any, options: TrainOptions, start: int) -> _Steps:
     """Trains ``options.steps`` steps from global step ``start``, blocking on every step."""
-    tokens = _recipe.corpus_tokens(options.corpus)
+    tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
     stream = _recipe.batch_stream(tokens, options.batch_size, options.seq_len, options.seed, start)
     out = _Steps(state, _run_files.empty_history())
     record_at = min(2, options.steps - 1)  # one step after warm-up
@@ -224,10 +234,13 @@ def _samples(config: ModelConfig, params: Any, options: TrainOptions) -> dict[st
     model = _recipe.make_model(config)
     params = _on_one_device(params)
     prompt = _sample.DEFAULT_PROMPT
-    count = _sample.default_tokens(prompt, options.seq_len)
+    tokenizer = _recipe.make_tokenizer(options.init_from)
+    count = _sample.default_tokens(prompt, options.seq_len, tokenizer)
     corpus = load_corpus(options.corpus)
     texts = {
-        kind: _sample.generate_text(model, params, prompt, count, temperature=t, seed=0)
+        kind: _sample.generate_text(
+            model, params, prompt, count, temperature=t, seed=0, tokenizer=tokenizer
+        )
         for kind, t in _SAMPLE_KINDS.items()
     }
     rates = {kind: _sample.corpus_match_rate(t[len(prompt) :], corpus) for kind, t in texts.items()}

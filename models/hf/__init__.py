@@ -9,6 +9,7 @@
 * `save` writes a config and parameters back in the same format (sharded above a size
   threshold), so a model fine-tuned here loads in ``transformers``; load -> save -> load is
   bit-exact.
+* `load_config` reads only ``config.json``.
 * `HFTokenizer` wraps a ``tokenizer.json`` (the `tokenizers` package) behind the interface of
   `models.ByteTokenizer`.
 
@@ -17,8 +18,9 @@ How tensors map: `models.hf._gpt2` and `models.hf._llama` (one `Rule` per tensor
 """
 
 from ._load import load as load
+from ._load import load_config as load_config
 from ._load import load_placed as load_placed
 from ._save import save as save
 from ._tokenizer import HFTokenizer as HFTokenizer
 
-__all__ = ["HFTokenizer", "load", "load_placed", "save"]
+__all__ = ["HFTokenizer", "load", "load_config", "load_placed", "save"]

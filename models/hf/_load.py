@@ -161,6 +161,26 @@ def load(
     return _read(Path(path), stages, dtype, vocab_multiple, lambda _c, _p, array: array)
 
 
+def load_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelConfig:
+    """The `ModelConfig` of a Hugging Face folder, from its ``config.json`` alone.
+
+    Args:
+        path: The model folder.
+        dtype: The config's dtypes; ``None``: the ``dtype`` config.json declares.
+
+    Raises:
+        PretrainedConfigError, UnsupportedArchitectureError: As for `load`.
+
+    Example:
+        >>> from models import hf
+        >>> hf.load_config("tests/fixtures/hf/gpt2").num_layers
+        4
+    """
+    folder = Path(path)
+    stored = _config.stored_dtype(_config.read_json(folder / "config.json"))
+    return _config.read_config(folder, dtype or stored)[0]
+
+
 def _placements(config: ModelConfig, stages: int, multimesh: mm.MultiMesh) -> dict:
     model = make_model(config)
     model = type(model)(config, stages=stages)

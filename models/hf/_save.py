@@ -129,7 +129,8 @@ def save(
             ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
         vocab_size: Cut the vocabulary down to this many ids (undoing `load`'s
             ``vocab_multiple`` padding).
-        tokenizer: A tokenizer to write into the folder as ``tokenizer.json``.
+        tokenizer: A tokenizer to write into the folder as ``tokenizer.json`` (its special
+            ids go into ``config.json``).
         overwrite: Replace an existing folder at `path`.
 
     Returns:
@@ -154,6 +155,9 @@ def save(
     rules = family_module(config).rules(config, tied)
     dtype = get_path(params, rules[0].ours[0]).dtype
     hf = _config.hf_config(config, tied, dtype)
+    if tokenizer is not None:
+        ids = {"bos": tokenizer.bos_id, "eos": tokenizer.eos_id, "pad": tokenizer.pad_id}
+        hf.update({f"{k}_token_id": v for k, v in ids.items() if v is not None})
     target = Path(path)
     with _files.fresh_folder(target, overwrite) as folder:
         (folder / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
