@@ -28,28 +28,30 @@ Initializer = Callable[..., Any]
 def shard_axes(*names: str | None, init: Initializer | None = None) -> Initializer:
     """An initializer whose parameters carry the logical axis ``names``.
 
-        Args:
-            *names: one logical axis name (or ``None``, replicated) per parameter dimension.
-            init: the base initializer; default Xavier normal.
+    Args:
+        *names: one logical axis name (or ``None``, replicated) per parameter dimension.
+        init: the base initializer; default Xavier normal.
 
-        Returns:
-            A Flax initializer ``(key, shape, dtype)``: NNX variable metadata
-            (``out_sharding=names``) while an NNX module is constructed, else a Linen
-            ``LogicallyPartitioned`` box.
+    Returns:
+        A Flax initializer ``(key, shape, dtype)``: NNX variable metadata
+        (``out_sharding=names``) while an NNX module is constructed, else a Linen
+        ``LogicallyPartitioned`` box.
 
-        Raises:
-            LogicalRulesError: a name that is neither a string nor ``None``.
+    Raises:
+        LogicalRulesError: a name that is neither a string nor ``None``.
 
-        Example:
-            >>> from flax import linen as nn
-    from flax import nnx
-    from flax.linen import module as _linen_module
-    from flax.nnx import pytreelib as _nnx_pytree
-            >>> from multimesh_flax.layers import shard_axes
-            >>> dense = nn.Dense(16, kernel_init=shard_axes("x", None))
-            >>> params = dense.init(jax.random.key(0), jnp.ones((4, 9)))["params"]
-            >>> params["kernel"].names, params["kernel"].value.shape
-            (('x', None), (9, 16))
+    Example:
+        >>> from flax import linen as nn
+        >>> from multimesh_flax.layers import shard_axes
+        >>> dense = nn.Dense(16, kernel_init=shard_axes("x", None))
+        >>> params = dense.init(jax.random.key(0), jnp.ones((4, 9)))["params"]
+        >>> params["kernel"].names, params["kernel"].value.shape
+        (('x', None), (9, 16))
+        >>> from flax import nnx
+        >>> with nnx.use_eager_sharding(False):  # or construct it through mm.task
+        ...     layer = nnx.Linear(9, 16, kernel_init=shard_axes("x", None), rngs=nnx.Rngs(0))
+        >>> layer.kernel.get_metadata()["out_sharding"]
+        ('x', None)
     """
     bad = [n for n in names if n is not None and not isinstance(n, str)]
     if bad:

@@ -271,7 +271,7 @@ def task(
         >>> layer = Linear(3, 4, kernel_init=init, rngs=nnx.Rngs(0))
         >>> kernel = layer.kernel.get_value()
         >>> kernel.sharding.spec, sorted(d.id for d in kernel.devices())
-        (PartitionSpec(None, 'x'), [2, 3])
+        (P(None, 'x'), [2, 3])
         >>> layer(jnp.ones((2, 3))).shape
         (2, 4)
     """
