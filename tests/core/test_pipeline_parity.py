@@ -171,8 +171,11 @@ def test_gradient_sums_follow_the_schedule(where):
             (e for e in timeline.events if e.kind == "run" and e.place == (s,)),
             key=lambda e: e.index,
         )
-        last_backward = max(i for i, e in enumerate(runs) if e.phase == "B")
-        assert len(runs) - 1 - last_backward <= 1, [e.name for e in runs]
+        backwards = [i for i, e in enumerate(runs) if e.phase == "B"]
+        assert len(runs) - 1 - backwards[-1] <= 1, [e.name for e in runs]
+        # From the second gradient on, an addition (glue) runs before the next backward.
+        for a, b in zip(backwards[1:-1], backwards[2:], strict=True):
+            assert any(e.phase is None for e in runs[a + 1 : b]), [e.name for e in runs]
 
 
 def test_zero_bubble_splits_backward_into_named_halves():

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 from jax.sharding import Mesh
@@ -197,3 +198,33 @@ def test_loop_dependent_mesh_slice_moves_a_flax_task_per_microbatch():
     with mm.ignore_transforms():
         expected = Net().apply(params, x)
     np.testing.assert_allclose(out, expected, **TOL)
+
+
+class _Outer(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="own")(x)
+        return layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[5]))(3, name="inner")(x)
+
+
+class _Nested(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        outer = layers.task(_Outer, mesh=mm.TaskMesh(devices=[2]))(name="outer")
+        return (outer(x) ** 2).mean()
+
+
+def test_a_parameter_belongs_to_its_innermost_task():
+    x = jnp.arange(12.0).reshape(4, 3) / 10
+    rows = {r.path: r for r in layers.get_placement(_Nested(), jax.random.key(0), x).params}
+    assert rows["outer/inner/kernel"].device_ids == (5,)
+    assert rows["outer/own/kernel"].device_ids == (2,)
+    step, state, _ = layers.parallelize_step(_Nested(), optax.sgd(0.1), global_batch=x)
+    assert device_ids(state.params["outer"]["inner"]["kernel"]) == [5]
+    assert device_ids(state.params["outer"]["own"]["kernel"]) == [2]
+    start = jax.tree.map(np.asarray, state.params)
+    loss, state = step(state, x)
+    with mm.ignore_transforms():
+        expected = _Nested().apply({"params": start}, x)
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5, atol=1e-6)
+    assert device_ids(state.params["outer"]["inner"]["kernel"]) == [5]
