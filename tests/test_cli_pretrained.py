@@ -1,0 +1,117 @@
+"""``mmflax train --init-from`` and ``mmflax export`` on the Hugging Face fixtures.
+
+One tiny fine-tuning run of the GPT-2 fixture (4 stages, its BPE tokenizer) is shared by the
+tests: its first loss must be the loss of the checkpoint's own parameters on the first batch
+(computed by the unstaged model under plain ``jax.jit``), and its export must hold exactly
+the reference tensors and read back bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import safetensors
+
+from models import cross_entropy_loss, hf, make_model
+from multimesh_flax import _cli, _recipe, _sample
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
+TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "1", "--log-every", "1"]
+LAYOUT = ["--stages", "4", "--data", "2", "--tensor", "1"]
+STEPS = 3
+
+
+def _main(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = _cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pretrained") / "run"
+    init = str(FIXTURES / "gpt2")
+    code, stdout, stderr = _main(
+        "train", "--init-from", init, "--out", str(out), "--steps", str(STEPS), *TINY, *LAYOUT
+    )
+    assert code == 0, stderr
+    return out, json.loads((out / "metrics.json").read_text()), stdout
+
+
+def _keys_and_shapes(folder):
+    shapes = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safetensors.safe_open(str(file), framework="np") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes
+
+
+def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(run):
+    out, metrics, stdout = run
+    assert "gpt2 on 4x2x1" in stdout
+    assert metrics["options"]["init_from"] == str(FIXTURES / "gpt2")
+    tokenizer = hf.HFTokenizer.from_folder(FIXTURES / "gpt2")
+    tokens = _recipe.corpus_tokens("shakespeare_sonnets", tokenizer)
+    batch = next(_recipe.batch_stream(tokens, 8, 32, seed=0))
+    config, params = hf.load(FIXTURES / "gpt2")
+
+    @jax.jit
+    def loss(p, b):
+        return cross_entropy_loss(
+            make_model(config).apply({"params": p}, b["inputs"]), b["targets"]
+        )
+
+    np.testing.assert_allclose(metrics["history"]["loss"][0], float(loss(params, batch)), rtol=1e-5)
+    assert metrics["history"]["loss"][-1] < metrics["history"]["loss"][0]
+    sample = metrics["samples"]["after"]["texts"]["greedy"]
+    assert sample.startswith(_sample.DEFAULT_PROMPT)
+
+
+def test_export_writes_the_reference_tensors_and_reads_back_bit_exact(run, tmp_path):
+    out = run[0]
+    code, stdout, stderr = _main("export", "--checkpoint", str(out), "--to", str(tmp_path / "hf"))
+    assert code == 0, stderr
+    folder = tmp_path / "hf"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
+    assert _keys_and_shapes(folder) == _keys_and_shapes(FIXTURES / "gpt2")
+    config, trained, _ = _sample.restore_params(out)
+    exported_config, exported = hf.load(folder)
+    assert exported_config == config
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 0
+
+    code, _, stderr = _main("export", "--checkpoint", str(out), "--to", str(folder))
+    assert code == 2 and "already exists" in stderr
+
+
+BAD = {
+    "model_and_init_from": (["--model", "gpt-tiny"], "both choose the model"),
+    "layers_differ": (["--layers", "2"], "differs from the 4 layers"),
+    "stages_do_not_divide": (["--stages", "3"], "does not divide the 4 layers"),
+}
+
+
+@pytest.mark.parametrize("extra, match", BAD.values(), ids=BAD.keys())
+def test_bad_fine_tuning_options_exit_2(extra, match, tmp_path):
+    argv = ["train", "--init-from", str(FIXTURES / "gpt2"), "--out", str(tmp_path / "r"), *extra]
+    code, _, stderr = _main(*argv)
+    assert code == 2 and match in stderr, stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_init_from_a_folder_without_config_exits_2(tmp_path):
+    code, _, stderr = _main("train", "--init-from", str(tmp_path), "--out", str(tmp_path / "r"))
+    assert code == 2 and "config.json" in stderr
