@@ -39,6 +39,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from flax import nnx
 from jax._src import source_info_util
 from jax.sharding import PartitionSpec as P
 
@@ -857,8 +858,51 @@ CATALOGUE: list[Mistake] = [
       lambda env: env.step(checkpoint.restore_checkpoint(env.state_ckpt), env.x),
       E.ParallelizeArgumentError, ("got a dict", "without `target=`", "restore(target=state)"),
       "restore with `target=state`", after=lambda env: env.check_step()),
+    M("nnx-task-instance", "Flax NNX", "`mm.task(nnx.Linear(2, 2, rngs=rngs), ...)` (an "
+      "instance)",
+      lambda env: mm.task(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), mesh=TM(devices=[0])),
+      E.TaskTypeError, ("instance of Linear", "Pass the class"),
+      "pass the class and construct the wrapped class"),
+    M("nnx-unmapped-name", "Flax NNX", "a `Task[Block]` variable named `('embd', 'out')` with "
+      "no rule for `embd`",
+      lambda env: mm.task(nnx.Linear, mesh=TM(devices=[0, 1], axis_names=("x",)),
+                          logical_axes=[("out", "x")])(
+          3, 4, kernel_init=nnx.with_partitioning(nnx.initializers.ones, ("embd", "out")),
+          rngs=nnx.Rngs(0)),
+      E.UnmappedLogicalAxisError, ("'embd'", "'kernel'", "Add a rule to `logical_axes`"),
+      "add a rule: `(name, None)` to replicate, `(name, axis)` to shard"),
+    M("nnx-eager-no-mesh", "Flax NNX", "a `Task[Block]` variable with `eager_sharding=True` "
+      "and no mesh set",
+      lambda env: mm.task(_EagerNNX, mesh=TM(devices=[0, 1], axis_names=("x",)))(nnx.Rngs(0)),
+      E.UnplacedVariableError, ("eager_sharding=True", "Drop eager_sharding=True"),
+      "drop `eager_sharding=True` or construct it inside `jax.set_mesh`"),
+    M("nnx-optimizer-other-model", "Flax NNX", "`mm.jit(step)(model, optimizer, x)` with an "
+      "`nnx.Optimizer` built for another model",
+      lambda env: mm.jit(_nnx_step)(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), nnx.Optimizer(
+          nnx.Linear(3, 3, rngs=nnx.Rngs(0)), optax.adam(0.1), wrt=nnx.Param), env.x),
+      E.GraphArgumentError, ("(Linear)", "built for another model",
+                             "nnx.Optimizer(model, tx, wrt=nnx.Param)"),
+      "build the optimizer from the model it trains"),
+    M("nnx-jit-returns-module", "Flax NNX", "a function under `mm.jit` returning an NNX module",
+      lambda env: mm.jit(lambda m, x: (m, m(x)))(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), env.x),
+      E.GraphArgumentError, ("returned an NNX graph object (Linear)", "return arrays"),
+      "return arrays; graph objects passed in are updated in place"),
 ]
 # fmt: on
+
+
+class _EagerNNX(nnx.Module):
+    """An NNX module whose variable asks NNX to shard it at creation (needs a mesh)."""
+
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.ones, ("x",), eager_sharding=True)
+        self.w = nnx.Param(init(rngs.params(), (4,)))
+
+
+def _nnx_step(model, optimizer, x):
+    loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
+    optimizer.update(model, grads)
+    return loss
 
 
 def _step_twice(env):

@@ -140,9 +140,23 @@ def _is_graph_object(x: Any) -> bool:
     return isinstance(x, nnx.Pytree)
 
 
+def _init_unsharded(node: nnx.Module, args: Any, kwargs: Any) -> None:
+    """``Block.__init__`` with NNX eager sharding off (the task places the variables)."""
+    try:
+        with nnx.use_eager_sharding(False):
+            node.__init__(*args, **kwargs)
+    except ValueError as e:
+        if "auto mesh context or metadata is required" not in str(e):
+            raise
+        raise errors.UnplacedVariableError(
+            f"{type(node).__name__} creates a variable that asks NNX to shard it eagerly "
+            f"(metadata eager_sharding=True) with no mesh set: {e} Drop eager_sharding=True "
+            "(the task places its variables itself) or construct it inside jax.set_mesh(mesh)."
+        ) from e
+
+
 def _construct_traced(cls: type, node: nnx.Module, args: Any, kwargs: Any) -> None:
-    with nnx.use_eager_sharding(False):
-        node.__init__(*args, **kwargs)
+    _init_unsharded(node, args, kwargs)
     object.__setattr__(node, _INSTANCE_KEY, next(_KEYS))
     place_variables(node, resolve(node, cls.task_spec))
 
@@ -160,8 +174,10 @@ def _construct_eager(cls: type, node: nnx.Module, args: Any, kwargs: Any) -> Non
     before = jax.tree_util.tree_map(lambda x: x.sharding, state)
     replicated = NamedSharding(resolve(node, cls.task_spec).mesh, PartitionSpec())
     nnx.update(nodes, jax.tree_util.tree_map(lambda x: jax.device_put(x, replicated), state))
-    born = nnx.jit(build)(nodes)
-    nnx.update(nodes, jax.device_put(nnx.state(nodes), before))
+    try:
+        born = nnx.jit(build)(nodes)
+    finally:
+        nnx.update(nodes, jax.device_put(nnx.state(nodes), before))
     for name, value in vars(born).items():  # ``born`` is fresh: its parts become ``node``'s
         object.__setattr__(node, name, value)
 
@@ -169,8 +185,7 @@ def _construct_eager(cls: type, node: nnx.Module, args: Any, kwargs: Any) -> Non
 def construct(cls: type, node: nnx.Module, *args: Any, **kwargs: Any) -> None:
     """``Task[Block]``'s construction hook (NNX's ``_pytree_meta_construct``)."""
     if _config.get_flag("ignore_transforms"):
-        with nnx.use_eager_sharding(False):
-            node.__init__(*args, **kwargs)
+        _init_unsharded(node, args, kwargs)
         return
     if is_tracing():
         _construct_traced(cls, node, args, kwargs)

@@ -149,3 +149,14 @@ def test_logical_name_without_a_rule_is_a_typed_error_and_changes_nothing():
 def test_logical_axes_without_a_mesh_is_a_typed_error():
     with pytest.raises(errors.InvalidTaskError, match="logical_axes"):
         mm.task(Block, logical_axes=RULES)
+
+
+def test_variable_asking_for_eager_sharding_without_a_mesh_is_a_typed_error():
+    class Eager(nnx.Module):
+        def __init__(self, rngs):
+            init = nnx.with_partitioning(nnx.initializers.ones, ("x",), eager_sharding=True)
+            self.w = nnx.Param(init(rngs.params(), (4,)))
+
+    rngs = nnx.Rngs(0)
+    with pytest.raises(errors.UnplacedVariableError, match="eager_sharding=True"):
+        mm.task(Eager, mesh=mm.TaskMesh(devices=[0, 1], axis_names=("x",)))(rngs)
