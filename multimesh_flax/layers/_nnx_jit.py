@@ -59,7 +59,7 @@ class _Static:
     statics: tuple[tuple[int, Hashable], ...]
 
 
-def _pin(state: Any) -> Any:
+def pin(state: Any) -> Any:
     """Constrains (in place) every variable of ``state`` that has a ``task_sharding`` to it."""
     variables = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     for variable in variables:
@@ -107,7 +107,7 @@ class GraphJit:
         return _Static(treedef, positions, graphdef, statics), state, (nodes, others)
 
     def _pure(self, static: _Static, state: Any, others: list[Any]) -> tuple[Any, Any]:
-        nodes = nnx.merge(static.graphdef, _pin(state))
+        nodes = nnx.merge(static.graphdef, pin(state))
         _check_optimizers(nodes)
         leaves, it_nodes, it_others = [], iter(nodes), iter(others)
         for i in range(len(static.node_positions) + len(others)):
@@ -124,7 +124,7 @@ class GraphJit:
                 "`multimesh_flax.jit` returns arrays only. The graph objects passed in are "
                 "updated in place: return arrays (a loss, metrics) and read the model itself."
             )
-        return out, _pin(nnx.state(nodes))
+        return out, pin(nnx.state(nodes))
 
     # --- calling ---
 

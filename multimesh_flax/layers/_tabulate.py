@@ -103,6 +103,10 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
         >>> [(p.path, p.mesh_spec, p.device_ids, p.bytes_per_device) for p in placement.params]
         [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
     """
+    if _is_nnx(model):  # an NNX model takes no rngs: ``rngs`` is its first input
+        from multimesh_flax.layers import _nnx_tabulate
+
+        return _nnx_tabulate.get_placement(model, rngs, *args, **kwargs)
     boxed, owners, registered = _placement.trace_variables(model.init, rngs, *args, **kwargs)
     boxed_params = boxed.get("params", {})
     problems: dict[tuple[str, ...], str] = {}
@@ -193,6 +197,14 @@ def _render(placement: Placement) -> str:
     return out.getvalue()
 
 
+def _is_nnx(model: Any) -> bool:
+    """An NNX module instance or class (``tabulate`` takes the NNX form for both)."""
+    from flax import nnx
+
+    cls = model if isinstance(model, type) else type(model)
+    return issubclass(cls, nnx.Module)
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, type):
         return f"the class {value.__name__}"
@@ -225,6 +237,10 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         >>> "Task[Dense] Summary" in text and "Parameter placement" in text
         True
     """
+    if _is_nnx(model):  # ``tabulate(nnx_model, *inputs)``: ``rngs`` is the first input
+        from multimesh_flax.layers import _nnx_tabulate
+
+        return _nnx_tabulate.tabulate(model, rngs, *args, **kwargs)
     if not isinstance(model, nn.Module):
         raise errors.TaskTypeError(
             f"Expected `model` to be a Flax module instance such as `MLP(features=16)`, got "
