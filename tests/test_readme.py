@@ -101,12 +101,34 @@ def _name_based(r: Ran) -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def _nnx_step(r: Ran) -> None:
+    # print(...sharding.spec)  # P(None, 'model') on devices 4-7
+    ns = r.namespace
+    model, optimizer = ns["model"], ns["optimizer"]
+    kernel = model.blocks[1].up.kernel.get_value()
+    assert kernel.sharding.spec == P(None, "model") and _devices(kernel) == {4, 5, 6, 7}
+    assert _devices(model.blocks[0].up.kernel.get_value()) == {0, 1, 2, 3}
+    mu = optimizer.opt_state[0].mu["blocks"][1]["up"]["kernel"].get_value()
+    assert _devices(mu) == {4, 5, 6, 7}
+    assert r.stdout.splitlines()[-1] == "P(None, 'model')"
+    with mm.ignore_transforms():  # the same three steps, plain NNX on one device
+        plain = ns["Model"](16, rngs=ns["nnx"].Rngs(0))
+        plain_optimizer = ns["nnx"].Optimizer(plain, ns["optax"].adam(1e-2), wrt=ns["nnx"].Param)
+        for _ in range(3):
+            loss = ns["train_step"](plain, plain_optimizer, jnp.ones((8, 16)), jnp.zeros((8, 16)))
+    np.testing.assert_allclose(float(ns["nnx_loss"]), float(loss), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(kernel), np.asarray(plain.blocks[1].up.kernel.get_value()), rtol=1e-5, atol=1e-6
+    )
+
+
 # A snippet that identifies the block -> the check of what that block promises.
 PROMISES = {
     "mm.task(lambda x: x * 2": _first_program,
     "l2 = mm.task(layer2": _logical_sharding,
     "class Pipeline(nn.Module)": _flax_step,
     "multi.register_task(": _name_based,
+    "def train_step(model, optimizer, x, y)": _nnx_step,
 }
 
 
