@@ -109,6 +109,7 @@ class GraphJit:
     def _pure(self, static: _Static, state: Any, others: list[Any]) -> tuple[Any, Any]:
         nodes = nnx.merge(static.graphdef, pin(state))
         _check_optimizers(nodes)
+        _nnx_task.enter_registered_tasks(nodes)
         leaves, it_nodes, it_others = [], iter(nodes), iter(others)
         for i in range(len(static.node_positions) + len(others)):
             leaves.append(next(it_nodes) if i in static.node_positions else next(it_others))

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _parallelize
+from multimesh_flax.core import _named_tasks, _parallelize, _registry
 from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement
 from multimesh_flax.layers import _tabulate as _linen_tabulate
 
@@ -47,6 +47,9 @@ def _task_names(model: nnx.Module) -> list[tuple[tuple[Any, ...], str]]:
     found = []
     for path, module in nnx.iter_modules(model):
         spec = _nnx_task.task_spec_of(module)
+        if spec is None and path and _registry.has_registrations():  # register_task by path
+            match = _registry.find_match("/".join(map(str, path)), str(path[-1]))
+            spec = None if match is None else _named_tasks.task_for(match, False)
         if spec is not None:
             where = "/".join(map(str, path)) or type(module).wrapped_module.__name__
             found.append((tuple(path), spec.name or where))  # unnamed: its attribute path
@@ -92,7 +95,9 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _linen_tabula
     abstract, abstract_args = _abstract(state), _abstract(args)
 
     def forward(state: Any, inputs: Any) -> Any:
-        return nnx.merge(graphdef, _nnx_jit.pin(state))(*inputs, **kwargs)
+        merged = nnx.merge(graphdef, _nnx_jit.pin(state))
+        _nnx_task.enter_registered_tasks([merged])
+        return merged(*inputs, **kwargs)
 
     derived = _parallelize.derive_shardings(forward, (abstract, abstract_args), None)
     tasks = _task_names(model)

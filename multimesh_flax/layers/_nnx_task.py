@@ -24,7 +24,7 @@ is exactly ``Block``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _logical, _task
+from multimesh_flax.core import _config, _logical, _named_tasks, _registry, _task
 
 TASK_SHARDING = "task_sharding"  # Variable metadata: where a task-born variable lives
 _INSTANCE_KEY = "_mm_task_key"  # static attribute: one task per instance per trace
@@ -217,16 +217,87 @@ def call_as_task(
         return _call_eager(module, spec, call, (args, kwargs))
     resolved = resolve(module, spec)
     with _task.enter_task(resolved):
-        variables = own_variables(module)
-        originals = [v.get_value() for _, v in variables]
-        place_variables(module, resolved)
-        read = [v.get_value() for _, v in variables]
-        try:
-            return call(*args, **kwargs)
-        finally:
-            for (_, v), original, constrained in zip(variables, originals, read, strict=True):
-                if v.get_value() is constrained:  # not written by the call itself
-                    v.set_value(original)
+        return _call_with_placed_variables(module, resolved, call, args, kwargs)
+
+
+def _call_with_placed_variables(
+    module: nnx.Module, resolved: _task.ResolvedTask, call: Callable[..., Any], args: Any, kw: Any
+) -> Any:
+    """``call`` with the module's variables read through constraints on the task's submesh
+    (their values are restored afterwards unless the call wrote them)."""
+    variables = own_variables(module)
+    originals = [v.get_value() for _, v in variables]
+    place_variables(module, resolved)
+    read = [v.get_value() for _, v in variables]
+    try:
+        return call(*args, **kw)
+    finally:
+        for (_, v), original, constrained in zip(variables, originals, read, strict=True):
+            if v.get_value() is constrained:  # not written by the call itself
+                v.set_value(original)
+
+
+# --- name-based tasks (register_task) ------------------------------------------------------
+
+
+def _call_as_registered(module: nnx.Module, call: Callable[..., Any], args: Any, kw: Any) -> Any:
+    """Runs a call of a module matched by ``register_task`` as the matched task."""
+    session = _task.current_session()
+    if _config.get_flag("ignore_transforms") or session is None:
+        return call(*args, **kw)
+    state = _named_tasks._state(session)
+    resolved = state.resolve(type(module).registered_match, False)
+    if _task.current_task() is resolved:
+        return call(*args, **kw)
+    with _task.enter_task(resolved):
+        return _call_with_placed_variables(module, resolved, call, args, kw)
+
+
+_REGISTERED_CLASSES: dict[tuple[type, str, Any], type] = {}
+
+
+def _registered_class(block: type, path: str, match: Any) -> type:
+    """A subclass of ``block`` whose calls run as the registered task ``match``."""
+    key = (block, path, match.registration)
+    if key not in _REGISTERED_CLASSES:
+
+        def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
+            return _call_as_registered(self, super(cls, self).__call__, args, kwargs)
+
+        namespace = {
+            "__call__": __call__,
+            "__module__": block.__module__,
+            "registered_match": match,
+            "registered_path": path,
+        }
+        cls = type(block)(block.__name__, (block,), namespace)
+        cls.__qualname__ = block.__qualname__
+        _REGISTERED_CLASSES[key] = cls
+    return _REGISTERED_CLASSES[key]
+
+
+def enter_registered_tasks(nodes: Sequence[Any]) -> None:
+    """Makes the NNX modules among ``nodes`` that a ``register_task`` matcher matches by
+    attribute path (``blocks/0/attn``, or the last attribute, ``attn``) run as their tasks.
+
+    ``nodes`` are graph objects merged inside a trace (``jit`` merges fresh copies), so
+    their classes are swapped for a subclass that enters the task: NNX's own transforms
+    inside the trace (``nnx.value_and_grad``) copy the swapped classes along.
+    """
+    session = _task.current_session()
+    if session is None or not _registry.has_registrations():
+        return
+    state = _named_tasks._state(session)
+    for node in nodes:
+        if not isinstance(node, nnx.Module):
+            continue
+        for path, module in nnx.iter_modules(node):
+            if not path or task_spec_of(module) is not None:
+                continue
+            name = "/".join(map(str, path))
+            match = state.match(name, str(path[-1]))
+            if match is not None and not hasattr(type(module), "registered_match"):
+                module.__class__ = _registered_class(type(module), name, match)
 
 
 # --- the Task[Block] class --------------------------------------------------------------

@@ -116,3 +116,34 @@ def test_optimizer_of_another_model_is_a_typed_error_and_changes_nothing():
     with pytest.raises(errors.GraphArgumentError, match="nnx.Optimizer"):
         mm.jit(train_step)(model, optimizer, batch())
     np.testing.assert_array_equal(model.blocks[0].up.kernel.get_value(), before)
+
+
+def test_register_task_places_nnx_submodules_by_attribute_path():
+    from tests.layers._nnx_models import RULES
+
+    multi = multi_mesh()
+    multi.register_task(
+        r"blocks/([0-9])",
+        callback=lambda name, backprop: mm.Task(
+            name=f"block{name}", mesh_slice={"stage": int(name)}, logical_axes=RULES
+        ),
+    )
+    model = plain_net()  # an unmodified NNX model
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    data = batch()
+    with multi:
+        jitted = mm.jit(train_step)
+        losses = [float(jitted(model, optimizer, data)) for _ in range(STEPS)]
+        text = jitted.describe(model, optimizer, data)
+        placement = mm.layers.get_placement(model, data[0])
+    ref_model, ref_losses = _reference(train_step, data)
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    assert_states_close(model, ref_model)
+    assert "block0.fwd" in text and "block1.bwd" in text
+    kernel = model.blocks[1].up.kernel.get_value()
+    assert device_ids(kernel) == [4, 5, 6, 7]
+    assert kernel.sharding.spec == jax.sharding.PartitionSpec(None, "model")
+    assert type(model.blocks[1]).__name__ == "Block", "the caller's model keeps its classes"
+    rows = {p.path: p for p in placement.params}
+    assert rows["blocks/1/up/kernel"].task == "block1"
+    assert rows["blocks/1/up/kernel"].device_ids == (4, 5, 6, 7)
