@@ -11,6 +11,8 @@ Sections (one module each, each writing ``<out>/<section>.json``):
   temporary memory per fragment, live activations per submesh, per schedule;
 * ``B5`` (``b5_transfers``) -- bytes moved between submeshes per step vs the analytic count;
 * ``B6`` (``b6_schedules``) -- simulated vs recorded pipeline bubble per schedule;
+* ``B7`` (``b7_spmd_peer``) -- step time, cold first step and peak bytes per device against
+  the SPMD pipeline a JAX user would write instead (``shard_map`` + ``ppermute``);
 * ``GPU`` (``gpu``) -- tokens/s and model FLOPs utilisation of gpt-small on a GPU (skipped
   without one).
 
@@ -39,6 +41,7 @@ SECTIONS = {
     "B4": "b4_memory",
     "B5": "b5_transfers",
     "B6": "b6_schedules",
+    "B7": "b7_spmd_peer",
 }
 
 

@@ -154,7 +154,7 @@ def init_state(workload: _common.Workload, stages: int) -> tuple[Any, Any]:
     """``GPT(config).init`` with key 0 (what ``build_jit`` starts from), stacked, and its
     optimizer state."""
     model = GPT(workload.config())
-    inputs = workload.batch_data()["inputs"]
+    inputs = jnp.zeros((workload.batch, workload.length), jnp.int32)  # values unused
     params = stack_params(nn.unbox(model.init(jax.random.key(0), inputs))["params"], stages)
     return params, workload.make_optimizer().init(params)
 
@@ -166,9 +166,9 @@ def peer_name(workload: _common.Workload, stages: int, m: int) -> str:
 def build_peer(workload: _common.Workload, stages: int, m: int) -> _common.Runner:
     """The compiled-on-first-call peer step on the 8 devices, its state and batch placed."""
     mesh = make_mesh(stages)
-    state = init_state(workload, stages)
-    state_sh = state_shardings(*state, mesh)
-    state = jax.device_put(state, state_sh)
+    init = functools.partial(init_state, workload, stages)
+    state_sh = state_shardings(*jax.eval_shape(init), mesh)
+    state = jax.jit(init, out_shardings=state_sh)()  # one program, born sharded
     batch_sh = NamedSharding(mesh, P(("stage", "data")))
     batch = jax.device_put(workload.batch_data(), batch_sh)
     step = jax.jit(

@@ -73,7 +73,8 @@ def _sharding_bytes(x: Any) -> dict[int, int]:
 
 def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
     """Runs the program op by op like the runtime; returns per-fragment temp memory and the
-    peak live bytes per device (inputs, intermediates, frees as the runtime does them)."""
+    peak live bytes per device (inputs, intermediates, frees as the runtime does them), also
+    with each fragment's XLA temp memory added on its devices while it runs."""
     env: list[Any] = [None] * len(exe._slots)
     for slot, value in exe._consts.items():
         env[slot] = value
@@ -90,16 +91,16 @@ def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
             add(x, 1)
     start = dict(live)
     peak = dict(live)
+    peak_with_temp = dict(live)
     temps: dict[str, int] = {}
-    seen: set[Any] = set()
+    temp_of: dict[Any, int] = {}
     for op in exe.ops:
         values = [env[s] for s in op.ins]
         if op.kind == 0:
             key = (id(op.fn), tuple(v.sharding for v in values))
-            if key not in seen:
-                seen.add(key)
+            if key not in temp_of:
                 stats = op.fn.lower(*values).compile().memory_analysis()
-                temps[op.name] = int(stats.temp_size_in_bytes)
+                temp_of[key] = temps[op.name] = int(stats.temp_size_in_bytes)
             results = op.fn(*values)
         else:
             results = jax.device_put(values, op.shardings)
@@ -110,6 +111,9 @@ def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
             add(r, 1)
         for d, n in live.items():
             peak[d] = max(peak.get(d, 0), n)
+        if op.kind == 0:  # the fragment's scratch, on its devices, while its operands live
+            for d in {d.id for r in results for d in r.sharding.device_set}:
+                peak_with_temp[d] = max(peak_with_temp.get(d, 0), live[d] + temp_of[key])
         for s in op.frees:
             if env[s] is not None:
                 add(env[s], -1)
@@ -121,6 +125,7 @@ def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
         "sum_fragment_temp_bytes": sum(temps.values()),
         "peak_live_bytes_per_device": {str(k): v for k, v in sorted(peak.items())},
         "peak_above_inputs_per_device": {str(k): peak[k] - start.get(k, 0) for k in sorted(peak)},
+        "peak_with_temp_per_device": {str(k): v for k, v in sorted(peak_with_temp.items())},
         "outputs": [env[s] for s in exe.output_slots],
     }
 

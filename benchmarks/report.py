@@ -219,6 +219,34 @@ def _b6(data: dict[str, Any]) -> list[dict]:
     return [_row("B6", "bubble: simulated (unit costs / measured costs) / recorded", text)]
 
 
+def _b7(data: dict[str, Any]) -> list[dict]:
+    names = {"gpipe": "GPipe", "1f1b": "1F1B"}
+    schedules = data["configs"][0]["schedules"]
+    label = " / ".join(names[s] for s in schedules)
+
+    def by_config(key: str, cold: bool = False) -> str:
+        parts = []
+        for c in data["configs"]:
+            source = c["cold"] if cold else c
+            text = " / ".join(f"{source[f'{s}_{key}']:.2f}" for s in schedules)
+            parts.append(f"S={c['stages']} m={c['microbatches']}: {text}")
+        return "; ".join(parts)
+
+    rows = [
+        _row("B7", f"step / SPMD peer's step ({label})", by_config("ratio")),
+        _row("B7", f"peak bytes per device / SPMD peer's ({label})", by_config("peak_ratio")),
+    ]
+    if all("cold" in c for c in data["configs"]):
+        rows.append(
+            _row(
+                "B7",
+                f"cold build + first step / SPMD peer's ({label}, wall)",
+                by_config("ratio", cold=True),
+            )
+        )
+    return rows
+
+
 def _b0(data: dict[str, Any]) -> list[dict]:
     return [
         _row(
@@ -231,7 +259,16 @@ def _b0(data: dict[str, Any]) -> list[dict]:
 
 def summary_rows(results: dict[str, dict[str, Any]]) -> list[dict]:
     """One row per target (and the headline numbers without one)."""
-    makers = {"B0": _b0, "B1": _b1, "B2": _b2, "B3": _b3, "B4": _b4, "B5": _b5, "B6": _b6}
+    makers = {
+        "B0": _b0,
+        "B1": _b1,
+        "B2": _b2,
+        "B3": _b3,
+        "B4": _b4,
+        "B5": _b5,
+        "B6": _b6,
+        "B7": _b7,
+    }
     rows = []
     for name, data in results.items():
         if name in makers and "rows" in data:

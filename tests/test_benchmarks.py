@@ -22,6 +22,7 @@ SECTION_FILES = {
     "b4_memory": ["configs"],
     "b5_transfers": ["configs"],
     "b6_schedules": ["schedules"],
+    "b7_spmd_peer": ["configs"],
 }
 
 

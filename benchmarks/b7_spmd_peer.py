@@ -1,0 +1,232 @@
+"""B7 the SPMD pipeline peer: ``parallelize_step`` against the pipeline a JAX user writes.
+
+The peer (`benchmarks._spmd_pipeline`) is one ``jax.jit`` step of the same gpt-tiny (4
+blocks, batch 32 x 64, AdamW) on the same 8 devices: blocks stacked on a ``stage`` mesh axis,
+``shard_map`` + ``lax.ppermute`` rotating activations in GPipe order, stem and head
+data-parallel on all 8 devices. For S in {2, 4} and m in {4, 8} (``--quick``: S=2, m=4,
+1F1B only -- B1's compiled program -- and no cold measurement, which costs a fresh process
+per program; the quick suite stays within a minute of extra time):
+
+* **Step time**: ours (``_common.build_mpmd``, GPipe and 1F1B) and the peer timed round by
+  round (``_common.interleaved``); ratios of medians, ours / peer.
+* **Cold first step**: building the step and its first call, each program in its own fresh
+  process with JAX's persistent compilation cache off, so nothing is warmed by anything;
+  wall and CPU seconds, ours / peer.
+* **Peak bytes per device**, state included. Ours: the program walked op by op as the
+  runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
+  fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account
+  of its one program, arguments + outputs - donated aliases + temp. Max over devices,
+  ours / peer.
+
+No targets: the section says where the two approaches stand on this host.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from benchmarks import _common
+from benchmarks import _spmd_pipeline as spmd
+
+SECTION = "B7"
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ("gpipe", "1f1b")
+COLD_REPETITIONS = 1  # 3 fresh processes per configuration; the host has 2 cores
+
+
+def grid(quick: bool) -> list[tuple[int, int]]:
+    """``(stages, microbatches)`` measured."""
+    return [(2, 4)] if quick else [(2, 4), (2, 8), (4, 4), (4, 8)]
+
+
+def step_times(ours: dict[str, Any], peer: Any, rounds: int) -> dict[str, Any]:
+    """Median step times (ms) of our schedules and the peer, timed round by round."""
+    runners = [*ours.values(), peer]
+    with _common.count_compiles() as compiles:
+        times = _common.interleaved([r.step for r in runners], rounds)
+    medians = [1e3 * _common.median(t) for t in times]
+    out: dict[str, Any] = {"peer_median_ms": medians[-1], "compiles_timed_steps": compiles["count"]}
+    for schedule, ms in zip(ours, medians[:-1], strict=True):
+        out[f"{schedule}_median_ms"] = ms
+        out[f"{schedule}_ratio"] = ms / medians[-1]
+    return out
+
+
+def peer_peak_bytes(peer: spmd.PeerRunner) -> dict[str, int]:
+    """XLA's memory account of the peer's program (per device: it is one SPMD program)."""
+    stats = peer.jitted.lower(peer.state, peer.batch).compile().memory_analysis()
+    arguments, outputs = stats.argument_size_in_bytes, stats.output_size_in_bytes
+    aliased, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
+    return {
+        "arguments": arguments,
+        "outputs": outputs,
+        "aliased": aliased,
+        "temp": temp,
+        "peak": arguments + outputs - aliased + temp,
+    }
+
+
+def ours_peak_bytes(runner: _common.MpmdRunner) -> dict[str, Any]:
+    """B4's op-by-op walk of one step (which it runs, updating the runner's state)."""
+    from benchmarks import b4_memory
+
+    tree = jax.tree_util.tree_structure(runner.state)
+    leaves = [*jax.tree_util.tree_leaves(runner.state), *jax.tree_util.tree_leaves(runner.batch)]
+    walked = b4_memory.walk(runner.executable, leaves)
+    runner.state = jax.tree_util.tree_unflatten(tree, walked.pop("outputs")[1:])
+    per_device = walked["peak_with_temp_per_device"]
+    return {
+        "peak": max(per_device.values()),
+        "peak_per_device": per_device,
+        "peak_without_temp": max(walked["peak_live_bytes_per_device"].values()),
+        "max_fragment_temp": walked["max_fragment_temp_bytes"],
+    }
+
+
+def measure(
+    stages: int, m: int, rounds: int, schedules: tuple[str, ...] = SCHEDULES
+) -> dict[str, Any]:
+    """Step time and peak bytes of ours (each schedule) and the peer at ``(stages, m)``."""
+    from benchmarks import b1_step_time
+
+    built = {s: b1_step_time.kept_or_built(_common.TINY, stages, m, s) for s in schedules}
+    ours = {s: runner for s, (runner, _) in built.items()}
+    peer = spmd.build_peer(_common.TINY, stages, m)
+    _common.warm(peer)
+    result = {
+        "stages": stages,
+        "microbatches": m,
+        "schedules": list(schedules),
+        **step_times(ours, peer, rounds),
+    }
+    result["peer_bytes"] = peer_peak_bytes(peer)
+    for schedule, runner in ours.items():
+        mine = ours_peak_bytes(runner)
+        result[f"{schedule}_bytes"] = mine
+        result[f"{schedule}_peak_ratio"] = mine["peak"] / result["peer_bytes"]["peak"]
+    _common.release(peer, *(r for r, new in built.values() if new))
+    return result
+
+
+# --- cold first step, one fresh process per program -----------------------------------------
+
+
+def child(kind: str, stages: int, m: int) -> dict[str, Any]:
+    """Build + first step of one program (``kind``: a schedule or ``"peer"``), cold."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    wall, cpu = time.perf_counter(), time.process_time()
+    with _common.count_compiles() as compiles:
+        if kind == "peer":
+            runner = spmd.build_peer(_common.TINY, stages, m)
+        else:
+            runner = _common.build_mpmd(_common.TINY, stages, m, kind)
+        runner.step()
+    return {
+        "wall_s": time.perf_counter() - wall,
+        "cpu_s": time.process_time() - cpu,
+        "compiles": compiles["count"],
+        "xla_compile_s": compiles["seconds"],
+    }
+
+
+def _child_process(kind: str, stages: int, m: int) -> dict[str, Any]:
+    code = (
+        "import json; from benchmarks import configure_devices; configure_devices(); "
+        "from benchmarks import b7_spmd_peer as b; "
+        f"print('RESULT' + json.dumps(b.child({kind!r}, {stages}, {m})))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT
+    )
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError(f"B7 cold-start child ({kind}) failed:\n{proc.stderr[-3000:]}")
+    return json.loads(line[len("RESULT") :])
+
+
+def cold(stages: int, m: int, reps: int) -> dict[str, Any]:
+    """Cold build + first step of each program, ``reps`` times each (order rotated)."""
+    kinds = [*SCHEDULES, "peer"]
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
+    for rep in range(reps):
+        for i in range(len(kinds)):
+            kind = kinds[(i + rep) % len(kinds)]
+            runs[kind].append(_child_process(kind, stages, m))
+    out: dict[str, Any] = {"repetitions": runs}
+    for kind in kinds:
+        for key in ("wall_s", "cpu_s"):
+            out[f"{kind}_{key}"] = statistics.median(r[key] for r in runs[kind])
+    for schedule in SCHEDULES:
+        out[f"{schedule}_ratio"] = out[f"{schedule}_wall_s"] / out["peer_wall_s"]
+        out[f"{schedule}_ratio_cpu"] = out[f"{schedule}_cpu_s"] / out["peer_cpu_s"]
+    return out
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+
+NAMES = {"gpipe": "GPipe", "1f1b": "1F1B"}
+
+
+def ratios(data: dict[str, Any], key: str, schedules: list[str]) -> tuple[str, str]:
+    """``("GPipe / 1F1B", "0.93 / 0.88")``: ``data[f"{schedule}_{key}"]`` per schedule."""
+    names = " / ".join(NAMES[s] for s in schedules)
+    return names, " / ".join(f"{data[f'{s}_{key}']:.2f}" for s in schedules)
+
+
+def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
+    label = f"gpt-tiny S={c['stages']} m={c['microbatches']}"
+    names, steps = ratios(c, "ratio", c["schedules"])
+    _, peaks = ratios(c, "peak_ratio", c["schedules"])
+    peer_mib = c["peer_bytes"]["peak"] / 2**20
+    rows = [
+        _common.row(SECTION, f"{label}: SPMD peer step", c["peer_median_ms"], unit="ms"),
+        _common.row(SECTION, f"{label}: step / SPMD peer's ({names})", steps),
+        _common.row(
+            SECTION,
+            f"{label}: peak bytes per device / SPMD peer's ({names}; peer {peer_mib:.1f} MiB)",
+            peaks,
+        ),
+    ]
+    cold_ = c.get("cold")
+    if cold_ is None:
+        return rows
+    reps = len(cold_["repetitions"]["peer"])
+    _, wall = ratios(cold_, "ratio", c["schedules"])
+    _, cpu = ratios(cold_, "ratio_cpu", c["schedules"])
+    return [
+        *rows,
+        _common.row(
+            SECTION,
+            f"{label}: cold build + first step / SPMD peer's ({names}; wall, median of "
+            f"{reps}; peer {cold_['peer_wall_s']:.1f} s)",
+            wall,
+        ),
+        _common.row(SECTION, f"{label}: the same in CPU time", cpu),
+    ]
+
+
+def run(quick: bool) -> dict[str, Any]:
+    rounds, schedules = (5, ("1f1b",)) if quick else (15, SCHEDULES)
+    configs, rows = [], []
+    for stages, m in grid(quick):
+        result = measure(stages, m, rounds, schedules)
+        if not quick:
+            result["cold"] = cold(stages, m, COLD_REPETITIONS)
+        configs.append(result)
+        rows += _rows(result)
+    return {
+        "description": __doc__.splitlines()[0],
+        "workload": _common.TINY.describe(),
+        "rounds": rounds,
+        "configs": configs,
+        "rows": rows,
+    }
