@@ -1,0 +1,274 @@
+"""The Llama style decoder in Flax NNX, variable for variable the Linen `models.Llama`.
+
+Same architecture (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied
+``lm_head``, no biases) and the same variable paths as the Linen parameter tree:
+``stem/embed/embedding``, ``blocks_<i>/{attn_norm,attn,mlp_norm,mlp}/...`` (``attn/query``,
+``key``, ``value``, ``out`` kernels of the same 3-D shapes, ``mlp/gate``, ``up``, ``down``) and
+``head/{final_norm,lm_head}``. So :func:`load_linen_params` puts a Linen checkpoint into the
+NNX model unchanged, and both give the same logits. Every variable carries the Linen model's
+logical names as its ``out_sharding``, and activations are constrained with
+``multimesh_flax.with_sharding_constraint`` (the identity when called eagerly).
+
+With ``stages=S`` the stem, blocks and head are ``Task[...]`` modules on the stages of a
+``("stage", "data", "model")`` MultiMesh exactly as in `models.pipeline`: stem on stage 0,
+block ``i`` on stage ``i * S // L``, head on stage ``S - 1``; constructed inside ``with
+multi_mesh:``, each stage's variables are born on its submesh. Not ported: the KV cache
+(``decode``); use the Linen model for generation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import multimesh_flax as mm
+
+from . import pipeline
+from ._attention import _attend, apply_rotary, causal_mask
+from ._layers import (
+    BATCH,
+    EMBED,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    INIT_STD,
+    KV_HEADS,
+    LENGTH,
+    MLP,
+    VOCAB,
+    default_positions,
+    residual_std,
+)
+from .configs import ModelConfig
+
+__all__ = ["LlamaNNX", "NNX_LOGICAL_RULES", "load_linen_params"]
+
+NNX_LOGICAL_RULES = (*pipeline.LOGICAL_RULES, (EMBED, None), (HEAD_DIM, None), (LENGTH, None))
+"""`models.pipeline.LOGICAL_RULES` plus the names that stay replicated (a ``Task[Block]``
+wants a rule for every logical name its variables use)."""
+
+
+def _constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    return mm.with_sharding_constraint(x, P(*names))
+
+
+def _normal(std: float, names: tuple[str, ...]) -> Any:
+    return nnx.with_partitioning(nnx.initializers.normal(std), names)
+
+
+class _Projection(nnx.Module):
+    """``einsum(equation, x, kernel)`` with a 3-D ``kernel`` (Linen's ``_Projection``)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        shape: tuple[int, ...],
+        names: tuple[str, ...],
+        equation: str,
+        std: float,
+        *,
+        rngs: nnx.Rngs,
+    ) -> None:
+        self.kernel = nnx.Param(_normal(std, names)(rngs.params(), shape, cfg.param_dtype))
+        self.equation, self.dtype = equation, cfg.dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel.get_value().astype(self.dtype)
+        return jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+
+
+def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        cfg.embed_dim,
+        epsilon=cfg.norm_eps,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (EMBED,)),
+        rngs=rngs,
+    )
+
+
+def _linear(
+    cfg: ModelConfig, d_in: int, d_out: int, names: tuple[str, str], std: float, rngs: nnx.Rngs
+) -> nnx.Linear:
+    return nnx.Linear(
+        d_in,
+        d_out,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=_normal(std, names),
+        rngs=rngs,
+    )
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention with rotary positions, no biases."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        assert cfg.num_kv_heads is not None and cfg.head_dim is not None
+        e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        project = "bte,ehd->bthd"
+        self.query = _Projection(
+            cfg, (e, h, d), (EMBED, HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+        )
+        self.key = _Projection(
+            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+        )
+        self.value = _Projection(
+            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+        )
+        self.out = _Projection(
+            cfg, (h, d, e), (HEADS, HEAD_DIM, EMBED), "bthd,hde->bte", residual_std(cfg), rngs=rngs
+        )
+        self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+        self.rope_theta = cfg.rope_theta
+
+    def __call__(self, x: jax.Array, positions: jax.Array, *, deterministic: bool) -> jax.Array:
+        q = _constrain(self.query(x), (BATCH, LENGTH, HEADS, HEAD_DIM))
+        k = _constrain(self.key(x), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        v = _constrain(self.value(x), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
+        q = apply_rotary(q, positions, self.rope_theta)
+        k = apply_rotary(k, positions, self.rope_theta)
+        mask = causal_mask(q.shape[1], k.shape[1])
+
+        def dropout(p: jax.Array) -> jax.Array:
+            return self.dropout(p, deterministic=deterministic)
+
+        out = _constrain(_attend(q, k, v, mask, dropout), (BATCH, LENGTH, HEADS, HEAD_DIM))
+        return _constrain(self.out(out), HIDDEN)
+
+
+class SwiGLU(nnx.Module):
+    """``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        e, m = cfg.embed_dim, cfg.mlp_dim
+        self.gate = _linear(cfg, e, m, (EMBED, MLP), INIT_STD, rngs)
+        self.up = _linear(cfg, e, m, (EMBED, MLP), INIT_STD, rngs)
+        self.down = _linear(cfg, m, e, (MLP, EMBED), residual_std(cfg), rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = _constrain(jax.nn.silu(self.gate(x)) * self.up(x), (BATCH, LENGTH, MLP))
+        return _constrain(self.down(h), HIDDEN)
+
+
+class LlamaEmbedNNX(nnx.Module):
+    """The token table ``embed/embedding``: the first stage."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.embed_dim,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            embedding_init=_normal(INIT_STD, (VOCAB, EMBED)),
+            rngs=rngs,
+        )
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return _constrain(self.embed(tokens), HIDDEN)
+
+
+class LlamaBlockNNX(nnx.Module):
+    """Pre-norm block: ``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        self.attn_norm = _rms_norm(cfg, rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = _rms_norm(cfg, rngs)
+        self.mlp = SwiGLU(cfg, rngs=rngs)
+        self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, *, deterministic: bool) -> jax.Array:
+        h = self.attn(self.attn_norm(x), positions, deterministic=deterministic)
+        x = x + self.dropout(h, deterministic=deterministic)
+        h = self.mlp(self.mlp_norm(x))
+        return _constrain(x + self.dropout(h, deterministic=deterministic), HIDDEN)
+
+
+class LlamaHeadNNX(nnx.Module):
+    """``final_norm`` then the untied ``lm_head``: the last stage."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
+        self.final_norm = _rms_norm(cfg, rngs)
+        self.lm_head = _linear(cfg, cfg.embed_dim, cfg.vocab_size, (EMBED, VOCAB), INIT_STD, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _constrain(self.lm_head(self.final_norm(x)), (BATCH, LENGTH, VOCAB))
+
+
+def _on_stage(cls: type, stage: int, stages: int | None) -> type:
+    if stages is None:
+        return cls
+    return mm.task(cls, mesh_slice={"stage": stage}, logical_axes=NNX_LOGICAL_RULES)
+
+
+class LlamaNNX(nnx.Module):
+    """Llama style decoder in NNX: ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``.
+
+    Args:
+        config: Model hyperparameters (``models.get_config("llama-tiny")``, ...).
+        stages: ``None`` (plain modules) or a pipeline stage count dividing
+            ``config.num_layers``; then construct it inside ``with multi_mesh:`` (a
+            ``("stage", "data", "model")`` MultiMesh, `models.pipeline.make_multimesh`).
+        rngs: NNX random streams (``params``; ``dropout`` for training with dropout).
+
+    Example:
+        >>> from flax import nnx
+        >>> from models import get_config
+        >>> from models.llama_nnx import LlamaNNX
+        >>> with nnx.use_eager_sharding(False):
+        ...     model = LlamaNNX(get_config("llama-tiny"), rngs=nnx.Rngs(0))
+        >>> model(jnp.zeros((2, 8), jnp.int32)).shape
+        (2, 8, 264)
+        >>> model.blocks_1.attn.key.kernel.get_value().shape  # as in the Linen tree
+        (64, 2, 16)
+    """
+
+    def __init__(self, config: ModelConfig, *, stages: int | None = None, rngs: nnx.Rngs) -> None:
+        if stages is not None:
+            pipeline.check_stages(config.num_layers, stages)
+        last = 0 if stages is None else stages - 1
+        self.num_layers = config.num_layers
+        self.stem = _on_stage(LlamaEmbedNNX, 0, stages)(config, rngs=rngs)
+        for i in range(config.num_layers):
+            stage = 0 if stages is None else pipeline.stage_of_block(i, config.num_layers, stages)
+            setattr(self, f"blocks_{i}", _on_stage(LlamaBlockNNX, stage, stages)(config, rngs=rngs))
+        self.head = _on_stage(LlamaHeadNNX, last, stages)(config, rngs=rngs)
+
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array | None = None, *, deterministic: bool = True
+    ) -> jax.Array:
+        """Next-token logits ``(batch, length, vocab)`` for integer ``tokens``."""
+        positions = default_positions(tokens.shape, positions)
+        x = self.stem(tokens)
+        for i in range(self.num_layers):
+            x = getattr(self, f"blocks_{i}")(x, positions, deterministic=deterministic)
+        return self.head(x)
+
+
+def load_linen_params(model: LlamaNNX, params: Any) -> None:
+    """Writes the Linen `models.Llama` parameters ``params`` into ``model`` in place.
+
+    ``params`` is the Linen tree (``init(...)["params"]``, boxed or not, or a restored
+    checkpoint); every leaf goes to the NNX variable of the same path, keeping the
+    variable's placement (a task's submesh) when it has one.
+
+    Raises:
+        ValueError: the trees differ (another architecture or config).
+    """
+    params = jax.tree_util.tree_map(
+        lambda x: x.unbox() if hasattr(x, "unbox") else x,
+        params,
+        is_leaf=lambda x: hasattr(x, "unbox"),
+    )
+    state = nnx.state(model, nnx.Param)
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, state.to_pure_dict())
+    placed = jax.tree_util.tree_map(jax.device_put, params, shardings)
+    state.replace_by_pure_dict(placed)
+    nnx.update(model, state)
