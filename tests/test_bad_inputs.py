@@ -858,6 +858,31 @@ CATALOGUE: list[Mistake] = [
       lambda env: env.step(checkpoint.restore_checkpoint(env.state_ckpt), env.x),
       E.ParallelizeArgumentError, ("got a dict", "without `target=`", "restore(target=state)"),
       "restore with `target=state`", after=lambda env: env.check_step()),
+    # Legitimate but usually a mistake: a PlacementWarning, raised as StrictModeError here.
+    M("register-no-match", "registration", "a `register_task` pattern matching no name "
+      "(`'layer([0-9])'` for scope `layer_0`), strict", lambda env: _strict(lambda: _in(
+          _context_with("layer([0-9])", task=mm.Task(mesh=TM(devices=[1]))),
+          lambda: mm.jit(_scoped_layer)(env.x))),
+      E.StrictModeError, ("'layer([0-9])'", "matched no name", "Closest names: ['layer_0']",
+                          "fix the pattern"),
+      "fix the pattern (without strict mode: a `PlacementWarning`)"),
+    M("register-inactive", "registration", "tasks registered on a MultiMesh traced outside "
+      "`with multi:`, strict", lambda env: _strict(lambda: _outside(env)),
+      E.StrictModeError, ("MultiMesh(stage=2, data=4)", "'layer_([0-9])'", "'layer_0'",
+                          "not active", "with multi_mesh:"),
+      "trace inside `with multi_mesh:` (without strict mode: a `PlacementWarning`)"),
+    M("logical-name-no-rule", "logical rules", "`P('btach', None)` with a rule for `batch` "
+      "only, strict", lambda env: _strict(lambda: mm.jit(mm.task(
+          lambda x: mm.with_sharding_constraint(x, P("btach", None)), name="body",
+          mesh=TM(devices=[0, 1], axis_names=("x",)), logical_axes=[("batch", "x")]))(env.x)),
+      E.StrictModeError, ("'btach' has no rule", "'body'", "Closest rule names: ['batch']",
+                          "('btach', None)"),
+      "fix the name or add a rule (without strict mode: a `PlacementWarning`)"),
+    M("task-under-jax-jit", "tasks", "a task traced by `jax.jit` instead of `mm.jit`, strict",
+      lambda env: _strict(lambda: jax.jit(mm.task(_double, name="dbl", mesh=TM(devices=[1])))(
+          env.x)),
+      E.StrictModeError, ("'dbl'", "not placed", "`multimesh_flax.jit`"),
+      "compile with `multimesh_flax.jit` (without strict mode: a `PlacementWarning`)"),
     M("nnx-task-instance", "Flax NNX", "`mm.task(nnx.Linear(2, 2, rngs=rngs), ...)` (an "
       "instance)",
       lambda env: mm.task(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), mesh=TM(devices=[0])),
@@ -903,6 +928,23 @@ def _nnx_step(model, optimizer, x):
     loss, grads = nnx.value_and_grad(lambda m: (m(x) ** 2).mean())(model)
     optimizer.update(model, grads)
     return loss
+
+
+def _strict(fun):
+    with mm.context(strict=True):
+        return fun()
+
+
+def _scoped_layer(x):
+    with jax.named_scope("layer_0"):
+        return x * 2
+
+
+def _outside(env):
+    multi = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
+    multi.register_task("layer_([0-9])", callback=lambda name, backprop: mm.Task(
+        mesh_slice={"stage": int(name)}))
+    return mm.jit(_scoped_layer)(env.x)  # not inside `with multi:`
 
 
 def _step_twice(env):

@@ -38,7 +38,7 @@ from jax._src import source_info_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _registry, _task
+from multimesh_flax.core import _config, _mesh, _registry, _task, _warnings
 
 Label = tuple[int, str] | None
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
@@ -306,6 +306,7 @@ def label_equations(
     Raises:
         TaskInControlFlowError: a registered scope starts inside a loop or conditional.
     """
+    warn_inactive(stacks)
     if not _registry.has_registrations() and session not in _STATES:
         return list(labels)
     state = _state(session)
@@ -317,7 +318,65 @@ def label_equations(
                 _check_control_flow(eqn, mine, state)
             keep = mine is None or (label is not None and tuple(label[:2]) == mine)
             out.append(label if keep else mine)
+    warn_unmatched(state, stacks)
     return out
+
+
+def warn_inactive(stacks: Sequence[str]) -> None:
+    """Warns when a registry (a ``MultiMesh`` or ``Context``) that is *not* active holds a
+    matcher matching a name of the traced program that no active registration matches:
+    probably a missing ``with multi:``."""
+    inactive = _registry.inactive_contexts()
+    if not inactive:
+        return
+    names = {name for stack in set(stacks) for name, _ in _components(stack)}
+    names = {n for n in names if _registry.find_match(n) is None}  # not claimed by active ones
+    for ctx in inactive:
+        for registration in ctx.registrations:
+            hit = next((n for n in sorted(names) if registration.matched_name(n)), None)
+            if hit is not None:
+                _warnings.warn_placement(
+                    ("inactive", id(ctx), id(registration)),
+                    f"{ctx!r} has a task registered for {registration.pattern.pattern!r}, "
+                    f"which matches {hit!r} in the traced program, but it is not active, so "
+                    "that registration was ignored (everything it would place runs elsewhere, "
+                    "often on all devices). Trace inside `with multi_mesh:` (or `with "
+                    "context:`), e.g. around the `jit`/`parallelize_step` call.",
+                )
+                break
+
+
+_OURS = re.compile(r"mmtask\d+_|mmmb\d+_")
+
+
+def warn_unmatched(state: _SessionState, stacks: Sequence[str]) -> None:
+    """Warns for each active registration whose matcher matched no name in the trace.
+
+    The names seen are every named-scope component of every equation and every Flax module
+    path and name met while tracing. A matcher for ``"default"`` is exempt (it names glue).
+    """
+    scopes = {name for stack in set(stacks) for name, _ in _components(stack)}
+    modules = {n for names in state.matches for n in names}
+    seen = sorted(n for n in scopes | modules if not _OURS.match(n))
+    for ctx in _registry.active_contexts():
+        for registration in ctx.registrations:
+            if registration.matched_name("default") is not None:
+                continue
+            if not any(registration.matched_name(n) is not None for n in seen):
+                _warn_unmatched(registration, seen)
+
+
+def _warn_unmatched(registration: _registry.Registration, seen: list[str]) -> None:
+    pattern = registration.pattern.pattern
+    shown = seen if len(seen) <= 20 else [*seen[:20], f"... ({len(seen)} in all)"]
+    _warnings.warn_placement(
+        ("unmatched", id(registration)),
+        f"register_task matcher {pattern!r} matched no name in the traced program, so "
+        "nothing was placed by it (it runs wherever other tasks or glue put it, often on "
+        f"all devices). Closest names: {_warnings.closest(pattern, seen)}; names seen "
+        f"(named scopes and Flax module paths): {shown}. Matchers must match a whole name "
+        "(re.fullmatch): fix the pattern, e.g. 'layer_([0-9]+)' for 'layer_0'.",
+    )
 
 
 def _retarget(eqn: Any, mesh: jax.sharding.Mesh) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -154,6 +155,7 @@ class Context:
 
         self._registrations.append(make_registration(matcher, callback, task, Task))
         self._version += 1
+        _WITH_REGISTRATIONS.add(self)
 
     def __enter__(self) -> Context:
         _ACTIVE.active.append(self)
@@ -164,6 +166,15 @@ class Context:
 
 
 _DEFAULT = Context()
+
+# Every live context that holds registrations, to notice one used outside its ``with``.
+_WITH_REGISTRATIONS: weakref.WeakSet[Context] = weakref.WeakSet()
+
+
+def inactive_contexts() -> list[Context]:
+    """Live contexts with registrations that are not active right now."""
+    active = {id(ctx) for ctx in active_contexts()}
+    return [ctx for ctx in list(_WITH_REGISTRATIONS) if id(ctx) not in active]
 
 
 def active_contexts() -> list[Context]:

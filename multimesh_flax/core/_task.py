@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh
+from multimesh_flax.core import _config, _mesh, _warnings
 
 Rule = tuple[str, "str | tuple[str, ...] | None"]
 MARKER_RE = re.compile(r"mmtask(\d+)_")
@@ -235,9 +235,39 @@ class _TaskState(threading.local):
         self.stack: list[ResolvedTask] = []
         self.sessions: list[TraceSession] = []
         self.microbatch_index: int | None = None
+        self.shape_only = 0  # > 0 inside traces that only compute shapes or variables
 
 
 _STATE = _TaskState()
+
+
+@contextlib.contextmanager
+def shape_only_trace() -> Iterator[None]:
+    """Marks the body as a trace for shapes or variables only (``jax.eval_shape`` of an
+    initializer): tasks met there are not placed, by design, so nothing is warned."""
+    _STATE.shape_only += 1
+    try:
+        yield
+    finally:
+        _STATE.shape_only -= 1
+
+
+def warn_foreign_trace(name: str) -> None:
+    """Warns (once per task) that task ``name`` is traced by a transformation not ours.
+
+    Raises:
+        StrictModeError: under ``context(strict=True)``.
+    """
+    if _STATE.shape_only:
+        return
+    _warnings.warn_placement(
+        ("foreign-trace", name),
+        f"Task {name!r} is traced by a JAX transformation that is not multimesh_flax's "
+        "(jax.jit, jax.grad, jax.vmap, ... outside `multimesh_flax.jit`), so it is not placed "
+        "on its submesh: it runs wherever that transformation runs (usually device 0). "
+        "Compile the function with `multimesh_flax.jit`, `multimesh_flax.parallelize` or "
+        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless).",
+    )
 
 
 @contextlib.contextmanager
@@ -373,7 +403,8 @@ def task(
         name: display name (default: ``fun.__name__``).
         task: a ready ``Task``; exclusive with ``kwargs``.
         **kwargs: ``Task`` fields (``mesh``, ``logical_axes``, ``mesh_slice``, ...), or
-            ``devices`` (an array of jax devices) with ``device_axes``.
+            ``devices`` (an array of jax devices, or of integer positions in the executable's
+            device list as in ``TaskMesh``) with ``device_axes``.
 
     Returns:
         A function with ``fun``'s signature.
@@ -408,6 +439,8 @@ def task(
 
                 eager_cache["jit"] = jit(run_task)
             return eager_cache["jit"](*args, **kw)
+        if current_session() is None:
+            warn_foreign_trace(display)
         body = jax.checkpoint(fun) if _config.get_flag("enable_recomputation") else fun
         with enter_task(resolve_task(spec, display)):
             return body(*args, **kw)

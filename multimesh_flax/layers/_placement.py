@@ -103,6 +103,7 @@ def trace_variables(
     with (
         _flax_task.record_task_paths() as owners,
         nn.intercept_methods(_registered_owner(registered)),
+        _task.shape_only_trace(),  # tasks are not placed here, by design
     ):
         variables = jax.eval_shape(lambda *a: init(*a, **kwargs), *args)
     return variables, owners, registered

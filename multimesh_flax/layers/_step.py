@@ -35,7 +35,7 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize, _registry
+from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize, _registry, _task
 from multimesh_flax.layers import _placement
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
@@ -336,7 +336,8 @@ class _Setup:
         param_sh, param_owners = _placement.owner_shardings(
             boxed.get("params", {}), owners, devices, registered=registered
         )
-        state = jax.eval_shape(lambda: self.make_state(batch_shape))
+        with _task.shape_only_trace():  # initialising for shapes: tasks are not placed here
+            state = jax.eval_shape(lambda: self.make_state(batch_shape))
         nothing = jax.tree_util.tree_map(lambda _: None, state.model_state)
 
         def per_leaf(per_param: Any) -> Any:
@@ -359,7 +360,7 @@ class _Setup:
                 f"the one the previous step returned), got a {type(state).__name__} with "
                 f"{got.num_leaves} leaves where the step expects {self.state_tree.num_leaves}. "
                 "Call `step_fn(state, batch)` with that state; to change parameters use "
-                "`state.replace(params=...)` with the same tree."
+                f"`state.replace(params=...)` with the same tree.{_restore_hint(state)}"
             )
 
     def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
@@ -371,6 +372,16 @@ class _Setup:
         (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, state.step)
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
         return loss, _placement.constrain(new_state, self.state_constraints)
+
+
+def _restore_hint(state: Any) -> str:
+    """For a plain dict or list: how to restore a checkpoint as a ``TrainState``."""
+    if not isinstance(state, (dict, list, tuple)):
+        return ""
+    return (
+        " A checkpoint restored without `target=` comes back as plain dicts: restore it "
+        "with `ckpt.restore(target=state)`, passing the state `parallelize_step` returned."
+    )
 
 
 class StepFn:

@@ -24,7 +24,7 @@ import rich.table
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core import _parallelize, _runtime
+from multimesh_flax.core import _parallelize, _runtime, _task
 from multimesh_flax.layers import _placement
 
 # Keyword arguments of ``flax.linen.Module.tabulate`` (everything else goes to the model).
@@ -248,5 +248,6 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         )
     flax_options, model_kwargs = _split_kwargs(kwargs)
     flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
-    summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
+    with _task.shape_only_trace():  # Flax's table traces the model; nothing is placed there
+        summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
     return summary + "\n" + str(get_placement(model, rngs, *args, **model_kwargs))

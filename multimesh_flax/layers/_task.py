@@ -17,7 +17,11 @@ Where the call runs:
   task, on its submesh; each module instance is one task per trace, however often it is
   called (weight sharing, microbatches);
 * called eagerly on concrete arrays (``model.apply`` outside ``jit``): exactly the wrapped
-  module's values, nothing moves (no mesh or ``MultiMesh`` is needed);
+  module's values; like an eager task function it first moves its array inputs next to its
+  variables (else onto its submesh, when that resolves), so a pipelined model applied
+  eagerly to its placed parameters works (no mesh or ``MultiMesh`` is needed);
+* traced by a JAX transformation that is not ours (``jax.jit``): as the task, but not placed,
+  with a ``PlacementWarning`` naming ``multimesh_flax.jit``;
 * under ``ignore_transforms``: exactly the wrapped module.
 
 While a task-wrapped module runs, it records its module path, so that tools that trace a
@@ -32,7 +36,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 from flax import linen as nn
+from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core import _config, _named_tasks, _task
@@ -99,21 +105,66 @@ def resolve_path(spec: _task.Task, path: ModulePath) -> _task.ResolvedTask:
 
 
 def call_as_task(
-    module: nn.Module, spec: _task.Task, call: Callable[[], Any], args: Any = ()
+    module: nn.Module, spec: _task.Task, call: Callable[..., Any], args: Any = ((), {})
 ) -> Any:
-    """Runs ``call()`` (the wrapped module's method) as ``spec``'s task."""
+    """Runs ``call(*args[0], **args[1])`` (the wrapped module's method) as ``spec``'s task."""
+    positional, keywords = args
     if _config.get_flag("ignore_transforms"):
-        return call()
+        return call(*positional, **keywords)
     if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
     _record(tuple(module.path), spec)
-    if _task.current_session() is None and not _task.contains_tracer(args):
+    if _task.current_session() is None and not _is_traced(module, args):
+        positional, keywords = _eager_inputs(module, spec, args)
         with _config.ignore_transforms():
-            return call()  # eager: values only, nothing moves, no mesh needed
+            return call(*positional, **keywords)  # eager: the wrapped module's values
+    if _task.current_session() is None:
+        _task.warn_foreign_trace(spec.name or "task")
     resolved = resolve_path(spec, tuple(module.path))
     with _task.enter_task(resolved), _named_tasks.flax_rules(resolved):
-        return call()
+        return call(*positional, **keywords)
+
+
+def _is_traced(module: nn.Module, args: Any) -> bool:
+    """Whether the call is being traced: its inputs or the module's variables are tracers."""
+    return _task.contains_tracer(args) or _task.contains_tracer(module.variables)
+
+
+def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding | None:
+    """Where an eager call computes: next to the module's (committed) variables, else on the
+    task's submesh; ``None`` when neither is known (no variables, no resolvable mesh)."""
+    for leaf in jax.tree_util.tree_leaves(module.variables):
+        if isinstance(leaf, jax.Array) and leaf.committed:
+            sharding = leaf.sharding
+            if isinstance(sharding, NamedSharding):
+                return NamedSharding(sharding.mesh, PartitionSpec())
+            return sharding if len(sharding.device_set) == 1 else None
+    try:
+        mesh = _task.resolve_task(spec, spec.name or "task").mesh
+    except errors.MultiMeshError:  # a mesh_slice with no MultiMesh, positions beyond devices
+        return None
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _eager_inputs(module: nn.Module, spec: _task.Task, args: Any) -> Any:
+    """``args`` with every array moved to where the module computes (replicated there).
+
+    A task function called eagerly runs as a one-task program whose inputs move to its
+    submesh; a ``Task[Module]`` does the same, so that a pipelined model applied eagerly to
+    its placed parameters (stage 0's output meeting stage 1's parameters) computes the
+    unplaced model's values instead of failing on incompatible devices.
+    """
+    target = _eager_target(module, spec)
+    if target is None:
+        return args
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.Array) and x.sharding.device_set != target.device_set:
+            return jax.device_put(x, target)
+        return x
+
+    return jax.tree_util.tree_map(move, args)
 
 
 # --- the Task[Module] class ----------------------------------------------------------------
@@ -133,7 +184,7 @@ def _class_name(cls: type, name: str) -> Iterator[None]:
 def _make_task_class(model: type[nn.Module], spec: _task.Task) -> type[nn.Module]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return call_as_task(
-            self, spec, lambda: super(cls, self).__call__(*args, **kwargs), (args, kwargs)
+            self, spec, lambda *a, **k: super(cls, self).__call__(*a, **k), (args, kwargs)
         )
 
     def __post_init__(self: nn.Module) -> None:

@@ -1,5 +1,6 @@
 """Registered tasks on ``MultiMesh`` slices, and unmodified Flax models placed by name."""
 
+import contextlib
 import re
 
 import jax
@@ -13,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
+from multimesh_flax.core import _warnings
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -65,7 +67,9 @@ def test_multi_mesh_registrations_are_active_only_inside_it():
     with mesh:
         inside = fun(jnp.ones(4))
     assert _ids(inside) == {4, 5, 6, 7}
-    assert fun.describe(jnp.ones(4)).startswith("fast path")
+    _warnings.forget_warnings()
+    with pytest.warns(errors.PlacementWarning, match="not active"):  # outside: ignored, said
+        assert fun.describe(jnp.ones(4)).startswith("fast path")
 
 
 def test_register_task_inside_a_multi_mesh_adds_to_it():
@@ -316,8 +320,11 @@ def test_flax_modules_match_by_path_or_name(matcher, tasks, matmuls):
     model, x = TwoEncoders(), jnp.ones((2, 8))
     params = model.init(jax.random.key(0), x)
     apply = mm.jit(model.apply)
-    with mm.Context():
+    _warnings.forget_warnings()
+    with mm.Context(), contextlib.ExitStack() as stack:
         mm.register_task(matcher, task=mm.Task(mesh=mm.TaskMesh(devices=[5])))
+        if not tasks:  # a matcher that matches nothing is said so
+            stack.enter_context(pytest.warns(errors.PlacementWarning, match="matched no name"))
         out = apply(params, x)
         traced = apply.executable(params, x).partition.traced if tasks else None
     if tasks:

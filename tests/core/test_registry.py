@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
+from multimesh_flax.core import _warnings
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -80,7 +81,8 @@ def test_exact_name_runs_the_scope_on_its_task():
 def test_matcher_must_match_the_whole_scope_name():
     w, x = _inputs()
     fun = mm.jit(_two_scopes)
-    with mm.Context():
+    _warnings.forget_warnings()
+    with mm.Context(), pytest.warns(errors.PlacementWarning, match="'stage' matched no name"):
         mm.register_task("stage", task=_on(3))
         assert fun.describe(w, x).startswith("fast path")
 
@@ -199,7 +201,9 @@ def test_inner_context_wins_and_outer_applies_again_after_it():
     assert places[0] == (1,)  # stage_0: only the outer context matches it
     assert _ids(in_inner) == {2}
     assert _ids(in_outer) == {1}
-    assert fun.describe(w, x).startswith("fast path")  # no context: no tasks
+    _warnings.forget_warnings()
+    with pytest.warns(errors.PlacementWarning, match="not active"):  # said, not silent
+        assert fun.describe(w, x).startswith("fast path")  # no context: no tasks
 
 
 def test_later_registration_in_one_context_wins():

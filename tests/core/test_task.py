@@ -285,6 +285,7 @@ def test_recomputation_gives_equal_values_and_gradients(recompute):
     assert _ids(grad) == {0, 1}
 
 
+@pytest.mark.filterwarnings("ignore::multimesh_flax.errors.PlacementWarning")  # make_jaxpr
 def test_recomputation_wraps_the_task_in_checkpoint():
     loss = _two_task_loss()
     w, x = _loss_inputs()
