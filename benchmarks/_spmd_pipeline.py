@@ -13,13 +13,18 @@ devices (both axes ``AxisType.Auto``):
   activation, then ``lax.ppermute`` shifts the results one stage on. Stage 0 reads
   microbatch ``t`` at tick ``t``; the last stage's results from tick ``S - 1`` on are the
   outputs. Idle stages in the fill and drain ticks compute on stale values that nobody reads
-  (the bubble costs arithmetic, as in every SPMD pipeline);
+  (the bubble costs arithmetic, as in every SPMD pipeline). Microbatch ``k`` is rows
+  ``k, k + m, k + 2m, ...`` of the batch, so every device's contiguous share of the batch
+  holds a part of every microbatch and the split moves no data (contiguous microbatches
+  made XLA replicate the activations to reshard them); the loss, a mean over all tokens,
+  does not depend on the split;
 * ``jax.value_and_grad`` differentiates through it all (the ``ppermute`` transposes to the
   reverse shift, the blocks' gradients are summed over ``data`` by ``shard_map``), then the
   same ``optax`` update as every other benchmark step.
 
-:func:`build_peer` returns a ``_common.Runner``; :func:`make_train_step` the bare step for
-tests.
+:func:`build_peer` returns a :class:`PeerRunner`; :func:`make_loss` and
+:func:`make_train_step` are the bare functions (tests compare them with the unpipelined
+model).
 """
 
 from __future__ import annotations
@@ -117,7 +122,7 @@ def make_loss(config: Any, mesh: Mesh, microbatches: int) -> Any:
 
     def loss(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         x = stem.apply({"params": params["stem"]}, batch["inputs"])
-        xs = x.reshape(-1, microbatches, *x.shape[1:]).swapaxes(0, 1)
+        xs = x.reshape(-1, microbatches, *x.shape[1:]).swapaxes(0, 1)  # strided microbatches
         y = pipeline(params["blocks"], xs)[stages - 1].swapaxes(0, 1).reshape(x.shape)
         table = params["stem"]["embed"]["embedding"]
         logits = head.apply({"params": params["head"]}, y, table)
