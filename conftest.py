@@ -2,7 +2,9 @@
 
 Every test (and every doctest) sees ``jax.devices()`` as 8 CPU devices, so meshes of up to
 8 devices, submeshes and MPMD programs run on a laptop. Doctests get ``jax``, ``jnp``,
-``np`` and ``P`` in their namespace.
+``np`` and ``P`` in their namespace. Every test runs under ``context(strict=True)``: a
+``PlacementWarning`` (a pattern matching nothing, a logical name without a rule, a task traced
+by ``jax.jit``) raises ``StrictModeError``; tests of those warnings open ``strict=False``.
 """
 
 import os
@@ -24,3 +26,11 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 @pytest.fixture(autouse=True)
 def _doctest_namespace(doctest_namespace):
     doctest_namespace.update(jax=jax, jnp=jnp, np=np, P=P)
+
+
+@pytest.fixture(autouse=True)
+def _strict_placement():
+    import multimesh_flax as mm
+
+    with mm.context(strict=True):
+        yield

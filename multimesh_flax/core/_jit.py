@@ -9,7 +9,6 @@ result is exactly ``jax.jit``. Otherwise the trace is placed, fragmented and tur
 from __future__ import annotations
 
 import functools
-import operator
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -63,20 +62,20 @@ def _leaf_keys(leaves: Sequence[Any]) -> tuple[Hashable, ...]:
     return keys
 
 
-_IS_DELETED = operator.methodcaller("is_deleted")
-
-
 def _deleted(x: Any) -> bool:
     is_deleted = getattr(x, "is_deleted", None)
     return bool(is_deleted()) if is_deleted is not None else False
 
 
 def _any_deleted(leaves: Sequence[Any], indices: tuple[int, ...]) -> bool:
-    """Whether a leaf at ``indices`` is an array deleted by donation (about 0.1 us a leaf)."""
+    """Whether a leaf at ``indices`` is an array deleted by donation (0.1-0.3 us a leaf)."""
     try:
-        return any(map(_IS_DELETED, [leaves[i] for i in indices]))
+        for i in indices:  # a plain loop: faster than map/methodcaller over pybind methods
+            if leaves[i].is_deleted():
+                return True
     except AttributeError:  # numpy arrays and Python scalars are never deleted
         return any(_deleted(leaves[i]) for i in indices)
+    return False
 
 
 class _FastPath:

@@ -82,7 +82,11 @@ def test_matcher_must_match_the_whole_scope_name():
     w, x = _inputs()
     fun = mm.jit(_two_scopes)
     _warnings.forget_warnings()
-    with mm.Context(), pytest.warns(errors.PlacementWarning, match="'stage' matched no name"):
+    with (
+        mm.context(strict=False),
+        mm.Context(),
+        pytest.warns(errors.PlacementWarning, match="'stage' matched no name"),
+    ):
         mm.register_task("stage", task=_on(3))
         assert fun.describe(w, x).startswith("fast path")
 
@@ -202,7 +206,7 @@ def test_inner_context_wins_and_outer_applies_again_after_it():
     assert _ids(in_inner) == {2}
     assert _ids(in_outer) == {1}
     _warnings.forget_warnings()
-    with pytest.warns(errors.PlacementWarning, match="not active"):  # said, not silent
+    with mm.context(strict=False), pytest.warns(errors.PlacementWarning, match="not active"):
         assert fun.describe(w, x).startswith("fast path")  # no context: no tasks
 
 

@@ -289,7 +289,7 @@ def test_recomputation_gives_equal_values_and_gradients(recompute):
 def test_recomputation_wraps_the_task_in_checkpoint():
     loss = _two_task_loss()
     w, x = _loss_inputs()
-    with mm.autoshard():
+    with mm.autoshard(), mm.context(strict=False):  # jax.make_jaxpr: a foreign trace
         plain = str(jax.make_jaxpr(jax.grad(loss))(w, x))
         with mm.enable_recomputation():
             recomputed = str(jax.make_jaxpr(jax.grad(loss))(w, x))
