@@ -41,6 +41,7 @@ import multimesh_flax as mm
 from models import ModelConfig, load_corpus
 from models.pipeline import make_multimesh
 from multimesh_flax import _recipe, _run_files, _sample, errors
+from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax._run_options import (
     LAYOUT_KEYS,
     RUN_KEYS,
@@ -90,6 +91,7 @@ class _Steps:
     timeline: Any = None
     recorded_step: int | None = None
     compile_s: float = 0.0
+    compilation: dict[str, float] = dataclasses.field(default_factory=dict)
     batches: list[Any] = dataclasses.field(default_factory=list)
     last_batch: Any = None
 
@@ -121,6 +123,7 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
     """The ``--init-from`` checkpoint's parameters, each tensor placed on its stage."""
     from models import hf
 
+    assert options.init_from is not None
     _, params = hf.load_placed(options.init_from, multi, stages=options.stages, dtype=np.float32)
     return params
 
@@ -309,6 +312,7 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     config = check_options(options, jax.device_count())
     run_dir = Path(options.out or fresh_run_dir()).absolute()  # orbax needs absolute paths
     run_dir.mkdir(parents=True, exist_ok=True)
+    compiled = compilation_counter()
     step_fn, state, placement = _build(options, config)
     report(str(placement))
     with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
@@ -319,6 +323,7 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
         host_start = jax.tree.map(np.asarray, state) if options.check_reference else None
         before = _samples(config, state.params, options)
         steps = _run_steps(step_fn, state, options, start)
+        steps.compilation = compiled()  # building and training; sampling compiles more
         ckpt.save(
             start + options.steps, steps.state, _metadata(options, config, start + options.steps)
         )
@@ -374,6 +379,8 @@ def _finish(
         "last_10_mean_loss": float(np.mean(steps.history["loss"][-10:])),
         "tokens_per_s": _steady_tokens_per_s(steps, start, tokens),
         "compile_s": steps.compile_s,
+        "xla_compiles": steps.compilation.get("compiles"),
+        "compile_cache_hits": steps.compilation.get("cache_hits"),
     }
     return {
         "options": dataclasses.asdict(options),

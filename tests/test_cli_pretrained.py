@@ -74,6 +74,14 @@ def test_fine_tuning_starts_from_the_checkpoint_with_its_tokenizer(run):
     sample = metrics["samples"]["after"]["texts"]["greedy"]
     assert sample.startswith(_sample.DEFAULT_PROMPT)
 
+    out = run[0]
+    code, text, stderr = _main("sample", "--checkpoint", str(out), "--tokens", "5", "--seed", "1")
+    assert code == 0, stderr
+    assert text.startswith(_sample.DEFAULT_PROMPT) and len(text.strip()) > len("Shall I")
+    code, _, stderr = _main("sample", "--checkpoint", str(out), "--tokens", "100")
+    prompt_ids = len(tokenizer.encode(_sample.DEFAULT_PROMPT))
+    assert code == 2 and f"between 0 and {64 - prompt_ids}" in stderr  # BPE ids, not bytes
+
 
 def test_export_writes_the_reference_tensors_and_reads_back_bit_exact(run, tmp_path):
     out = run[0]

@@ -71,9 +71,8 @@ def _require(hf: dict[str, Any], name: str, allowed: tuple[Any, ...], path: Path
 
 def architecture(hf: dict[str, Any], path: Path) -> str:
     """The one supported name in ``architectures`` (or derived from ``model_type``)."""
-    names = hf.get("architectures") or {"gpt2": [GPT2], "llama": [LLAMA]}.get(
-        hf.get("model_type"), []
-    )
+    by_type = {"gpt2": [GPT2], "llama": [LLAMA]}
+    names = hf.get("architectures") or by_type.get(str(hf.get("model_type")), [])
     known = [n for n in names if n in ARCHITECTURES]
     if not known:
         raise errors.UnsupportedArchitectureError(

@@ -102,7 +102,8 @@ class TensorFiles(contextlib.AbstractContextManager):
             key = canonical(raw)
             self.files[key], self._raw[key] = path, raw
             self.shapes[key] = tuple(view.get_shape())
-            self.dtypes[key] = _DTYPES.get(view.get_dtype(), view.get_dtype())
+            dtype = str(view.get_dtype())
+            self.dtypes[key] = _DTYPES.get(dtype, dtype)
 
     def read(self, key: str, dtype: Any = None) -> np.ndarray:
         """The tensor `key` as a NumPy array, cast to `dtype` if given."""

@@ -277,6 +277,10 @@ def test_failed_save_writes_nothing(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
+def test_public_names():
+    assert sorted(hf.__all__) == ["HFTokenizer", "load", "load_config", "load_placed", "save"]
+
+
 # --- tokenizer ------------------------------------------------------------------------------
 
 
