@@ -11,6 +11,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# The CLI and notebooks keep compiled programs in a persistent cache (~/.cache by default);
+# tests do not write there: the cache's own test passes a temporary directory.
+os.environ.setdefault("MMFLAX_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 

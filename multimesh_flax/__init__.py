@@ -9,6 +9,7 @@ from multimesh_flax import checkpoint as checkpoint
 from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax import layers as layers
+from multimesh_flax._compilation_cache import enable_compilation_cache
 from multimesh_flax._front import jit, task
 from multimesh_flax.core import (
     Context,
@@ -55,6 +56,7 @@ __all__ = [
     "checkpoint",
     "context",
     "core",
+    "enable_compilation_cache",
     "enable_fast_path",
     "enable_recomputation",
     "errors",

@@ -114,6 +114,17 @@ def _add_train(sub: Any) -> None:
         default=_DEFAULT_DEVICES,
         help="simulated CPU devices (8); a GPU host uses its GPUs unless JAX_PLATFORMS=cpu",
     )
+    _add_compile_cache(add)
+
+
+def _add_compile_cache(add: Any) -> None:
+    add(
+        "--compile-cache",
+        metavar="DIR",
+        help="persistent compilation cache: a later run of the same program compiles "
+        "(almost) nothing; 'off' disables it (default: $MMFLAX_COMPILATION_CACHE, else "
+        "~/.cache/multimesh_flax/jax)",
+    )
 
 
 def _add_sample(sub: Any) -> None:
@@ -125,6 +136,7 @@ def _add_sample(sub: Any) -> None:
     add("--temperature", type=float, default=0.8, help="0 is greedy (0.8)")
     add("--top-k", type=int, help="sample among the k likeliest bytes only")
     add("--seed", type=int, default=0, help="sampling seed (0)")
+    _add_compile_cache(add)
 
 
 def _add_export(sub: Any) -> None:
@@ -134,6 +146,7 @@ def _add_export(sub: Any) -> None:
     add = export.add_argument
     add("--checkpoint", required=True, metavar="RUN_DIR", help="run folder of `mmflax train`")
     add("--to", required=True, metavar="HF_DIR", help="new folder to write")
+    _add_compile_cache(add)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,9 +180,12 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.devices < 1:
         raise _ArgumentError(f"`--devices` must be a positive number, got {args.devices}")
     _configure_devices(args.devices, accelerators=True)
+    _enable_cache(args)
     from multimesh_flax import _run_options, _train
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "devices")}
+    given = {
+        k: v for k, v in vars(args).items() if k not in ("command", "devices", "compile_cache")
+    }
     options = _run_options.resolve_options({**given, "resume": args.resume or None})
     _run_options.check_options(options, _device_count())  # fail before any tracing
     print(
@@ -178,6 +194,12 @@ def _run_train(args: argparse.Namespace) -> int:
     )
     result = _train.train(options, report=print)
     return _print_result(result)
+
+
+def _enable_cache(args: argparse.Namespace) -> None:
+    from multimesh_flax._compilation_cache import enable_compilation_cache
+
+    enable_compilation_cache(getattr(args, "compile_cache", None))
 
 
 def _device_count() -> int:
@@ -195,7 +217,8 @@ def _print_result(result: Any) -> int:
         f"steps {s['start_step']}->{s['end_step']}: loss {s['first_loss']:.3f} -> "
         f"{s['last_loss']:.3f} (mean of the last 10: {s['last_10_mean_loss']:.3f}), "
         f"{s['tokens_per_s']:,.0f} tokens/s, first step (compile) "
-        f"{s['compile_s']:.1f}s, wall {s['wall_s']:.1f}s"
+        f"{s['compile_s']:.1f}s, wall {s['wall_s']:.1f}s; XLA compiles {s['xla_compiles']}, "
+        f"loaded from the compilation cache {s['compile_cache_hits']}"
     )
     if m["bubble"] is not None:
         b = m["bubble"]
@@ -232,6 +255,7 @@ def _print_result(result: Any) -> int:
 
 def _run_sample(args: argparse.Namespace) -> int:
     _configure_devices(_DEFAULT_DEVICES, accelerators=True)
+    _enable_cache(args)
     from multimesh_flax import _sample
 
     text = _sample.sample(
@@ -248,6 +272,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 
 def _run_export(args: argparse.Namespace) -> int:
     _configure_devices(_DEFAULT_DEVICES, accelerators=True)
+    _enable_cache(args)
     from multimesh_flax import _export
 
     folder = _export.export(args.checkpoint, args.to)

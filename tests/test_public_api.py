@@ -20,6 +20,7 @@ PUBLIC_NAMES = [
     "checkpoint",
     "context",
     "core",
+    "enable_compilation_cache",
     "enable_fast_path",
     "enable_recomputation",
     "errors",

@@ -9,12 +9,15 @@ result is exactly ``jax.jit``. Otherwise the trace is placed, fragmented and tur
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core import _config, _mesh, _partition, _registry, _runtime, _trace
@@ -79,27 +82,44 @@ def _any_deleted(leaves: Sequence[Any], indices: tuple[int, ...]) -> bool:
 
 
 class _FastPath:
-    """A program without tasks: one ``jax.jit``, traced under ``autoshard`` like the rest."""
+    """A program without tasks: one ``jax.jit`` of the program as traced (not traced again)."""
 
-    def __init__(self, fun: Callable[..., Any], donate: tuple[int, ...], devices: Any) -> None:
-        def traced_under_autoshard(*leaves: Any) -> Any:
-            with _config.autoshard(), _mesh.use_device_list(devices):
-                return fun(*leaves)
-
-        self.jitted = jax.jit(traced_under_autoshard, donate_argnums=donate)
+    def __init__(self, traced: _trace.TracedProgram, donate: tuple[int, ...]) -> None:
+        run = jex.jaxpr_as_fun(jex.ClosedJaxpr(traced.jaxpr, traced.consts))
+        self.jitted = jax.jit(lambda *leaves: tuple(run(*leaves)), donate_argnums=donate)
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
-        return jax.tree_util.tree_leaves(self.jitted(*leaves))
+        return list(self.jitted(*leaves))
 
 
 class _Entry:
-    """A compiled program for one signature, plus the output tree."""
+    """The program built for one signature: what was traced, and how it runs.
 
-    def __init__(self, run: Any, out_tree: Any) -> None:
+    ``run`` is an ``MpmdExecutable``, or a ``_FastPath`` when the program has no tasks.
+    """
+
+    def __init__(self, run: Any, traced: _trace.TracedProgram, devices: Any) -> None:
         self.run = run
-        self.out_tree = out_tree
+        self.traced = traced
+        self.devices = devices
+        self.out_tree = traced.out_tree
         self.warm = False
         self.donated: tuple[int, ...] = ()  # indices of the leaves the program may consume
+        self.build_seconds: dict[str, float] = {}  # "trace", "partition": wall time spent
+
+    def partition(self) -> _partition.Partition:
+        """The placed program (on the fast path placed now, from the same trace)."""
+        if isinstance(self.run, _runtime.MpmdExecutable):
+            return self.run.partition
+        return _partition.partition(self.traced, self.devices)
+
+    def input_shardings(self) -> list[Any]:
+        """Per input leaf, the sharding it should arrive in (see ``_runtime.input_sharding``);
+        an unused input: replicated on the default submesh."""
+        part = self.partition()
+        fallback = NamedSharding(part.place_meshes[part.default_place], PartitionSpec())
+        wanted = [_runtime.input_sharding(part, v) for v in self.traced.jaxpr.invars]
+        return [fallback if s is None else s for s in wanted]
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
         if self.warm:
@@ -187,11 +207,19 @@ class MpmdJit:
         self, leaves: list[Any], in_tree: Any, statics: tuple[Any, ...], donate: tuple[int, ...]
     ) -> _Entry:
         flat_fun = self._flat_fun(in_tree, statics)
+        start = time.perf_counter()
         traced = _trace.trace_program(flat_fun, leaves, self.devices)
+        traced_at = time.perf_counter()
         if not traced.tasks and _config.get_flag("enable_fast_path"):
-            return _Entry(_FastPath(flat_fun, donate, self.devices), traced.out_tree)
-        part = _partition.partition(traced, self.devices)
-        return _Entry(_runtime.MpmdExecutable(part, donate), traced.out_tree)
+            entry = _Entry(_FastPath(traced, donate), traced, self.devices)
+        else:
+            part = _partition.partition(traced, self.devices)
+            entry = _Entry(_runtime.MpmdExecutable(part, donate), traced, self.devices)
+        entry.build_seconds = {
+            "trace": traced_at - start,
+            "partition": time.perf_counter() - traced_at,  # with the executable's op list
+        }
+        return entry
 
     def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
@@ -227,6 +255,34 @@ class MpmdJit:
             "buffer is deleted. Pass what that call returned instead: for a training step, "
             "`loss, state = step_fn(state, batch)` -- rebind `state` every step."
         )
+
+    def input_shardings(self, *args: Any, **kwargs: Any) -> Any:
+        """Where the program wants its arguments: a sharding per dynamic argument leaf.
+
+        Builds the program for these arguments (arrays or ``ShapeDtypeStruct``\ s) as the
+        first call would -- traced and placed once, nothing compiled -- and keeps it, so
+        the first call with arrays of these shapes only dispatches (as
+        ``jax.jit(f).lower(...)`` then ``.compile()``). Returns the pytree of the dynamic
+        arguments (static ones left out) as ``(args, kwargs)``, a sharding at every leaf:
+        the first constraint applied to it, else replicated on its first consumer's submesh.
+        """
+        entry, _ = self._entry(args, kwargs)
+        dynamic, _ = self._split(args)
+        tree = jax.tree_util.tree_structure((dynamic, kwargs))
+        return jax.tree_util.tree_unflatten(tree, entry.input_shardings())
+
+    def build_seconds(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Seconds spent tracing (``"trace"``) and placing and fragmenting (``"partition"``)
+        the program for these arguments, when it was built (built now if it was not)."""
+        return dict(self._entry(args, kwargs)[0].build_seconds)
+
+    def clear_cache(self) -> None:
+        """Forgets every program built so far (as ``jax.jit``'s ``clear_cache``)."""
+        self._cache.clear()
+
+    def traced(self, *args: Any, **kwargs: Any) -> _trace.TracedProgram:
+        """The traced program built for these arguments (built now if it was not)."""
+        return self._entry(args, kwargs)[0].traced
 
     def executable(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled program for these arguments (arrays or ``ShapeDtypeStruct``s).

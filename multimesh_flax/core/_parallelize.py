@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax import errors
@@ -24,6 +25,9 @@ from multimesh_flax.core import _jit, _mesh, _partition, _runtime, _trace
 
 
 def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
+    """Where each leaf of ``args`` should arrive for ``fun``: traced and placed, not compiled
+    and not kept (``tabulate``); a compiled function reads them from its own program with
+    ``MpmdJit.input_shardings``."""
     traced = _trace.trace_program(fun, args, devices)
     part = _partition.partition(traced, devices)
     shardings = [_runtime.input_sharding(part, v) for v in traced.jaxpr.invars]
@@ -33,10 +37,14 @@ def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: An
     return [fallback if s is None else s for s in shardings]
 
 
-def sharded_initializer(init: Callable[[], Any], shardings: Any) -> Callable[[], Any]:
+def sharded_initializer(
+    init: Callable[[], Any], shardings: Any, program: jex.ClosedJaxpr | None = None
+) -> Callable[[], Any]:
     """Compiles ``init`` so each output leaf is created directly in its sharding.
 
-    Leaves are grouped by device set; each group is one ``jax.jit`` with ``out_shardings``
+    ``init`` is traced once (``program``: that trace, ``jax.make_jaxpr(init)()``, when the
+    caller has it already); leaves are grouped by device set; each group is one ``jax.jit``
+    with ``out_shardings``
     (XLA removes the computation of leaves the group does not return).
 
     Example:
@@ -50,10 +58,14 @@ def sharded_initializer(init: Callable[[], Any], shardings: Any) -> Callable[[],
     groups: dict[Any, list[int]] = {}
     for i, s in enumerate(flat):
         groups.setdefault(frozenset(d.id for d in s.device_set), []).append(i)
+    # Traced once; each device group replays the program and keeps its own outputs.
+    if program is None:
+        program = jax.make_jaxpr(init)()
+    run = jex.jaxpr_as_fun(program)
 
     def make(indices: list[int]) -> Callable[[], Any]:
         def select() -> list[Any]:
-            leaves = jax.tree_util.tree_leaves(init())
+            leaves = run()
             return [leaves[i] for i in indices]
 
         return jax.jit(select, out_shardings=[flat[i] for i in indices])
@@ -146,9 +158,10 @@ def parallelize(
     args = tuple(
         a for a, used in ((params_shape, init_params is not None), (batch_shape, has_batch)) if used
     )
-    flat_shardings = derive_shardings(fun, args, devices)
-    shardings = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), flat_shardings)
     sharded_fun = _jit.jit(fun, devices=devices)
+    # Builds the program the first call runs (one trace, one partition), then reads from it
+    # where the arguments must live.
+    (shardings, _) = sharded_fun.input_shardings(*args)
     parts = iter(shardings)
     sharded_init = sharded_initializer(init_params, next(parts)) if init_params else None
     if get_input_batch is not None:

@@ -27,6 +27,7 @@ schedule.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import math
 import re
@@ -65,7 +66,7 @@ class PipelinePlan:
     mixed: list[bool]  # True: mixes microbatches, so glue whatever its task label
     regions: dict[int, Region]
 
-    @property
+    @functools.cached_property
     def scheduled(self) -> bool:
         """Whether some region has a schedule (so fragments are cut per unit and reordered)."""
         return any(r.schedule is not None for r in self.regions.values())
@@ -79,8 +80,12 @@ class PipelinePlan:
 # --- analysis -------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=8192)
 def microbatch_of(stack: str) -> Microbatch | None:
-    """The ``(uid, k)`` of the innermost registered microbatch scope in a name stack."""
+    """The ``(uid, k)`` of the innermost registered microbatch scope in a name stack.
+
+    Memoised: a program's equations share a few thousand distinct name stacks.
+    """
     for match in reversed(list(MICROBATCH_RE.finditer(stack))):
         uid, k = int(match.group(1)), int(match.group(2))
         if _microbatch.get_call(uid) is not None:

@@ -30,7 +30,7 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core import _partition, _pipeline, _trace
+from multimesh_flax.core import _partition, _pipeline, _structure, _trace
 
 RUN, PUT = 0, 1
 _UNSEEN = object()  # no argument sharding has been checked for this input yet
@@ -125,7 +125,9 @@ def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
 
 # --- fragment compilation -------------------------------------------------------------------
 
-_FRAGMENT_CACHE: dict[tuple[Any, ...], Any] = {}
+# Compiled fragments by (structural key, donation, output shardings): shared by every
+# program of the process. Bounded: a program keeps the fragments it uses.
+_FRAGMENT_CACHE = _structure.BoundedCache(capacity=2048)
 
 
 def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
@@ -170,12 +172,13 @@ def compile_fragment(
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
         out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
-    key = (str(jaxpr), donate, out_shardings)
-    jitted = _FRAGMENT_CACHE.get(key)
-    if jitted is None:
-        jitted = jax.jit(_as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings)
-        _FRAGMENT_CACHE[key] = jitted
-    return jitted
+    key = (_structure.structural_key(jaxpr), donate, out_shardings)
+    return _FRAGMENT_CACHE.get_or_make(
+        key,
+        lambda _: jax.jit(
+            _as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings
+        ),
+    )
 
 
 # --- the executable -------------------------------------------------------------------------

@@ -276,16 +276,19 @@ def _zeros(shapes: Any) -> Any:
     return jax.tree_util.tree_map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
 
 
-def _check_scalar_loss(runner: _Model, state: Any, batch: Any) -> None:
-    with _config.ignore_transforms():
-        loss, _ = jax.eval_shape(
-            lambda st, b: runner.loss(st.params, st.model_state, b, st.step), state, batch
-        )
-    if loss.shape != () or not jax.numpy.issubdtype(loss.dtype, jax.numpy.floating):
-        raise errors.ParallelizeArgumentError(
-            f"Expected the loss to be a float scalar, got {loss.dtype}{list(loss.shape)}. "
-            "Reduce it (e.g. `.mean()`) in the model or in `loss_fn`."
-        )
+def _checked_loss(loss: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss`` raising a clear error, while the step is traced, unless it is a float scalar."""
+
+    def checked(*args: Any) -> Any:
+        value, aux = loss(*args)
+        if value.shape != () or not jax.numpy.issubdtype(value.dtype, jax.numpy.floating):
+            raise errors.ParallelizeArgumentError(
+                f"Expected the loss to be a float scalar, got {value.dtype}{list(value.shape)}. "
+                "Reduce it (e.g. `.mean()`) in the model or in `loss_fn`."
+            )
+        return value, aux
+
+    return checked
 
 
 def _shard_leading(sharding: Any, shape: tuple[int, ...]) -> Any:
@@ -319,6 +322,7 @@ class _Setup:
         self.state_owners: Any = None
         self.state_tree: Any = None
         self.batch_constraints: Any = None
+        self.state_program: Any = None  # the state initializer, traced (derive_constraints)
 
     def make_state(self, batch_shape: Any) -> Any:
         with _config.ignore_transforms():
@@ -337,7 +341,10 @@ class _Setup:
             boxed.get("params", {}), owners, devices, registered=registered
         )
         with _task.shape_only_trace():  # initialising for shapes: tasks are not placed here
-            state = jax.eval_shape(lambda: self.make_state(batch_shape))
+            # Traced once: the shapes here, the sharded initializer replays the program.
+            self.state_program, state = jax.make_jaxpr(
+                lambda: self.make_state(batch_shape), return_shape=True
+            )()
         nothing = jax.tree_util.tree_map(lambda _: None, state.model_state)
 
         def per_leaf(per_param: Any) -> Any:
@@ -368,7 +375,7 @@ class _Setup:
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
-        grad_fn = jax.value_and_grad(self.runner.loss, has_aux=True)
+        grad_fn = jax.value_and_grad(_checked_loss(self.runner.loss), has_aux=True)
         (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, state.step)
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
         return loss, _placement.constrain(new_state, self.state_constraints)
@@ -417,16 +424,22 @@ class StepFn:
         with self._context():
             return self.jitted.executable(state, batch)
 
+    def build_seconds(self, state: Any, batch: Any) -> dict[str, float]:
+        """Seconds spent tracing and partitioning the program for these argument shapes."""
+        with self._context():
+            return self.jitted.build_seconds(state, batch)
+
     def describe(self, state: Any, batch: Any) -> str:
         """A readable dump of the program: fragments, transfers, compiles."""
         with self._context():
             return self.jitted.describe(state, batch)
 
 
-def _derive(setup: _Setup, state: Any, batch_shape: Any, devices: Any) -> tuple[Any, Any]:
-    flat = _parallelize.derive_shardings(setup.step, (state, batch_shape), devices)
-    tree = jax.tree_util.tree_structure((state, batch_shape))
-    return jax.tree_util.tree_unflatten(tree, flat)
+def _derive(jitted: _jit.MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, Any]:
+    """The state's and the batch's shardings, read from the program the first step runs
+    (built here, once: the first call then only compiles and dispatches)."""
+    (state_sh, batch_sh), _ = jitted.input_shardings(state, batch_shape)
+    return state_sh, batch_sh
 
 
 def parallelize_step(
@@ -517,15 +530,19 @@ def parallelize_step(
     setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline)
     with multi if multi is not None else _config.context(), _mesh.use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
-        _check_scalar_loss(setup.runner, abstract_state, batch_shape)
-        state_sh, batch_sh = _derive(setup, abstract_state, batch_shape, devices)
+        jitted = _jit.jit(setup.step, devices=devices, donate_argnums=(0,))
+        state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
         if not replicate_inputs:
             batch_sh = jax.tree_util.tree_map(
                 lambda s, x: _shard_leading(s, x.shape), batch_sh, batch_shape
             )
             setup.batch_constraints = batch_sh
-        state = _parallelize.sharded_initializer(lambda: setup.make_state(batch_shape), state_sh)()
-    step_fn = StepFn(_jit.jit(setup.step, devices=devices, donate_argnums=(0,)), multi)
+            jitted.clear_cache()  # the step now constrains its batch: a new program
+            state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
+        state = _parallelize.sharded_initializer(
+            lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
+        )()
+    step_fn = StepFn(jitted, multi)
     if local_batch is None:
         return step_fn, state, result_mesh
 

@@ -1,0 +1,116 @@
+"""Structural keys of jaxprs, and the bounded cache of compiled fragments keyed by them.
+
+Two fragments that compute the same thing -- the same stage for each of 32 microbatches, or
+identical transformer blocks on different submeshes -- should share one ``jax.jit``: traced
+and lowered once, compiled once per device set. Printing each fragment's jaxpr to compare
+them (``str(jaxpr)``) cost more than half of partitioning a 32-microbatch program, so
+fragments are compared by :func:`structural_key` instead: the equations' primitives,
+parameters and types, with variables numbered by first appearance. Two jaxprs with equal
+keys are the same program up to variable names.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax.extend.core as jex
+import numpy as np
+
+
+def _aval_key(aval: Any) -> Hashable:
+    """Shape, dtype and weak type: what printing a jaxpr shows of a variable's type.
+
+    The rest of an aval (its sharding on the traced mesh, say) is left out: the fragment's
+    ``jax.jit`` specialises on the arrays it is called with anyway.
+    """
+    shape = getattr(aval, "shape", None)
+    if shape is None:
+        return aval
+    return (shape, aval.dtype, getattr(aval, "weak_type", False))
+
+
+def _literal_key(lit: Any) -> Hashable:
+    value = np.asarray(lit.val)
+    return ("literal", _aval_key(lit.aval), value.dtype.str, value.shape, value.tobytes())
+
+
+def _param_key(value: Any) -> Hashable:
+    """A hashable stand-in for an equation parameter (equal values, equal keys)."""
+    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
+        return ("jaxpr", str(value))  # loop and branch bodies: rare, and printed only here
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_param_key(x) for x in value))
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", type(value), repr(value))
+    return (type(value), value)
+
+
+def structural_key(jaxpr: jex.Jaxpr) -> Hashable:
+    """A key equal for jaxprs that differ only in their variables' names.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> f = jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0).jaxpr
+        >>> g = jax.make_jaxpr(lambda y: jnp.sin(y) * 2)(1.0).jaxpr
+        >>> h = jax.make_jaxpr(lambda x: jnp.sin(x) * 3)(1.0).jaxpr
+        >>> structural_key(f) == structural_key(g), structural_key(f) == structural_key(h)
+        (True, False)
+    """
+    number: dict[Any, int] = {}
+
+    def ref(v: Any) -> Hashable:
+        return _literal_key(v) if isinstance(v, jex.Literal) else number[v]
+
+    for v in [*jaxpr.constvars, *jaxpr.invars]:
+        number[v] = len(number)
+    parts: list[Hashable] = [tuple(_aval_key(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))]
+    for eqn in jaxpr.eqns:
+        ins = tuple(ref(v) for v in eqn.invars)
+        for v in eqn.outvars:
+            number[v] = len(number)
+        params = tuple(sorted((k, _param_key(p)) for k, p in eqn.params.items()))
+        outs = tuple(_aval_key(v.aval) for v in eqn.outvars)
+        parts.append((eqn.primitive, ins, outs, params))
+    parts.append(tuple(ref(v) for v in jaxpr.outvars))
+    return tuple(parts)
+
+
+class BoundedCache:
+    """A dict that forgets its least recently used entries beyond ``capacity``.
+
+    Entries only save work: a forgotten compiled fragment is still held by the programs
+    that use it, and a new program with the same fragment builds its own.
+
+    Example:
+        >>> cache = BoundedCache(capacity=2)
+        >>> for k in "abc":
+        ...     _ = cache.get_or_make(k, str.upper)
+        >>> list(cache)
+        ['b', 'c']
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
+
+    def get_or_make(self, key: Hashable, make: Callable[[Hashable], Any]) -> Any:
+        """The value under ``key``, made with ``make(key)`` if absent."""
+        if key in self._items:
+            self._items.move_to_end(key)
+            return self._items[key]
+        value = self._items[key] = make(key)
+        if len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+        return value
+
+    def __iter__(self) -> Any:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
