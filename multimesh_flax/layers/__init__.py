@@ -1,8 +1,10 @@
-"""The Flax-native layer: ``Task[Module]`` wrappers, logical-partitioning initializers
-(``shard_axes``), ``parallelize_step`` and placement-aware ``tabulate``."""
+"""The Flax-native layer: ``Task[Module]`` wrappers (Linen and NNX), logical-partitioning
+initializers (``shard_axes``), ``parallelize_step``, placement-aware ``tabulate``, and ``jit``
+taking NNX graph objects."""
 
 from multimesh_flax.core._logical import with_sharding_constraint as with_sharding_constraint
 from multimesh_flax.layers._initializers import shard_axes as shard_axes
+from multimesh_flax.layers._nnx_jit import jit as jit
 from multimesh_flax.layers._step import TrainState as TrainState
 from multimesh_flax.layers._step import parallelize_step as parallelize_step
 from multimesh_flax.layers._tabulate import Placement as Placement
