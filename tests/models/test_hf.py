@@ -134,6 +134,23 @@ def test_export_has_the_reference_keys_and_shapes_and_round_trips_bit_exact(name
     assert saved["tie_word_embeddings"] == reference["tie_word_embeddings"]
 
 
+def test_gpt2_checkpoint_with_the_original_key_names_and_mask_buffers(tmp_path):
+    """The published GPT-2 weights predate the ``transformer.`` prefix and hold masks."""
+    import safetensors.numpy
+
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    shutil.copy(FIXTURES / "gpt2" / "config.json", folder)
+    tensors = safetensors.numpy.load_file(str(FIXTURES / "gpt2" / "model.safetensors"))
+    legacy = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    legacy["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.float32))
+    safetensors.numpy.save_file(legacy, str(folder / "model.safetensors"))
+    tokens, expected = _reference("gpt2")
+    config, params = hf.load(folder)
+    logits = make_model(config).apply({"params": params}, tokens)
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=TOL, rtol=TOL)
+
+
 def test_bf16_loads_as_stored_or_cast():
     config, params = hf.load(FIXTURES / "llama-tied")
     assert np.dtype(config.param_dtype).name == "bfloat16"
