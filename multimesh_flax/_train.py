@@ -102,18 +102,19 @@ def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
     model = _recipe.make_model(config, options.stages)
     example = _recipe.example_batch(options.batch_size, options.seq_len)
     rng = jax.random.key(options.seed)
-    with multi:
-        placement = mm.layers.get_placement(model, rng, example["inputs"])
-    step_fn, state, _ = mm.parallelize_step(
-        model,
-        _recipe.make_optimizer(options.lr, options.warmup),
-        multi,
-        example,
-        loss_fn=_recipe.lm_loss,
-        rng=rng,
-        microbatches=options.microbatches,
-        schedule=options.schedule,
-    )
+    with mm.context(strict=True):  # our own job: a PlacementWarning is an error
+        with multi:
+            placement = mm.layers.get_placement(model, rng, example["inputs"])
+        step_fn, state, _ = mm.parallelize_step(
+            model,
+            _recipe.make_optimizer(options.lr, options.warmup),
+            multi,
+            example,
+            loss_fn=_recipe.lm_loss,
+            rng=rng,
+            microbatches=options.microbatches,
+            schedule=options.schedule,
+        )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
     return step_fn, state, placement
