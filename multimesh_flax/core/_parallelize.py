@@ -21,7 +21,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _jit, _mesh, _partition, _runtime, _trace
+from multimesh_flax.core import _jit, _mesh, _partition, _runtime, _task, _trace
 
 
 def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
@@ -60,7 +60,8 @@ def sharded_initializer(
         groups.setdefault(frozenset(d.id for d in s.device_set), []).append(i)
     # Traced once; each device group replays the program and keeps its own outputs.
     if program is None:
-        program = jax.make_jaxpr(init)()
+        with _task.shape_only_trace():  # tasks in an initializer are not placed, by design
+            program = jax.make_jaxpr(init)()
     run = jex.jaxpr_as_fun(program)
 
     def make(indices: list[int]) -> Callable[[], Any]:
@@ -149,10 +150,12 @@ def parallelize(
     _check_args(fun, init_params, get_input_batch, initial_batch)
     devices = None if devices is None else _mesh.as_device_array(devices, "devices")
     has_batch = get_input_batch is not None or initial_batch is not None
-    params_shape = jax.eval_shape(init_params) if init_params is not None else None
+    with _task.shape_only_trace():
+        params_shape = jax.eval_shape(init_params) if init_params is not None else None
     batch_shape = None
     if get_input_batch is not None:
-        batch_shape = jax.eval_shape(get_input_batch)
+        with _task.shape_only_trace():
+            batch_shape = jax.eval_shape(get_input_batch)
     elif initial_batch is not None:
         batch_shape = _shapes(initial_batch)
     args = tuple(
