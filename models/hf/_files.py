@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
@@ -184,8 +185,28 @@ def fresh_folder(target: Path, overwrite: bool) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield tmp
+        _usual_permissions(tmp)
         if target.exists():
             shutil.rmtree(target)
         tmp.rename(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _usual_permissions(folder: Path) -> None:
+    """The modes a plain ``mkdir``/``open`` would give (``mkdtemp`` makes them private)."""
+    umask = _umask()
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux allows (threads stay safe)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(status.split("Umask:")[1].split()[0], 8)
+    except (OSError, IndexError, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+        return umask

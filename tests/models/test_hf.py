@@ -128,6 +128,7 @@ def test_export_has_the_reference_keys_and_shapes_and_round_trips_bit_exact(name
     for key in first:
         assert first[key].dtype == second[key].dtype, key
         assert np.array_equal(first[key], second[key]), key
+    assert all(p.stat().st_mode & 0o044 == 0o044 for p in [out, *out.iterdir()])  # not private
     saved = json.loads((out / "config.json").read_text())
     reference = json.loads((FIXTURES / name / "config.json").read_text())
     assert saved["architectures"] == reference["architectures"]
