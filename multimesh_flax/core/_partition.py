@@ -344,6 +344,9 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
                 if not isinstance(v, jex.Literal):
                     readers.setdefault(v, set()).add(pos)
     moved = False
+    # Equations moved into a fragment, last first: every target lies after the fragment
+    # moving into it, which the loop below visits first, so prepending can wait to the end.
+    prepended: dict[int, list[Any]] = {}
     for pos in reversed(range(len(order))):
         frag = order[pos]
         if frag.unit is not None:
@@ -363,13 +366,15 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
             ):
                 keep.append(eqn)
                 continue
-            order[target].eqns.insert(0, eqn)
+            prepended.setdefault(target, []).append(eqn)
             for v in eqn.invars:
                 if not isinstance(v, jex.Literal):
                     readers[v].discard(pos)
                     readers[v].add(target)
             moved = True
         frag.eqns = keep[::-1]
+    for target, eqns in prepended.items():
+        order[target].eqns[:0] = eqns[::-1]
     return moved
 
 

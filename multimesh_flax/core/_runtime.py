@@ -165,14 +165,17 @@ def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
 
 
 def compile_fragment(
-    frag: _partition.Fragment, mesh: jax.sharding.Mesh, donate: tuple[int, ...]
+    frag: _partition.Fragment,
+    mesh: jax.sharding.Mesh,
+    donate: tuple[int, ...],
+    memo: dict[int, Any] | None = None,
 ) -> Any:
-    """Returns the (cached) ``jax.jit`` of a fragment."""
+    """Returns the (cached) ``jax.jit`` of a fragment (``memo``: see ``structural_key``)."""
     jaxpr = fragment_jaxpr(frag)
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
         out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
-    key = (_structure.structural_key(jaxpr), donate, out_shardings)
+    key = (_structure.structural_key(jaxpr, memo), donate, out_shardings)
     return _FRAGMENT_CACHE.get_or_make(
         key,
         lambda _: jax.jit(
@@ -370,6 +373,7 @@ class MpmdExecutable:
         donated_slots = {s for s in donated_slots if reads.get(s, 0) == 1}
         transfers: dict[int, dict[Any, list[tuple[Any, Any]]]] = {}
         producer = {v: f.index for f in self.fragments for v in f.outvars}
+        params_keys: dict[int, Any] = {}  # shared by the fragments' structural keys
         runs: list[_Op] = []
         for frag in self.fragments:
             for v in frag.invars:
@@ -382,7 +386,7 @@ class MpmdExecutable:
                         entries.append((source, hint))
             ins = tuple(self._slot(v, frag.place) for v in frag.invars)
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
-            fn = compile_fragment(frag, part.place_meshes[frag.place], don)
+            fn = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
             unit = (None, frag.microbatch, None)
             if frag.unit is not None:

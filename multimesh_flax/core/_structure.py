@@ -51,8 +51,20 @@ def _param_key(value: Any) -> Hashable:
     return (type(value), value)
 
 
-def structural_key(jaxpr: jex.Jaxpr) -> Hashable:
+def _params_key(params: dict[str, Any], memo: dict[int, Any] | None) -> Hashable:
+    if memo is not None and id(params) in memo:
+        return memo[id(params)][1]
+    key = tuple(sorted((k, _param_key(p)) for k, p in params.items()))
+    if memo is not None:
+        memo[id(params)] = (params, key)  # the dict itself pins its id while memo lives
+    return key
+
+
+def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Hashable:
     """A key equal for jaxprs that differ only in their variables' names.
+
+    ``memo`` (a dict kept across calls) remembers each equation parameter dict's key by
+    identity: the copies of a body traced once share their parameter dicts.
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -74,7 +86,7 @@ def structural_key(jaxpr: jex.Jaxpr) -> Hashable:
         ins = tuple(ref(v) for v in eqn.invars)
         for v in eqn.outvars:
             number[v] = len(number)
-        params = tuple(sorted((k, _param_key(p)) for k, p in eqn.params.items()))
+        params = _params_key(eqn.params, memo)
         outs = tuple(_aval_key(v.aval) for v in eqn.outvars)
         parts.append((eqn.primitive, ins, outs, params))
     parts.append(tuple(ref(v) for v in jaxpr.outvars))

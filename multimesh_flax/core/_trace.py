@@ -85,6 +85,9 @@ class _Inliner:
         self.eqns: list[Any] = []
         self.stacks: list[str] = []
         self.consts: dict[Any, Any] = {}
+        # Parameters already checked for nested tasks, by id (the value pins the id): the
+        # microbatches of a body traced once share their equations' parameters.
+        self.checked: dict[int, Any] = {}
 
     def run(
         self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: str
@@ -105,7 +108,9 @@ class _Inliner:
                 outs = self.run(inner, const_vars, invars, stack)
                 env.update(zip(eqn.outvars, outs, strict=True))
                 continue
-            _check_no_inner_tasks(eqn)
+            if id(eqn.params) not in self.checked:
+                _check_no_inner_tasks(eqn)
+                self.checked[id(eqn.params)] = eqn.params
             outvars = [jex.Var(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outvars, strict=True))
             self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
