@@ -194,11 +194,11 @@ MUTATIONS = (
     ),
     Mutation(
         "fast-path-autoshard",
-        "multimesh_flax/core/_jit.py",
-        "with _config.autoshard(), _mesh.use_device_list(devices):",
-        "with _mesh.use_device_list(devices):",
+        "multimesh_flax/core/_trace.py",
+        "        _config.autoshard(),\n        _task.trace_session() as session,",
+        "        _task.trace_session() as session,",
         ("tests/core/test_parallelize_spmd.py",),
-        "fast path: a program without tasks is traced without autoshard",
+        "tracing: programs (the task-free fast path too) are traced without autoshard",
     ),
 )
 
