@@ -259,7 +259,7 @@ class MpmdJit:
     def input_shardings(self, *args: Any, **kwargs: Any) -> Any:
         """Where the program wants its arguments: a sharding per dynamic argument leaf.
 
-        Builds the program for these arguments (arrays or ``ShapeDtypeStruct``\ s) as the
+        Builds the program for these arguments (arrays or ``ShapeDtypeStruct``\\ s) as the
         first call would -- traced and placed once, nothing compiled -- and keeps it, so
         the first call with arrays of these shapes only dispatches (as
         ``jax.jit(f).lower(...)`` then ``.compile()``). Returns the pytree of the dynamic
