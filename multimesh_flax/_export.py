@@ -12,16 +12,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from models import hf
-from multimesh_flax import _recipe, _sample
+from multimesh_flax import _recipe, _sample, errors
 
 
 def export(checkpoint: str | Path, to: str | Path) -> Path:
     """Writes the latest checkpoint of run folder `checkpoint` to the new folder `to`.
 
     Raises:
+        PretrainedConfigError: `to` exists already (checked first).
         CheckpointNotFoundError: `checkpoint` holds no finished run.
-        PretrainedConfigError: `to` exists already.
     """
+    target = Path(to)
+    if target.exists() and (target.is_file() or any(target.iterdir())):
+        raise errors.PretrainedConfigError(
+            f"Expected `--to` to name a new folder, but '{target}' already exists. Choose "
+            "another `--to`, or remove the folder first."
+        )
     config, params, metadata = _sample.restore_params(checkpoint)
     tokenizer = _recipe.make_tokenizer(metadata["run"].get("init_from"))
     if not isinstance(tokenizer, hf.HFTokenizer):

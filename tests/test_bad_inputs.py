@@ -809,6 +809,17 @@ CATALOGUE: list[Mistake] = [
     M("cli-sample-required", "CLI", "`mmflax sample` without `--checkpoint`",
       lambda env: _cli(env, "sample"),
       CommandLineExit, ("--checkpoint", "mmflax sample --help"), "pass `--checkpoint`"),
+    M("cli-init-from-model", "CLI", "`mmflax train --init-from DIR --model gpt-tiny`",
+      lambda env: _cli(env, "train", "--init-from", str(_HF / "gpt2"), "--model", "gpt-tiny"),
+      CommandLineExit, ("both choose the model", "Drop `--model`"), "drop one of the two"),
+    M("cli-init-from-missing", "CLI", "`mmflax train --init-from` a folder without config.json",
+      lambda env: _cli(env, "train", "--init-from", str(env.root / "no-model")),
+      CommandLineExit, ("no-model/config.json", "save_pretrained"),
+      "point at the folder `save_pretrained` wrote"),
+    M("cli-export-exists", "CLI", "`mmflax export --to` an existing folder",
+      lambda env: _cli(env, "export", "--checkpoint", str(env.root / "no-run"),
+                       "--to", str(_HF / "gpt2")),
+      CommandLineExit, ("gpt2' already exists", "another `--to`"), "choose a new `--to` folder"),
     # --- issue 17: mistakes that used to crash, misplace or mislead ---
     M("step-consumed-state", "parallelize_step", "`step(state, x)` twice (`state` not rebound: "
       "the first step consumed it)", lambda env: _step_twice(env),

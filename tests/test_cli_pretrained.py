@@ -102,7 +102,7 @@ def test_export_writes_the_reference_tensors_and_reads_back_bit_exact(run, tmp_p
     assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 0
 
     code, _, stderr = _main("export", "--checkpoint", str(out), "--to", str(folder))
-    assert code == 2 and "already exists" in stderr
+    assert code == 2 and "already exists. Choose another `--to`" in stderr
 
 
 BAD = {
