@@ -69,7 +69,8 @@ def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
         ...     @nn.compact
         ...     def __call__(self, x):
         ...         return task(nn.Dense, mesh=mm.TaskMesh(devices=[1]))(4)(x)
-        >>> with record_task_paths() as owners:
+        >>> from multimesh_flax.core._task import shape_only_trace
+        >>> with record_task_paths() as owners, shape_only_trace():  # shapes: nothing placed
         ...     _ = jax.eval_shape(Net().init, jax.random.key(0), jnp.ones((2, 3)))
         >>> {path: spec.name for path, spec in owners.items()}
         {('Dense_0',): 'Dense_0'}
