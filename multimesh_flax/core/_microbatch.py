@@ -218,8 +218,9 @@ class _Body:
     differ, and the remaining chunks are traced one by one instead.
     """
 
-    def __init__(self, fun: Callable[..., Any], split: _Split, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         self.fun, self.split, self.args, self.kwargs = fun, split, args, kwargs
         self.shared = jax.jit(self.apply) if split.trace_once else None
 

@@ -178,9 +178,7 @@ def compile_fragment(
     key = (_structure.structural_key(jaxpr, memo), donate, out_shardings)
     return _FRAGMENT_CACHE.get_or_make(
         key,
-        lambda _: jax.jit(
-            _as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings
-        ),
+        lambda _: jax.jit(_as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings),
     )
 
 
