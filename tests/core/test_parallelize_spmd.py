@@ -88,12 +88,14 @@ def test_no_task_fast_path_keeps_logical_names_away_from_a_set_mesh():
     # logical names to `jax.lax.with_sharding_constraint`, which rejects them ('batch' is not
     # an axis of this mesh).
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharded_fun, sharded_init, sharded_batch = mm.parallelize(
-        f, init_params=init_params, get_input_batch=get_input_batch
-    )
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh):  # traced in here: `parallelize` traces when it is called
+        sharded_fun, sharded_init, sharded_batch = mm.parallelize(
+            f, init_params=init_params, get_input_batch=get_input_batch
+        )
         y = sharded_fun(sharded_init(), sharded_batch())
+        y_jit = mm.jit(f)(init_params(), get_input_batch())
     np.testing.assert_allclose(np.asarray(y), _reference(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(y_jit), _reference(), rtol=RTOL, atol=ATOL)
 
 
 # --- one task on a 1-D mesh of 8 devices ----------------------------------------------------
