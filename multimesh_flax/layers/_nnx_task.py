@@ -110,12 +110,17 @@ def own_variables(module: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variabl
     ]
 
 
-def place_variables(module: nnx.Module, resolved: _task.ResolvedTask) -> None:
-    """Constrains every variable of ``module`` onto the task's submesh and records where."""
+def place_variables(
+    module: nnx.Module, resolved: _task.ResolvedTask, *, record: bool = True
+) -> None:
+    """Constrains every variable of ``module`` onto the task's submesh; ``record``: also
+    writes the placement into its metadata (at construction; a call leaves the metadata, and
+    so the state's tree structure, as it is)."""
     for path, variable in own_variables(module):
         sharding = variable_sharding(path, variable, resolved)
         variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), sharding))
-        variable.set_metadata(**{TASK_SHARDING: sharding})
+        if record:
+            variable.set_metadata(**{TASK_SHARDING: sharding})
 
 
 # --- construction -------------------------------------------------------------------------
@@ -227,7 +232,7 @@ def _call_with_placed_variables(
     (their values are restored afterwards unless the call wrote them)."""
     variables = own_variables(module)
     originals = [v.get_value() for _, v in variables]
-    place_variables(module, resolved)
+    place_variables(module, resolved, record=False)
     read = [v.get_value() for _, v in variables]
     try:
         return call(*args, **kw)
