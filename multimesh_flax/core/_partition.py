@@ -119,7 +119,9 @@ def _pinned_place(eqn: Any, task_places: set[Place]) -> Place | None:
     return place if place in task_places else None
 
 
-def _place_equations(traced: _trace.TracedProgram, default: Place) -> list[Place]:
+def _place_equations(
+    traced: _trace.TracedProgram, default: Place, users: dict[Any, list[int]]
+) -> list[Place]:
     eqns = traced.jaxpr.eqns
     places: list[Place | None] = [
         None if label is None else place_of(traced.tasks[label[0]].mesh) for label in traced.labels
@@ -142,7 +144,6 @@ def _place_equations(traced: _trace.TracedProgram, default: Place) -> list[Place
                 weight[places[src]] = weight.get(places[src], 0) + nbytes(v) + 1
         if weight:
             places[i] = max(weight, key=weight.__getitem__)
-    users = _consumers(traced.jaxpr)
     for i in reversed(range(len(eqns))):  # remaining glue: at its first consumer
         if places[i] is None:
             after = sorted(u for v in eqns[i].outvars for u in users.get(v, ()))
@@ -379,26 +380,29 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
 
 
 def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
-    """Places and fragments a traced program."""
+    """Places and fragments a traced program: a straight list of passes, each linear in the
+    number of equations.
+
+    1. ``_pipeline.analyze``: every equation's microbatch and pipeline unit, each region's
+       schedule (simulated once, on first use).
+    2. ``_accumulate.reassociate_sums`` (scheduled only): sums over microbatches become
+       chains in predicted-ready order, summed per submesh first.
+    3. ``_place_meshes`` / ``_place_equations``: one place per equation (module doc).
+    4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
+    5. ``_pipeline.dispatch_order`` + ``_merge_glue`` (scheduled only): the schedule's
+       order, with glue folded into earlier glue on its place where that changes no order.
+    6. ``_homes``: where every value is produced and every program input must arrive.
+    """
     plan = _pipeline.analyze(traced)
     if plan is not None and plan.scheduled:
         traced, plan = _accumulate.reassociate_sums(traced, plan)
     meshes, default = _place_meshes(traced, devices)
-    places = _place_equations(traced, default)
+    users = _consumers(traced.jaxpr)  # the one consumer index of this program
+    places = _place_equations(traced, default, users)
     fragments = _fragment(traced, places, plan)
     if plan is not None and plan.scheduled:
         fragments = _merge_glue(traced, _pipeline.dispatch_order(fragments, plan))
-    home: dict[Any, Place] = {}
-    for frag in fragments:
-        for eqn in frag.eqns:
-            for v in eqn.outvars:
-                home[v] = frag.place
-    users = _consumers(traced.jaxpr)
-    input_place: dict[Any, Place] = {}
-    for v in [*traced.jaxpr.constvars, *traced.jaxpr.invars]:
-        if users.get(v):
-            input_place[v] = places[users[v][0]]
-            home[v] = input_place[v]
+    home, input_place = _homes(traced, fragments, places, users)
     by_id = {d.id: d for d in jax.devices()}
     for place in set(places):
         if place not in meshes:
@@ -413,3 +417,24 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
         default_place=default,
         plan=plan,
     )
+
+
+def _homes(
+    traced: _trace.TracedProgram,
+    fragments: Sequence[Fragment],
+    places: list[Place],
+    users: dict[Any, list[int]],
+) -> tuple[dict[Any, Place], dict[Any, Place]]:
+    """``(home, input_place)``: the place producing each value, and for each used program
+    input (or constant) the place of its first consumer, where it must arrive."""
+    home: dict[Any, Place] = {}
+    for frag in fragments:
+        for eqn in frag.eqns:
+            for v in eqn.outvars:
+                home[v] = frag.place
+    input_place: dict[Any, Place] = {}
+    for v in [*traced.jaxpr.constvars, *traced.jaxpr.invars]:
+        if users.get(v):
+            input_place[v] = places[users[v][0]]
+            home[v] = input_place[v]
+    return home, input_place

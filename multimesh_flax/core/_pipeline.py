@@ -56,6 +56,11 @@ class Region:
     stage_places: list[Place]
     schedule: _schedules.Schedule | None = None
 
+    @functools.cached_property
+    def simulated(self) -> list[tuple[Any, Any, float, float]]:
+        """The schedule's simulated timeline (simulated once per region, on first use)."""
+        return [] if self.schedule is None else _simulator.simulate(self.schedule).timeline
+
 
 @dataclasses.dataclass
 class PipelinePlan:
@@ -411,7 +416,7 @@ def unit_times(plan: PipelinePlan) -> dict[Unit, tuple[int, float, float]]:
     for rank, region in enumerate(plan.regions.values()):
         if region.schedule is None:
             continue
-        for _, op, start, end in _simulator.simulate(region.schedule).timeline:
+        for _, op, start, end in region.simulated:
             times[(region.uid, op.stage, op.microbatch, op.phase)] = (rank, start, end)
     return times
 
