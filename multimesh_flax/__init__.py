@@ -10,7 +10,7 @@ from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax import layers as layers
 from multimesh_flax._compilation_cache import enable_compilation_cache
-from multimesh_flax._front import jit, task
+from multimesh_flax._front import jit, microbatch, task
 from multimesh_flax.core import (
     Context,
     MultiMesh,
@@ -29,7 +29,6 @@ from multimesh_flax.core import (
     logical_to_mesh_spec,
     make_schedule,
     measured_costs,
-    microbatch,
     parallelize,
     plot_timeline,
     record_timeline,

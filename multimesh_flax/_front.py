@@ -1,5 +1,6 @@
-"""The front door's ``task`` and ``jit``: Flax Linen and NNX module classes and plain
-functions alike; ``jit`` also takes NNX graph objects as arguments."""
+"""The front door's ``task``, ``jit`` and ``microbatch``: Flax Linen and NNX module classes
+and plain functions alike; ``jit`` also takes NNX graph objects as arguments, and
+``microbatch`` functions that close over them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from multimesh_flax.layers import _nnx_jit, _nnx_task
 from multimesh_flax.layers import _task as _flax_task
 
 jit = _nnx_jit.jit
+microbatch = _nnx_jit.microbatch
 
 
 def task(

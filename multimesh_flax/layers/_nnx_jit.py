@@ -21,6 +21,7 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -186,6 +187,59 @@ def _check_optimizers(nodes: list[Any]) -> None:
 def _first_graph_object(tree: Any) -> str:
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_graph_object)
     return next(type(x).__name__ for x in leaves if _is_graph_object(x))
+
+
+def _closes_over_graph_objects(fun: Any) -> bool:
+    """Whether ``fun`` (a closure or ``functools.partial``) holds NNX graph objects."""
+    cells = [c.cell_contents for c in getattr(fun, "__closure__", None) or () if _filled(c)]
+    bound = [*getattr(fun, "args", ()), *getattr(fun, "keywords", {}).values()]
+    return has_graph_objects(cells + bound, {})
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 -- an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def microbatch(
+    fun: Callable[..., Any], dim: int, size: int, argnum: int = 0, **options: Any
+) -> Callable[..., Any]:
+    """:func:`multimesh_flax.core.microbatch`, also for functions over NNX graph objects.
+
+    The core transform traces the body once, as a ``jax.jit`` closing over the other
+    arguments; NNX refuses graph objects (``model``) captured that way from the outer trace.
+    Unless ``trace_once`` is given, a function that closes over graph objects, or is called
+    with some, is traced once per microbatch instead (same program, same values).
+
+    Example:
+        >>> from flax import nnx
+        >>> import multimesh_flax as mm
+        >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        >>> def step(model, x):
+        ...     grad_fn = lambda b: nnx.value_and_grad(lambda m: (m(b) ** 2).mean())(model)
+        ...     return mm.microbatch(grad_fn, 0, 2)(x)  # grad_fn closes over `model`
+        >>> loss, grads = mm.jit(step)(model, jnp.ones((4, 3)))
+        >>> grads["kernel"].get_value().shape
+        (3, 1)
+    """
+    from multimesh_flax.core import _microbatch
+
+    if "trace_once" in options:
+        return _microbatch.microbatch(fun, dim, size, argnum, **options)
+    once = _microbatch.microbatch(fun, dim, size, argnum, **options)
+    each = _microbatch.microbatch(fun, dim, size, argnum, trace_once=False, **options)
+    closes = _closes_over_graph_objects(fun)
+
+    @functools.wraps(fun)
+    def microbatched(*args: Any, **kwargs: Any) -> Any:
+        if closes or has_graph_objects(args, kwargs):
+            return each(*args, **kwargs)
+        return once(*args, **kwargs)
+
+    return microbatched
 
 
 def jit(

@@ -33,9 +33,9 @@ def microbatched_step(model, optimizer, batch):
     def grad_fn(b):
         return nnx.value_and_grad(loss_fn)(model, b)
 
-    # trace_once=False: NNX graph objects cannot be closed over by the inner jax.jit that
-    # trace_once uses, so the microbatches are traced one by one.
-    step = mm.microbatch(grad_fn, 0, 2, schedule="1f1b", reduce="mean", trace_once=False)
+    # grad_fn closes over `model`: mm.microbatch traces the microbatches one by one (NNX
+    # refuses graph objects captured by the jax.jit that tracing once would use).
+    step = mm.microbatch(grad_fn, 0, 2, schedule="1f1b", reduce="mean")
     loss, grads = step(batch)
     optimizer.update(model, grads)
     return loss
