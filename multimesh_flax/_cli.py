@@ -188,8 +188,9 @@ def _run_train(args: argparse.Namespace) -> int:
     }
     options = _run_options.resolve_options({**given, "resume": args.resume or None})
     _run_options.check_options(options, _device_count())  # fail before any tracing
+    model = options.init_from or options.model
     print(
-        f"mmflax train: {options.init_from or options.model} on {options.layout} (stages x data x tensor), "
+        f"mmflax train: {model} on {options.layout} (stages x data x tensor), "
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)
