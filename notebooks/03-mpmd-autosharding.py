@@ -54,6 +54,8 @@ def where(array):
     spec = getattr(array.sharding, "spec", "(one device)")
     return f"devices {sorted(d.id for d in array.devices())}, spec {spec}"
 
+mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+
 
 # %% [markdown]
 # ## Two layers, two tasks

@@ -47,6 +47,8 @@ import numpy as np
 import optax
 from flax import linen as nn
 
+mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+
 # %% [markdown]
 # ## An ordinary Flax model
 #

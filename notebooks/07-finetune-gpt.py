@@ -64,6 +64,8 @@ from models import (
 )
 from models.pipeline import make_multimesh
 
+mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+
 # %% [markdown]
 # ## Data
 #
