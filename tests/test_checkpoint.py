@@ -254,8 +254,8 @@ def test_resume_matches_uninterrupted_training(uninterrupted, tmp_path, layout_n
     for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         if layout_name == "same":
             np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
-        else:
-            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6, atol=0)
+        else:  # another summation order: rounding, relative to entries of size ~0.3
+            np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-6, atol=1e-7)
     assert losses[-1] < losses[0], "the loop must actually train"
     first_devices = RESUME_LAYOUTS.get(layout_name, [([0], ())])[0][0]
     assert _device_ids(resumed_state.params["stage0"]) == sorted(first_devices)
