@@ -53,6 +53,8 @@ from models import ByteTokenizer, cross_entropy_loss, get_config, iterate_batche
 from models.llama_nnx import NNX_LOGICAL_RULES, LlamaNNX
 from models.pipeline import make_multimesh
 
+mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+
 # %% [markdown]
 # ## Born on the stages
 #

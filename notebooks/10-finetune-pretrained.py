@@ -56,6 +56,8 @@ from models.pipeline import make_multimesh
 
 CHECKPOINT = Path(os.environ.get("MMFLAX_HF_CHECKPOINT", "../tests/fixtures/hf/gpt2"))
 
+mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+
 # %% [markdown]
 # ## Import
 #
