@@ -137,6 +137,7 @@ class Context:
     def __init__(self) -> None:
         self._registrations: list[Registration] = []
         self._version = 0
+        self._entered = False  # ever used as ``with context:`` (see inactive_contexts)
 
     @property
     def registrations(self) -> tuple[Registration, ...]:
@@ -159,6 +160,7 @@ class Context:
 
     def __enter__(self) -> Context:
         _ACTIVE.active.append(self)
+        self._entered = True
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -172,9 +174,18 @@ _WITH_REGISTRATIONS: weakref.WeakSet[Context] = weakref.WeakSet()
 
 
 def inactive_contexts() -> list[Context]:
-    """Live contexts with registrations that are not active right now."""
+    """Live contexts with registrations that have never been entered (``with``).
+
+    Those are the likely mistakes (tasks registered on a ``MultiMesh`` that is then never
+    made active). A context that was entered before is left alone when it is not active
+    now: the user knows its ``with``, and it may just be kept alive by a step built in it.
+    """
     active = {id(ctx) for ctx in active_contexts()}
-    return [ctx for ctx in list(_WITH_REGISTRATIONS) if id(ctx) not in active]
+    return [
+        ctx
+        for ctx in list(_WITH_REGISTRATIONS)
+        if id(ctx) not in active and not getattr(ctx, "_entered", False)
+    ]
 
 
 def active_contexts() -> list[Context]:

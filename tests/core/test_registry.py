@@ -205,9 +205,9 @@ def test_inner_context_wins_and_outer_applies_again_after_it():
     assert places[0] == (1,)  # stage_0: only the outer context matches it
     assert _ids(in_inner) == {2}
     assert _ids(in_outer) == {1}
-    _warnings.forget_warnings()
-    with mm.context(strict=False), pytest.warns(errors.PlacementWarning, match="not active"):
-        assert fun.describe(w, x).startswith("fast path")  # no context: no tasks
+    # Both were entered before, so outside their `with` they are simply inactive: no tasks,
+    # and no warning (strict mode, on in every test, would raise it).
+    assert fun.describe(w, x).startswith("fast path")
 
 
 def test_later_registration_in_one_context_wins():
