@@ -877,8 +877,8 @@ CATALOGUE: list[Mistake] = [
       E.StrictModeError, ("'layer([0-9])'", "matched no name", "Closest names: ['layer_0']",
                           "fix the pattern"),
       "fix the pattern (without strict mode: a `PlacementWarning`)"),
-    M("register-inactive", "registration", "tasks registered on a MultiMesh traced outside "
-      "`with multi:`, strict", lambda env: _strict(lambda: _outside(env)),
+    M("register-inactive", "registration", "tasks registered on a MultiMesh never entered "
+      "(`with multi:`), strict", lambda env: _strict(lambda: _outside(env)),
       E.StrictModeError, ("MultiMesh(stage=2, data=4)", "'layer_([0-9])'", "'layer_0'",
                           "not active", "with multi_mesh:"),
       "trace inside `with multi_mesh:` (without strict mode: a `PlacementWarning`)"),
