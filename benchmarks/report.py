@@ -117,19 +117,20 @@ def _b3(data: dict[str, Any]) -> list[dict]:
         rows.append(
             _row(
                 "B3",
-                f"{label}: cold first step / jax.jit (wall; CPU time; XLA compile time)",
-                f"{c['ratio_first_step']:.2f}; {c['ratio_first_step_cpu']:.2f}; "
-                f"{c['ratio_xla_compile']:.2f}",
+                f"{label}: state setup + first step / jax.jit's (wall); first call alone "
+                "(wall; CPU time; XLA compile time)",
+                f"{c['ratio_with_setup']:.2f}; {c['ratio_first_step']:.2f}; "
+                f"{c['ratio_first_step_cpu']:.2f}; {c['ratio_xla_compile']:.2f}",
                 "<= 1.5",
-                c["ratio_first_step"] <= 1.5,
+                c["ratio_with_setup"] <= 1.5,
             )
         )
         if "ratio_first_step_accumulated" in c:
             rows.append(
                 _row(
                     "B3",
-                    f"{label}: the same / jax.jit accumulating {c['microbatches']} microbatches "
-                    "(wall; XLA compile time)",
+                    f"{label}: first call / jax.jit accumulating {c['microbatches']} "
+                    "microbatches (wall; XLA compile time)",
                     f"{c['ratio_first_step_accumulated']:.2f}; "
                     f"{c['ratio_xla_compile_accumulated']:.2f}",
                 )
@@ -144,6 +145,39 @@ def _b3(data: dict[str, Any]) -> list[dict]:
     rows += [r for r in data["rows"] if "gpt-small" in r["metric"]]
     total = sum(r["compilations"] for r in data["recompiles"].values())
     rows.append(_row("B3", "compilations after step 1 (all programs)", total, "0", total == 0))
+    return rows + _b3_sweep(data)
+
+
+def _b3_sweep(data: dict[str, Any]) -> list[dict]:
+    """The sweep's cold ratios in one row, the trace + partition growth, the cache runs."""
+    points = data.get("sweep", [])
+    if not points:
+        return []
+    met = sum(p["ratio_cold"] <= 1.3 for p in points)
+    cold = ", ".join(
+        f"L={p['layers']} m={p['microbatches']}: {p['ratio_cold']:.2f}" for p in points
+    )
+    built = ", ".join(
+        f"L={p['layers']} m={p['microbatches']}: "
+        f"{p['ours']['trace_s'] + p['ours']['partition_s']:.1f}"
+        for p in points
+    )
+    rows = [
+        _row(
+            "B3",
+            f"gpt-tiny S=2 1f1b sweep: cold first step (setup + call) / jax.jit+scan's "
+            f"({met} of {len(points)} meeting target)",
+            cold,
+            "<= 1.3",
+            met == len(points),
+        ),
+        _row("B3", "gpt-tiny S=2 1f1b sweep: trace + partition seconds", built),
+    ]
+    rows += [
+        r
+        for r in data["rows"]
+        if r["metric"].startswith(("trace + partition", "persistent compilation cache"))
+    ]
     return rows
 
 
