@@ -34,6 +34,11 @@ def _doctest_namespace(doctest_namespace):
 @pytest.fixture(autouse=True)
 def _strict_placement():
     import multimesh_flax as mm
+    from multimesh_flax.core import _registry
 
     with mm.context(strict=True):
         yield
+    # A registry a test filled but never entered is the "missing `with multi:`" mistake the
+    # library warns about; one kept alive by a finished test (its traceback, a fixture) must
+    # not warn in the tests after it.
+    _registry._WITH_REGISTRATIONS.clear()

@@ -67,9 +67,9 @@ def test_multi_mesh_registrations_are_active_only_inside_it():
     with mesh:
         inside = fun(jnp.ones(4))
     assert _ids(inside) == {4, 5, 6, 7}
-    _warnings.forget_warnings()
-    with mm.context(strict=False), pytest.warns(errors.PlacementWarning, match="not active"):
-        assert fun.describe(jnp.ones(4)).startswith("fast path")
+    # Entered before, so outside its `with` it is simply inactive: no tasks, no warning
+    # (strict mode, on in every test, would raise it).
+    assert fun.describe(jnp.ones(4)).startswith("fast path")
 
 
 def test_register_task_inside_a_multi_mesh_adds_to_it():
