@@ -19,7 +19,7 @@ import pytest
 import safetensors
 
 from models import cross_entropy_loss, hf, make_model
-from multimesh_flax import _cli, _recipe, _sample
+from multimesh_flax.cli import _cli, _recipe, _sample
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "1", "--log-every", "1"]

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from models import load_corpus
-from multimesh_flax import _cli, _run_options, _sample, errors
+from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
+from multimesh_flax.cli import _cli, _run_options, _sample
 
 TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "4"]
 STEPS = 24

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from models import CORPUS_NAMES, PRESETS, ModelConfig
-from multimesh_flax import _recipe, _sample, errors
+from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
+from multimesh_flax.cli import _recipe, _sample
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
 RUN_KEYS = (

@@ -67,7 +67,7 @@ def _configure_devices(count: int, *, accelerators: bool = False) -> None:
 
 def _add_train(sub: Any) -> None:
     from models import CORPUS_NAMES, PRESETS
-    from multimesh_flax._run_options import SCHEDULES, TrainOptions
+    from multimesh_flax.cli._run_options import SCHEDULES, TrainOptions
 
     d = TrainOptions()
     train = sub.add_parser(
@@ -171,7 +171,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     if args.devices < 2 or args.devices % 2:
         raise _ArgumentError(f"`--devices` must be an even number >= 2, got {args.devices}")
     _configure_devices(args.devices)
-    from multimesh_flax import _demo
+    from multimesh_flax.cli import _demo
 
     return _demo.run(args.devices)
 
@@ -181,7 +181,7 @@ def _run_train(args: argparse.Namespace) -> int:
         raise _ArgumentError(f"`--devices` must be a positive number, got {args.devices}")
     _configure_devices(args.devices, accelerators=True)
     _enable_cache(args)
-    from multimesh_flax import _run_options, _train
+    from multimesh_flax.cli import _run_options, _train
 
     given = {
         k: v for k, v in vars(args).items() if k not in ("command", "devices", "compile_cache")
@@ -210,7 +210,7 @@ def _device_count() -> int:
 
 
 def _print_result(result: Any) -> int:
-    from multimesh_flax import _train
+    from multimesh_flax.cli import _train
 
     m = result.metrics
     s = m["summary"]
@@ -257,7 +257,7 @@ def _print_result(result: Any) -> int:
 def _run_sample(args: argparse.Namespace) -> int:
     _configure_devices(_DEFAULT_DEVICES, accelerators=True)
     _enable_cache(args)
-    from multimesh_flax import _sample
+    from multimesh_flax.cli import _sample
 
     text = _sample.sample(
         args.checkpoint,
@@ -274,7 +274,7 @@ def _run_sample(args: argparse.Namespace) -> int:
 def _run_export(args: argparse.Namespace) -> int:
     _configure_devices(_DEFAULT_DEVICES, accelerators=True)
     _enable_cache(args)
-    from multimesh_flax import _export
+    from multimesh_flax.cli import _export
 
     folder = _export.export(args.checkpoint, args.to)
     print(f"wrote {folder}/ ({', '.join(sorted(p.name for p in folder.iterdir()))})")

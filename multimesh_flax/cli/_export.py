@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from models import hf
-from multimesh_flax import _recipe, _sample, errors
+from multimesh_flax import errors
+from multimesh_flax.cli import _recipe, _sample
 
 
 def export(checkpoint: str | Path, to: str | Path) -> Path:

@@ -19,8 +19,9 @@ import numpy as np
 from flax import linen as nn
 
 from models import ModelConfig, generate
-from multimesh_flax import _recipe, errors
+from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
+from multimesh_flax.cli import _recipe
 from multimesh_flax.layers import TrainState
 
 DEFAULT_PROMPT = "Shall I "

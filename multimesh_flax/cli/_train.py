@@ -40,16 +40,17 @@ from tqdm import tqdm
 import multimesh_flax as mm
 from models import ModelConfig, load_corpus
 from models.pipeline import make_multimesh
-from multimesh_flax import _recipe, _run_files, _sample, errors
+from multimesh_flax import errors
 from multimesh_flax._compilation_cache import compilation_counter
-from multimesh_flax._run_options import (
+from multimesh_flax.checkpoint import Checkpointer
+from multimesh_flax.cli import _recipe, _run_files, _sample
+from multimesh_flax.cli._run_options import (
     LAYOUT_KEYS,
     RUN_KEYS,
     TrainOptions,
     check_options,
     fresh_run_dir,
 )
-from multimesh_flax.checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
 
