@@ -433,3 +433,31 @@ class GraphArgumentError(MultiMeshError, ValueError):
     belong to the model passed to ``optimizer.update`` (build the optimizer from that model:
     ``nnx.Optimizer(model, tx, wrt=nnx.Param)``).
     """
+
+
+# --- multi-process (jax.distributed) --------------------------------------------------------
+
+
+class LaunchArgumentError(MultiMeshError, ValueError):
+    """``launch``/``mmflax launch`` got a malformed process count, device count or command.
+
+    Pass a positive ``n``, a positive ``devices_per_process`` and the command as a list of
+    arguments (``[sys.executable, "train.py"]``), or after ``--`` on the command line.
+    """
+
+
+class DistributedSetupError(MultiMeshError, ValueError):
+    """``multimesh_flax.distributed.initialize`` found a malformed launcher environment, or
+    was called after JAX had already started. Call it first thing in the script, before any
+    JAX operation, under ``mmflax launch`` or a cluster scheduler."""
+
+
+class ProgramMismatchError(MultiMeshError, ValueError):
+    """The processes of one job built different MPMD programs (a different model config, batch
+    shape or schedule in one of them). Every process must run the same script with the same
+    arguments; the message names the processes and what differs."""
+
+
+class ProcessLostError(MultiMeshError, RuntimeError):
+    """Another process of the job stopped answering (it died or was killed). The message
+    names it; this process stops instead of waiting for collectives that can never finish."""

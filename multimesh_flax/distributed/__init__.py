@@ -1,0 +1,6 @@
+"""Multi-process runs through ``jax.distributed``: launcher, setup, cross-process transfers."""
+
+from multimesh_flax.distributed._launch import LaunchResult as LaunchResult
+from multimesh_flax.distributed._launch import launch as launch
+from multimesh_flax.distributed._setup import initialize as initialize
+from multimesh_flax.distributed._setup import launched as launched
