@@ -4,8 +4,13 @@ Every mistake a user can make with the public API raises one of these classes. E
 subclasses ``ValueError`` or ``TypeError`` (so generic handlers keep working) and its message
 says what was expected, what was received, and what to do instead.
 
-The classes are named ``<Problem>Error`` and grouped by the part of the toolkit that raises
-them. Tests assert the class, so a class, once published, keeps its meaning.
+The classes are named ``<Problem>Error`` and grouped by topic: meshes and devices; tasks and
+name-based registration; compiler switches; logical sharding and placement (with
+``PlacementWarning``, the one warning class); transformations (``jit``, ``parallelize``);
+microbatching and pipeline schedules; Flax NNX; checkpoints; the reference models and
+pretrained checkpoints (`models`); timelines; multi-process runs. Tests assert the class, so
+a class, once published, keeps its meaning. The ``mmflax`` command line's own errors live
+with it, in `multimesh_flax.cli.errors`.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ class MultiMeshError(Exception):
     """Base class of every error raised for a user mistake."""
 
 
-# --- meshes ---------------------------------------------------------------------------------
+# --- meshes and devices ---------------------------------------------------------------------
 
 
 class MeshShapeError(MultiMeshError, ValueError):
@@ -58,7 +63,19 @@ class NoMultiMeshError(MultiMeshError, ValueError):
     """
 
 
-# --- tasks ----------------------------------------------------------------------------------
+class DevicePositionError(MultiMeshError, TypeError):
+    """A device list holds something that is neither a jax device nor an integer position.
+
+    ``TaskMesh(devices=...)`` takes *positions* ``0..N-1`` in the executable's device list
+    (``range(4)``), not ``jax.Device`` objects or ids of another type. To pin a task to
+    particular devices, pass a ``jax.sharding.Mesh`` as ``mesh=``, or the devices as
+    ``task(..., devices=...)``. The ``devices`` of ``task``, ``jit``, ``parallelize`` and
+    ``MultiMesh`` take jax devices or integer positions (in the executable's device list for
+    ``task``, in ``jax.devices()`` for the others); a string or other object raises this.
+    """
+
+
+# --- tasks and name-based registration ------------------------------------------------------
 
 
 class InvalidTaskError(MultiMeshError, ValueError):
@@ -88,7 +105,45 @@ class TaskInControlFlowError(MultiMeshError, ValueError):
     """
 
 
-# --- logical sharding -----------------------------------------------------------------------
+class InvalidMatcherError(MultiMeshError, ValueError):
+    """A ``register_task`` matcher is not a valid regular expression (or not a string).
+
+    Matchers are regexes matched in full against named-scope names and Flax module paths.
+    Fix the pattern, or wrap a literal name in ``re.escape``.
+    """
+
+
+class TaskRegistrationError(MultiMeshError, ValueError):
+    """``register_task`` got neither or both of ``callback`` and ``task``.
+
+    Pass ``task=Task(...)`` to run every matched name as that task, or
+    ``callback=fn`` with ``fn(matched_name, backprop) -> Task`` to choose per name and pass.
+    """
+
+
+class TaskCallbackError(MultiMeshError, TypeError):
+    """A ``register_task`` callback is not callable or did not return a ``Task``.
+
+    The callback is called as ``callback(matched_name, backprop)`` while a program is traced
+    and must return a ``Task`` (for example ``Task(mesh_slice={"stage": 0})``). The message
+    names the matcher, the matched name and what the callback returned.
+    """
+
+
+# --- compiler switches (context, autoshard, strict, ...) ------------------------------------
+
+
+class ContextFlagError(MultiMeshError, ValueError):
+    """A compiler switch got a value that is not a bool, or a switch name does not exist.
+
+    ``autoshard``, ``enable_fast_path``, ``enable_recomputation``, ``ignore_transforms`` and
+    ``strict`` take ``True`` or ``False`` (``context`` also ``None`` for "unchanged"); a string
+    such as ``"false"`` would otherwise silently turn the switch on. ``get_flag`` knows exactly
+    those five names.
+    """
+
+
+# --- logical sharding and placement ---------------------------------------------------------
 
 
 class LogicalRulesError(MultiMeshError, ValueError):
@@ -115,7 +170,47 @@ class UnevenShardingError(MultiMeshError, ValueError):
     """
 
 
-# --- transformations ------------------------------------------------------------------------
+class UnmappedLogicalAxisError(LogicalRulesError):
+    """A task-wrapped NNX variable names a logical axis that no rule of its task mentions.
+
+    ``Task[Block]`` creates each variable sharded by its ``out_sharding`` logical names through
+    the task's rules. A name the rules do not mention at all is almost always a typo or a
+    forgotten rule, so it is an error rather than a silent replication. Add a rule to
+    ``logical_axes``: ``(name, None)`` to replicate, ``(name, "<mesh axis>")`` to shard.
+    """
+
+
+class UnplacedVariableError(MultiMeshError, ValueError):
+    """An NNX variable with sharding metadata was created outside every mesh.
+
+    ``nnx.with_partitioning(init, names)`` asks NNX to shard the variable when it is created,
+    which needs a mesh. Create the module through ``multimesh_flax.task(Block, ...)`` (its
+    variables are born on the task's submesh), inside ``jax.set_mesh(mesh)``, or with
+    ``nnx.use_eager_sharding(False)`` to create it unsharded.
+    """
+
+
+class PlacementWarning(UserWarning):
+    """Something runs, but probably not where or how it was meant to.
+
+    Warned (once per cause) when a ``register_task`` pattern matched no name in a traced
+    program, a logical axis name has no rule, a task is traced by a JAX transformation other
+    than ``multimesh_flax.jit``/``parallelize`` (so it is not placed), or a ``MultiMesh`` with
+    registered tasks is used outside its ``with`` block. The message says what happened and
+    how to get the other behaviour. Under ``context(strict=True)`` these become errors
+    (``StrictModeError``); to silence one, filter this class with ``warnings.filterwarnings``.
+    """
+
+
+class StrictModeError(MultiMeshError, ValueError):
+    """A ``PlacementWarning`` raised as an error because ``context(strict=True)`` is on.
+
+    The message is the warning's: it names what would have been placed differently from what
+    the program says, and how to fix it.
+    """
+
+
+# --- transformations (jit, parallelize, their arguments) ------------------------------------
 
 
 class ParallelizeArgumentError(MultiMeshError, ValueError):
@@ -130,7 +225,45 @@ class StaticArgumentError(MultiMeshError, TypeError):
     """A static argument is not hashable, or an index in ``static_argnums`` is invalid."""
 
 
-# --- pipeline schedules ---------------------------------------------------------------------
+class ConsumedArrayError(MultiMeshError, ValueError):
+    """An input array was donated to an earlier call and no longer exists.
+
+    ``parallelize_step``'s ``step_fn`` donates the train state, and ``jit(...,
+    donate_argnums=...)`` the arguments named there: the call reuses their buffers for its
+    outputs, so the arrays passed in are deleted. Passing the same arrays again (``loss, new =
+    step(state, x)`` twice, forgetting to rebind ``state``) would crash the process. Use the
+    state or outputs the earlier call returned: ``loss, state = step(state, x)``.
+    """
+
+
+# --- microbatching and pipeline schedules ---------------------------------------------------
+
+
+class UnevenMicrobatchError(MultiMeshError, ValueError):
+    """``microbatch``'s ``size`` does not divide the batch, or the batch leaves disagree.
+
+    Every leaf of the split argument must have the same length along ``dim``, and that
+    length must be a multiple of ``size`` (nothing is dropped silently). Pick a ``size``
+    that divides the batch, or pad or trim the batch to a multiple of ``size``.
+    """
+
+
+class MicrobatchAxisError(MultiMeshError, ValueError):
+    """``microbatch`` cannot find the axis or argument to split.
+
+    ``dim`` must be an axis of every array leaf of argument ``argnum`` (negative values count
+    from the end), and ``argnum`` must name a positional argument of the call. Fix ``dim``
+    or ``argnum``, or pass the batch positionally.
+    """
+
+
+class MicrobatchArgumentError(MultiMeshError, ValueError):
+    """``microbatch`` was given an option it cannot use.
+
+    ``size``, ``num_stages`` and ``interleave`` are positive integers, ``reduce`` is
+    ``"sum"`` or ``"mean"``, and ``custom_schedule`` goes with ``schedule="custom"``. The
+    message names the argument and the accepted values.
+    """
 
 
 class InvalidScheduleError(MultiMeshError, ValueError):
@@ -143,6 +276,19 @@ class InvalidScheduleError(MultiMeshError, ValueError):
     phase. The message names the offending op as ``<phase><stage>.<microbatch>`` (``B1.3``)
     and says how to fix it; most often, reorder the row so every op comes after the ops it
     depends on.
+    """
+
+
+# --- Flax NNX -------------------------------------------------------------------------------
+
+
+class GraphArgumentError(MultiMeshError, ValueError):
+    """``multimesh_flax.jit`` got NNX graph objects it cannot carry through the program.
+
+    Raised when the jitted function returns an NNX graph object (return arrays; the graph
+    objects passed in are updated in place), or when an ``nnx.Optimizer``'s state does not
+    belong to the model passed to ``optimizer.update`` (build the optimizer from that model:
+    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``).
     """
 
 
@@ -193,114 +339,6 @@ class CheckpointReadOnlyError(MultiMeshError, ValueError):
     """
 
 
-# --- microbatching --------------------------------------------------------------------------
-
-
-class UnevenMicrobatchError(MultiMeshError, ValueError):
-    """``microbatch``'s ``size`` does not divide the batch, or the batch leaves disagree.
-
-    Every leaf of the split argument must have the same length along ``dim``, and that
-    length must be a multiple of ``size`` (nothing is dropped silently). Pick a ``size``
-    that divides the batch, or pad or trim the batch to a multiple of ``size``.
-    """
-
-
-class MicrobatchAxisError(MultiMeshError, ValueError):
-    """``microbatch`` cannot find the axis or argument to split.
-
-    ``dim`` must be an axis of every array leaf of argument ``argnum`` (negative values count
-    from the end), and ``argnum`` must name a positional argument of the call. Fix ``dim``
-    or ``argnum``, or pass the batch positionally.
-    """
-
-
-class MicrobatchArgumentError(MultiMeshError, ValueError):
-    """``microbatch`` was given an option it cannot use.
-
-    ``size``, ``num_stages`` and ``interleave`` are positive integers, ``reduce`` is
-    ``"sum"`` or ``"mean"``, and ``custom_schedule`` goes with ``schedule="custom"``. The
-    message names the argument and the accepted values.
-    """
-
-
-# --- name-based tasks -----------------------------------------------------------------------
-
-
-class InvalidMatcherError(MultiMeshError, ValueError):
-    """A ``register_task`` matcher is not a valid regular expression (or not a string).
-
-    Matchers are regexes matched in full against named-scope names and Flax module paths.
-    Fix the pattern, or wrap a literal name in ``re.escape``.
-    """
-
-
-class TaskRegistrationError(MultiMeshError, ValueError):
-    """``register_task`` got neither or both of ``callback`` and ``task``.
-
-    Pass ``task=Task(...)`` to run every matched name as that task, or
-    ``callback=fn`` with ``fn(matched_name, backprop) -> Task`` to choose per name and pass.
-    """
-
-
-class TaskCallbackError(MultiMeshError, TypeError):
-    """A ``register_task`` callback is not callable or did not return a ``Task``.
-
-    The callback is called as ``callback(matched_name, backprop)`` while a program is traced
-    and must return a ``Task`` (for example ``Task(mesh_slice={"stage": 0})``). The message
-    names the matcher, the matched name and what the callback returned.
-    """
-
-
-class TimelineDataError(MultiMeshError, ValueError):
-    """A recorded timeline lacks what was asked of it.
-
-    Raised when the timeline holds no events (nothing ran inside ``record_timeline``), when
-    ``call`` names a call that was not recorded, or when a bubble is asked of a call that ran
-    no pipeline unit. Record a ``jit`` call of a function that uses ``microbatch`` with tasks.
-    """
-
-
-# --- command line ---------------------------------------------------------------------------
-
-
-class RunOptionError(MultiMeshError, ValueError):
-    """An ``mmflax`` option contradicts the model, the devices or the run folder.
-
-    Raised before anything is compiled: an unknown model preset, a ``--stages`` count that
-    does not divide the model's layers, ``--stages`` x ``--data`` x ``--tensor`` different
-    from the device count, a batch that ``--microbatches`` x ``--data`` does not divide, a
-    ``--tensor`` size that does not divide the heads or widths, a ``--devices`` count after
-    JAX already started with another, a ``--resume`` that changes the model or data of the
-    saved run, or a fresh ``--out`` that already holds a run. The message names the option,
-    the value received and the values that would work.
-    """
-
-
-# --- added with the bad-input catalogue (docs/errors.md) ------------------------------------
-
-
-class DevicePositionError(MultiMeshError, TypeError):
-    """A device list holds something that is neither a jax device nor an integer position.
-
-    ``TaskMesh(devices=...)`` takes *positions* ``0..N-1`` in the executable's device list
-    (``range(4)``), not ``jax.Device`` objects or ids of another type. To pin a task to
-    particular devices, pass a ``jax.sharding.Mesh`` as ``mesh=``, or the devices as
-    ``task(..., devices=...)``. The ``devices`` of ``task``, ``jit``, ``parallelize`` and
-    ``MultiMesh`` take jax devices or integer positions (in the executable's device list for
-    ``task``, in ``jax.devices()`` for the others); a string or other object raises this.
-    """
-
-
-class ContextFlagError(MultiMeshError, ValueError):
-    """A compiler switch got a value that is not a bool, or a switch name does not exist.
-
-    ``autoshard``, ``enable_fast_path``, ``enable_recomputation``, ``ignore_transforms`` and
-    ``strict`` take ``True`` or ``False`` (``context`` also ``None`` for "unchanged"); a string
-    such as ``"false"`` would otherwise silently turn the switch on. ``get_flag`` knows exactly
-    those five names.
-    """
-
-
 class CheckpointArgumentError(MultiMeshError, ValueError):
     """A ``Checkpointer`` or ``save`` got an argument it cannot use.
 
@@ -311,6 +349,9 @@ class CheckpointArgumentError(MultiMeshError, ValueError):
     """
 
 
+# --- reference models and pretrained checkpoints (models, models.hf) ------------------------
+
+
 class ModelConfigError(MultiMeshError, ValueError):
     """A reference-model configuration (``models.get_config``, ``ModelConfig``) is invalid.
 
@@ -319,43 +360,6 @@ class ModelConfigError(MultiMeshError, ValueError):
     non-positive size, ``dropout_rate`` outside ``[0, 1)``). The message lists the valid
     names or says which value to change.
     """
-
-
-# --- added for issue 17: nothing silent -----------------------------------------------------
-
-
-class ConsumedArrayError(MultiMeshError, ValueError):
-    """An input array was donated to an earlier call and no longer exists.
-
-    ``parallelize_step``'s ``step_fn`` donates the train state, and ``jit(...,
-    donate_argnums=...)`` the arguments named there: the call reuses their buffers for its
-    outputs, so the arrays passed in are deleted. Passing the same arrays again (``loss, new =
-    step(state, x)`` twice, forgetting to rebind ``state``) would crash the process. Use the
-    state or outputs the earlier call returned: ``loss, state = step(state, x)``.
-    """
-
-
-class PlacementWarning(UserWarning):
-    """Something runs, but probably not where or how it was meant to.
-
-    Warned (once per cause) when a ``register_task`` pattern matched no name in a traced
-    program, a logical axis name has no rule, a task is traced by a JAX transformation other
-    than ``multimesh_flax.jit``/``parallelize`` (so it is not placed), or a ``MultiMesh`` with
-    registered tasks is used outside its ``with`` block. The message says what happened and
-    how to get the other behaviour. Under ``context(strict=True)`` these become errors
-    (``StrictModeError``); to silence one, filter this class with ``warnings.filterwarnings``.
-    """
-
-
-class StrictModeError(MultiMeshError, ValueError):
-    """A ``PlacementWarning`` raised as an error because ``context(strict=True)`` is on.
-
-    The message is the warning's: it names what would have been placed differently from what
-    the program says, and how to fix it.
-    """
-
-
-# --- pretrained checkpoints (models.hf) -----------------------------------------------------
 
 
 class PretrainedConfigError(MultiMeshError, ValueError):
@@ -402,36 +406,15 @@ class VocabularySplitError(MultiMeshError, ValueError):
     """
 
 
-# --- Flax NNX -------------------------------------------------------------------------------
+# --- timelines ------------------------------------------------------------------------------
 
 
-class UnmappedLogicalAxisError(LogicalRulesError):
-    """A task-wrapped NNX variable names a logical axis that no rule of its task mentions.
+class TimelineDataError(MultiMeshError, ValueError):
+    """A recorded timeline lacks what was asked of it.
 
-    ``Task[Block]`` creates each variable sharded by its ``out_sharding`` logical names through
-    the task's rules. A name the rules do not mention at all is almost always a typo or a
-    forgotten rule, so it is an error rather than a silent replication. Add a rule to
-    ``logical_axes``: ``(name, None)`` to replicate, ``(name, "<mesh axis>")`` to shard.
-    """
-
-
-class UnplacedVariableError(MultiMeshError, ValueError):
-    """An NNX variable with sharding metadata was created outside every mesh.
-
-    ``nnx.with_partitioning(init, names)`` asks NNX to shard the variable when it is created,
-    which needs a mesh. Create the module through ``multimesh_flax.task(Block, ...)`` (its
-    variables are born on the task's submesh), inside ``jax.set_mesh(mesh)``, or with
-    ``nnx.use_eager_sharding(False)`` to create it unsharded.
-    """
-
-
-class GraphArgumentError(MultiMeshError, ValueError):
-    """``multimesh_flax.jit`` got NNX graph objects it cannot carry through the program.
-
-    Raised when the jitted function returns an NNX graph object (return arrays; the graph
-    objects passed in are updated in place), or when an ``nnx.Optimizer``'s state does not
-    belong to the model passed to ``optimizer.update`` (build the optimizer from that model:
-    ``nnx.Optimizer(model, tx, wrt=nnx.Param)``).
+    Raised when the timeline holds no events (nothing ran inside ``record_timeline``), when
+    ``call`` names a call that was not recorded, or when a bubble is asked of a call that ran
+    no pipeline unit. Record a ``jit`` call of a function that uses ``microbatch`` with tasks.
     """
 
 

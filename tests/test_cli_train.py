@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from models import load_corpus
-from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _cli, _run_options, _sample
+from multimesh_flax.cli.errors import RunOptionError
 
 TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "4"]
 STEPS = 24
@@ -143,7 +143,7 @@ def test_bad_training_options_raise_run_option_error(args, match):
     parsed = vars(_cli._parser().parse_args(["train", *args]))
     given = {k: v for k, v in parsed.items() if k not in ("command", "devices", "resume")}
     options = _run_options.resolve_options({**given, "out": "unused"})
-    with pytest.raises(errors.RunOptionError, match=re.escape(match)):
+    with pytest.raises(RunOptionError, match=re.escape(match)):
         _run_options.check_options(options, jax.device_count())
 
 

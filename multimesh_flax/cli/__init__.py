@@ -16,6 +16,7 @@ Nothing in `multimesh_flax` imports this package; it uses the public library (``
 * `_recipe`: what a run is made of: model, optimizer, loss, tokenizer and batches.
 * `_run_files`: the run folder's files besides the checkpoint (``metrics.json``,
   ``loss.png``, ``samples.txt``).
+* `errors`: the errors only the application raises (`RunOptionError`).
 
 ``python -m multimesh_flax.cli`` is the same as the ``mmflax`` script.
 """

@@ -47,7 +47,7 @@ def _configure_devices(count: int, *, accelerators: bool = False) -> None:
     """
     import jax
 
-    from multimesh_flax import errors
+    from multimesh_flax.cli.errors import RunOptionError
 
     platforms = os.environ.get("JAX_PLATFORMS")
     pin_cpu = platforms == "cpu" or (platforms is None and not accelerators)
@@ -58,7 +58,7 @@ def _configure_devices(count: int, *, accelerators: bool = False) -> None:
     except RuntimeError:  # the backends are up already
         devices = jax.devices()
         if devices[0].platform == "cpu" and len(devices) != count:
-            raise errors.RunOptionError(
+            raise RunOptionError(
                 f"JAX already runs with {len(devices)} CPU devices in this process, so "
                 f"`--devices` {count} cannot take effect. Pass `--devices {len(devices)}`, or "
                 "run `mmflax` in a fresh process."

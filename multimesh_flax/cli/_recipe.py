@@ -31,7 +31,7 @@ from flax import linen as nn
 from models import GPT, ByteTokenizer, Family, Llama, ModelConfig, cross_entropy_loss, get_config
 from models import iterate_batches as _iterate_batches
 from models import load_corpus as _load_corpus
-from multimesh_flax import errors
+from multimesh_flax.cli.errors import RunOptionError
 
 Batch = dict[str, np.ndarray]
 
@@ -59,7 +59,7 @@ def run_config(model: str, layers: int | None, init_from: str | None) -> ModelCo
 
     config = hf.load_config(init_from, dtype=np.float32)
     if layers is not None and layers != config.num_layers:
-        raise errors.RunOptionError(
+        raise RunOptionError(
             f"`--layers` {layers} differs from the {config.num_layers} layers of the "
             f"checkpoint in '{init_from}'. Drop `--layers` when fine-tuning with `--init-from`."
         )
@@ -84,7 +84,7 @@ def make_tokenizer(init_from: str | None) -> Any:
         return hf.HFTokenizer.from_folder(init_from)
     vocab = hf.load_config(init_from).vocab_size
     if vocab <= TOKENIZER.pad_id:
-        raise errors.RunOptionError(
+        raise RunOptionError(
             f"'{init_from}' has no tokenizer.json, and its {vocab}-id vocabulary cannot hold "
             f"the byte tokenizer's ids (0-{TOKENIZER.pad_id}). Add the checkpoint's "
             "tokenizer.json to the folder."

@@ -9,7 +9,7 @@ parameter tree does not depend on it); the rest (``steps``, ``out``, ...) are pe
 with the settings saved in the run's checkpoint -- and `check_options` rejects
 contradictions (an unknown preset, stages that do not divide the layers, a layout that does
 not cover the devices, a batch that the microbatches and data replicas do not divide)
-before anything is traced or compiled, raising ``errors.RunOptionError``.
+before anything is traced or compiled, raising `multimesh_flax.cli.errors.RunOptionError`.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from models import CORPUS_NAMES, PRESETS, ModelConfig
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _recipe, _sample
+from multimesh_flax.cli.errors import RunOptionError
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
 RUN_KEYS = (
@@ -99,8 +100,8 @@ def _flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _fail(message: str) -> errors.RunOptionError:
-    return errors.RunOptionError(message)
+def _fail(message: str) -> RunOptionError:
+    return RunOptionError(message)
 
 
 def fresh_run_dir() -> str:

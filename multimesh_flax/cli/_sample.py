@@ -22,6 +22,7 @@ from models import ModelConfig, generate
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _recipe
+from multimesh_flax.cli.errors import RunOptionError
 from multimesh_flax.layers import TrainState
 
 DEFAULT_PROMPT = "Shall I "
@@ -52,7 +53,7 @@ def check_length(
     """Raises ``RunOptionError`` unless the prompt plus ``tokens`` fits ``config.max_len``."""
     length = len(tokenizer.encode(prompt))
     if tokens < 0 or length + tokens > config.max_len:
-        raise errors.RunOptionError(
+        raise RunOptionError(
             f"Expected `--tokens` between 0 and {max(config.max_len - length, 0)} (the model "
             f"reads at most {config.max_len} tokens and the prompt takes {length}), got "
             f"{tokens}. Ask for fewer tokens or use a shorter `--prompt`."
@@ -149,7 +150,7 @@ def sample(
             ``temperature``/``top_k`` are out of range.
     """
     if temperature < 0 or (top_k is not None and top_k < 1):
-        raise errors.RunOptionError(
+        raise RunOptionError(
             f"Expected `--temperature` >= 0 and `--top-k` >= 1, got {temperature} and {top_k}. "
             "Use temperature 0 for greedy decoding."
         )
