@@ -34,7 +34,7 @@ def _doctest_namespace(doctest_namespace):
 @pytest.fixture(autouse=True)
 def _strict_placement():
     import multimesh_flax as mm
-    from multimesh_flax.core import _registry
+    from multimesh_flax.core.declare import _registry
 
     with mm.context(strict=True):
         yield

@@ -11,7 +11,8 @@ from flax import linen as nn
 from flax import nnx
 
 from multimesh_flax import errors
-from multimesh_flax.core import _task as _core_task
+from multimesh_flax.core.declare import _task as _core_task
+from multimesh_flax.core.front import _task_function
 from multimesh_flax.layers import _nnx_jit, _nnx_task
 from multimesh_flax.layers import _task as _flax_task
 
@@ -48,4 +49,4 @@ def task(
             f"instance of {type(fun).__name__}. Pass the class and construct the wrapped class: "
             f"`task({type(fun).__name__}, ...)(<fields>)`."
         )
-    return _core_task.task(fun, name, task=task, **kwargs)
+    return _task_function.task(fun, name, task=task, **kwargs)

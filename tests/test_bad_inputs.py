@@ -45,7 +45,9 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import checkpoint, errors
-from multimesh_flax.core import _config, _mesh, _named_tasks, _registry, _runtime, _task
+from multimesh_flax.core.declare import _config, _devices, _registry
+from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.trace import _colour, _session
 from multimesh_flax.layers import _task as _flax_task
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
@@ -1071,16 +1073,16 @@ def _snapshot(env: Env) -> dict[str, Any]:
     registries = {*contexts, env.multi, env.context}
     return {
         "flags": {n: _config.get_flag(n) for n in _config._NAMES},
-        "multi_meshes": list(_mesh._STATE.multi_meshes),
-        "device_lists": list(_mesh._STATE.device_lists),
-        "task_stack": list(_task._STATE.stack),
-        "trace_sessions": list(_task._STATE.sessions),
-        "microbatch_index": _task._STATE.microbatch_index,
+        "multi_meshes": list(_devices._STATE.multi_meshes),
+        "device_lists": list(_devices._STATE.device_lists),
+        "task_stack": list(_session._STATE.stack),
+        "trace_sessions": list(_session._STATE.sessions),
+        "microbatch_index": _session._STATE.microbatch_index,
         "active_contexts": contexts,
         "registrations": {id(c): (c.registrations, c._version) for c in registries},
-        "flax_task_stack": list(_named_tasks._FLAX_ACTIVE.stack),
+        "flax_task_stack": list(_colour._FLAX_ACTIVE.stack),
         "flax_path_recorders": list(_flax_task._RECORDER.owners),
-        "timeline": _runtime._RECORDING.timeline,
+        "timeline": _dispatch._RECORDING.timeline,
         "abstract_mesh": jax.sharding.get_abstract_mesh(),
         "logical_axis_rules": nn.get_logical_axis_rules(),
         "name_stack": str(source_info_util.current_name_stack()),

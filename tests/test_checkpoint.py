@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import checkpoint, errors
-from multimesh_flax.core._mesh import make_auto_mesh
+from multimesh_flax.core.declare._devices import make_auto_mesh
 
 NUM_LAYERS = 4
 

@@ -29,8 +29,8 @@ import jax
 from flax import nnx
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config
-from multimesh_flax.core import _jit as _core_jit
+from multimesh_flax.core.declare import _config
+from multimesh_flax.core.front import _jit as _core_jit
 from multimesh_flax.layers import _nnx_task
 
 
@@ -225,7 +225,7 @@ def microbatch(
         >>> grads["kernel"].get_value().shape
         (3, 1)
     """
-    from multimesh_flax.core import _microbatch
+    from multimesh_flax.core.trace import _microbatch
 
     if "trace_once" in options:
         return _microbatch.microbatch(fun, dim, size, argnum, **options)

@@ -20,7 +20,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _named_tasks, _parallelize, _registry
+from multimesh_flax.core.declare import _registry
+from multimesh_flax.core.front import _parallelize
+from multimesh_flax.core.trace import _colour
 from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement
 from multimesh_flax.layers import _tabulate as _linen_tabulate
 
@@ -49,7 +51,7 @@ def _task_names(model: nnx.Module) -> list[tuple[tuple[Any, ...], str]]:
         spec = _nnx_task.task_spec_of(module)
         if spec is None and path and _registry.has_registrations():  # register_task by path
             match = _registry.find_match("/".join(map(str, path)), str(path[-1]))
-            spec = None if match is None else _named_tasks.task_for(match, False)
+            spec = None if match is None else _colour.task_for(match, False)
         if spec is not None:
             where = "/".join(map(str, path)) or type(module).wrapped_module.__name__
             found.append((tuple(path), spec.name or where))  # unnamed: its attribute path

@@ -33,7 +33,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _logical, _named_tasks, _registry, _task
+from multimesh_flax.core.declare import _config, _registry, _rules, _task
+from multimesh_flax.core.trace import _colour, _session
 
 TASK_SHARDING = "task_sharding"  # Variable metadata: where a task-born variable lives
 _INSTANCE_KEY = "_mm_task_key"  # static attribute: one task per instance per trace
@@ -48,18 +49,13 @@ def is_tracing() -> bool:
     return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
-def resolve(module: nnx.Module, spec: _task.Task) -> _task.ResolvedTask:
+def resolve(module: nnx.Module, spec: _task.Task) -> _session.ResolvedTask:
     """The ``ResolvedTask`` of a task module: one per instance per trace session."""
     name = spec.name or type(module).wrapped_module.__name__
-    session = _task.current_session()
+    session = _session.current_session()
     if session is None:
-        return _task.resolve_task(spec, name)
-    key: tuple[Any, ...] = ("nnx", getattr(module, _INSTANCE_KEY, id(module)))
-    if spec.loop_dependent_mesh_slice is not None:
-        key += (_task.current_microbatch_index(),)
-    if key not in session.cache:
-        session.cache[key] = _task.resolve_task(spec, name)
-    return session.cache[key]
+        return _session.resolve_task(spec, name)
+    return session.resolve_module(("nnx", getattr(module, _INSTANCE_KEY, id(module))), spec, name)
 
 
 def _logical_spec(variable: nnx.Variable) -> PartitionSpec:
@@ -84,7 +80,7 @@ def _check_names_mapped(path: tuple[Any, ...], logical: PartitionSpec, resolved:
 
 
 def variable_sharding(
-    path: tuple[Any, ...], variable: nnx.Variable, resolved: _task.ResolvedTask
+    path: tuple[Any, ...], variable: nnx.Variable, resolved: _session.ResolvedTask
 ) -> NamedSharding:
     """Where ``variable`` lives in task ``resolved``: its logical names through the rules.
 
@@ -95,7 +91,7 @@ def variable_sharding(
     logical = _logical_spec(variable)
     _check_names_mapped(path, logical, resolved)
     value = variable.get_value()
-    spec = _logical.logical_to_mesh_spec(
+    spec = _rules.logical_to_mesh_spec(
         logical, jnp.shape(value), dict(resolved.mesh.shape), resolved.rules
     )
     return NamedSharding(resolved.mesh, spec)
@@ -111,7 +107,7 @@ def own_variables(module: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variabl
 
 
 def place_variables(
-    module: nnx.Module, resolved: _task.ResolvedTask, *, record: bool = True
+    module: nnx.Module, resolved: _session.ResolvedTask, *, record: bool = True
 ) -> None:
     """Constrains every variable of ``module`` onto the task's submesh; ``record``: also
     writes the placement into its metadata (at construction; a call leaves the metadata, and
@@ -217,16 +213,20 @@ def call_as_task(
     """Runs ``call(*args, **kwargs)`` (the wrapped ``__call__``) as ``spec``'s task."""
     if _config.get_flag("ignore_transforms"):
         return call(*args, **kwargs)
-    traced = _task.current_session() is not None or _task.contains_tracer((args, kwargs))
+    traced = _session.current_session() is not None or _session.contains_tracer((args, kwargs))
     if not traced:
         return _call_eager(module, spec, call, (args, kwargs))
     resolved = resolve(module, spec)
-    with _task.enter_task(resolved):
+    with _session.enter_task(resolved):
         return _call_with_placed_variables(module, resolved, call, args, kwargs)
 
 
 def _call_with_placed_variables(
-    module: nnx.Module, resolved: _task.ResolvedTask, call: Callable[..., Any], args: Any, kw: Any
+    module: nnx.Module,
+    resolved: _session.ResolvedTask,
+    call: Callable[..., Any],
+    args: Any,
+    kw: Any,
 ) -> Any:
     """``call`` with the module's variables read through constraints on the task's submesh
     (their values are restored afterwards unless the call wrote them)."""
@@ -247,14 +247,14 @@ def _call_with_placed_variables(
 
 def _call_as_registered(module: nnx.Module, call: Callable[..., Any], args: Any, kw: Any) -> Any:
     """Runs a call of a module matched by ``register_task`` as the matched task."""
-    session = _task.current_session()
+    session = _session.current_session()
     if _config.get_flag("ignore_transforms") or session is None:
         return call(*args, **kw)
-    state = _named_tasks._state(session)
+    state = _colour._state(session)
     resolved = state.resolve(type(module).registered_match, False)
-    if _task.current_task() is resolved:
+    if _session.current_task() is resolved:
         return call(*args, **kw)
-    with _task.enter_task(resolved):
+    with _session.enter_task(resolved):
         return _call_with_placed_variables(module, resolved, call, args, kw)
 
 
@@ -289,10 +289,10 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
     their classes are swapped for a subclass that enters the task: NNX's own transforms
     inside the trace (``nnx.value_and_grad``) copy the swapped classes along.
     """
-    session = _task.current_session()
+    session = _session.current_session()
     if session is None or not _registry.has_registrations():
         return
-    state = _named_tasks._state(session)
+    state = _colour._state(session)
     for node in nodes:
         if not isinstance(node, nnx.Module):
             continue

@@ -25,7 +25,9 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _logical, _mesh, _named_tasks, _registry, _runtime, _task
+from multimesh_flax.core.declare import _config, _devices, _registry, _rules, _task
+from multimesh_flax.core.fragment import _inputs
+from multimesh_flax.core.trace import _colour, _session
 from multimesh_flax.layers import _task as _flax_task
 
 ModulePath = tuple[str, ...]
@@ -84,9 +86,9 @@ def _registered_owner(owners: dict[ModulePath, _task.Task]) -> Callable[..., Any
 
     def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
-        match = _registry.find_match(*_named_tasks.module_names(module))
+        match = _registry.find_match(*_colour.module_names(module))
         if match is not None and module.scope is not None:
-            spec = _named_tasks.task_for(match, False)
+            spec = _colour.task_for(match, False)
             named = spec if spec.name else dataclasses.replace(spec, name=match.name)
             owners.setdefault(tuple(module.path), named)
         return next_fun(*args, **kwargs)
@@ -103,7 +105,7 @@ def trace_variables(
     with (
         _flax_task.record_task_paths() as owners,
         nn.intercept_methods(_registered_owner(registered)),
-        _task.shape_only_trace(),  # tasks are not placed here, by design
+        _session.shape_only_trace(),  # tasks are not placed here, by design
     ):
         variables = jax.eval_shape(lambda *a: init(*a, **kwargs), *args)
     return variables, owners, registered
@@ -124,10 +126,10 @@ def owner_of(
 def resolve_owners(owners: Mapping[ModulePath, _task.Task], devices: Any) -> dict[Any, Owner]:
     """Resolves each distinct ``Task`` to its mesh and rules for the device list."""
     resolved: dict[Any, Owner] = {}
-    with _mesh.use_device_list(devices):
+    with _devices.use_device_list(devices):
         for spec in owners.values():
             if id(spec) not in resolved:
-                r = _task.resolve_task(spec, spec.name or "task")
+                r = _session.resolve_task(spec, spec.name or "task")
                 resolved[id(spec)] = Owner(name=r.name, mesh=r.mesh, rules=r.rules)
     return resolved
 
@@ -168,7 +170,7 @@ def owner_shardings(
         value = leaf.value if is_box(leaf) else leaf
         logical = logical_spec(leaf) or PartitionSpec()
         try:
-            mesh_spec = _logical.logical_to_mesh_spec(
+            mesh_spec = _rules.logical_to_mesh_spec(
                 logical, value.shape, dict(owner.mesh.shape), owner.rules
             )
         except errors.MultiMeshError as error:
@@ -177,7 +179,7 @@ def owner_shardings(
             problems[path_keys(path)] = str(error)
             shardings.append(None)
             continue
-        shardings.append(_runtime.canonical_sharding(NamedSharding(owner.mesh, mesh_spec)))
+        shardings.append(_inputs.canonical_sharding(NamedSharding(owner.mesh, mesh_spec)))
     return treedef.unflatten(shardings), treedef.unflatten(found)
 
 
@@ -227,6 +229,6 @@ def constrain(tree: Any, shardings: Any, owners: Any = None) -> Any:
         elif owner is None:
             out.append(jax.lax.with_sharding_constraint(x, sharding))
         else:
-            with _task.enter_task(_flax_task.resolve_path(owner[1], owner[0])):
+            with _session.enter_task(_flax_task.resolve_path(owner[1], owner[0])):
                 out.append(jax.lax.with_sharding_constraint(x, sharding))
     return treedef.unflatten(out)

@@ -35,7 +35,9 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _jit, _mesh, _microbatch, _parallelize, _registry, _task
+from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
+from multimesh_flax.core.front import _jit, _parallelize
+from multimesh_flax.core.trace import _microbatch, _session
 from multimesh_flax.layers import _placement
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
@@ -197,11 +199,11 @@ def _abstract(tree: Any) -> Any:
 def _devices_of(mesh: Any) -> tuple[Any, Any, jax.sharding.Mesh]:
     """``(device list, MultiMesh or None, the mesh to return)`` for the ``mesh`` argument."""
     if mesh is None:
-        mesh = _mesh.get_multi_mesh()
+        mesh = _multimesh.get_multi_mesh()
     if mesh is None:
         pool = np.array(jax.devices(), dtype=object)
-        return None, None, _mesh.make_auto_mesh(pool, ("devices",))
-    if isinstance(mesh, _mesh.MultiMesh):
+        return None, None, _devices.make_auto_mesh(pool, ("devices",))
+    if isinstance(mesh, _multimesh.MultiMesh):
         return list(mesh.devices.flat), mesh, mesh.mesh
     if isinstance(mesh, jax.sharding.Mesh):
         return list(mesh.devices.flat), None, mesh
@@ -340,7 +342,7 @@ class _Setup:
         param_sh, param_owners = _placement.owner_shardings(
             boxed.get("params", {}), owners, devices, registered=registered
         )
-        with _task.shape_only_trace():  # initialising for shapes: tasks are not placed here
+        with _session.shape_only_trace():  # initialising for shapes: tasks are not placed here
             # Traced once: the shapes here, the sharded initializer replays the program.
             self.state_program, state = jax.make_jaxpr(
                 lambda: self.make_state(batch_shape), return_shape=True
@@ -399,7 +401,7 @@ class StepFn:
     so where it is later called does not change what it does.
     """
 
-    def __init__(self, jitted: _jit.MpmdJit, multi: _mesh.MultiMesh | None) -> None:
+    def __init__(self, jitted: _jit.MpmdJit, multi: _multimesh.MultiMesh | None) -> None:
         self.jitted = jitted
         # The registries active when the step was built, outermost first (the process-wide
         # default is always active); the MultiMesh goes outside them unless it is one.
@@ -445,7 +447,7 @@ def _derive(jitted: _jit.MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, An
 def parallelize_step(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh | _mesh.MultiMesh | None = None,
+    mesh: jax.sharding.Mesh | _multimesh.MultiMesh | None = None,
     global_batch: Any = None,
     local_batch: Any = None,
     replicate_inputs: bool = True,
@@ -528,7 +530,7 @@ def parallelize_step(
     )
     devices, multi, result_mesh = _devices_of(mesh)
     setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline)
-    with multi if multi is not None else _config.context(), _mesh.use_device_list(devices):
+    with multi if multi is not None else _config.context(), _devices.use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
         jitted = _jit.jit(setup.step, devices=devices, donate_argnums=(0,))
         state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)

@@ -24,7 +24,9 @@ import rich.table
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core import _parallelize, _runtime, _task
+from multimesh_flax.core.fragment import _inputs
+from multimesh_flax.core.front import _parallelize
+from multimesh_flax.core.trace import _session
 from multimesh_flax.layers import _placement
 
 # Keyword arguments of ``flax.linen.Module.tabulate`` (everything else goes to the model).
@@ -151,7 +153,7 @@ def _box_at(tree: Any, path: Sequence[Any]) -> Any:
 
 
 def _spec_text(spec: Any) -> str:
-    return "-" if spec is None else str(_runtime.canonical_spec(spec))  # P(None,) reads P()
+    return "-" if spec is None else str(_inputs.canonical_spec(spec))  # P(None,) reads P()
 
 
 def _ids_text(ids: Sequence[int]) -> str:
@@ -248,6 +250,6 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         )
     flax_options, model_kwargs = _split_kwargs(kwargs)
     flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
-    with _task.shape_only_trace():  # Flax's table traces the model; nothing is placed there
+    with _session.shape_only_trace():  # Flax's table traces the model; nothing is placed there
         summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
     return summary + "\n" + str(get_placement(model, rngs, *args, **model_kwargs))

@@ -41,7 +41,8 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _named_tasks, _task
+from multimesh_flax.core.declare import _config, _task
+from multimesh_flax.core.trace import _colour, _session
 
 ModulePath = tuple[str, ...]
 
@@ -69,7 +70,7 @@ def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
         ...     @nn.compact
         ...     def __call__(self, x):
         ...         return task(nn.Dense, mesh=mm.TaskMesh(devices=[1]))(4)(x)
-        >>> from multimesh_flax.core._task import shape_only_trace
+        >>> from multimesh_flax.core.trace._session import shape_only_trace
         >>> with record_task_paths() as owners, shape_only_trace():  # shapes: nothing placed
         ...     _ = jax.eval_shape(Net().init, jax.random.key(0), jnp.ones((2, 3)))
         >>> {path: spec.name for path, spec in owners.items()}
@@ -91,18 +92,14 @@ def _record(path: ModulePath, spec: _task.Task) -> None:
 # --- running a module call as a task -------------------------------------------------------
 
 
-def resolve_path(spec: _task.Task, path: ModulePath) -> _task.ResolvedTask:
+def resolve_path(spec: _task.Task, path: ModulePath) -> _session.ResolvedTask:
     """The ``ResolvedTask`` of the task module at ``path``: one per trace session."""
     name = spec.name or "task"
-    session = _task.current_session()
+    session = _session.current_session()
     if session is None:
-        return _task.resolve_task(spec, name)
-    key: tuple[Any, ...] = ("flax", tuple(path))  # a module class may be re-created per call
-    if spec.loop_dependent_mesh_slice is not None:  # one placement per microbatch iteration
-        key += (_task.current_microbatch_index(),)
-    if key not in session.cache:
-        session.cache[key] = _task.resolve_task(spec, name)
-    return session.cache[key]
+        return _session.resolve_task(spec, name)
+    # Keyed by path: a module class may be re-created per call.
+    return session.resolve_module(("flax", tuple(path)), spec, name)
 
 
 def call_as_task(
@@ -116,20 +113,20 @@ def call_as_task(
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
     _record(tuple(module.path), spec)
-    if _task.current_session() is None and not _is_traced(module, args):
+    if _session.current_session() is None and not _is_traced(module, args):
         positional, keywords = _eager_inputs(module, spec, args)
         with _config.ignore_transforms():
             return call(*positional, **keywords)  # eager: the wrapped module's values
-    if _task.current_session() is None:
-        _task.warn_foreign_trace(spec.name or "task")
+    if _session.current_session() is None:
+        _session.warn_foreign_trace(spec.name or "task")
     resolved = resolve_path(spec, tuple(module.path))
-    with _task.enter_task(resolved), _named_tasks.flax_rules(resolved):
+    with _session.enter_task(resolved), _colour.flax_rules(resolved):
         return call(*positional, **keywords)
 
 
 def _is_traced(module: nn.Module, args: Any) -> bool:
     """Whether the call is being traced: its inputs or the module's variables are tracers."""
-    return _task.contains_tracer(args) or _task.contains_tracer(module.variables)
+    return _session.contains_tracer(args) or _session.contains_tracer(module.variables)
 
 
 def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding | None:
@@ -142,7 +139,7 @@ def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding 
                 return NamedSharding(sharding.mesh, PartitionSpec())
             return sharding if len(sharding.device_set) == 1 else None
     try:
-        mesh = _task.resolve_task(spec, spec.name or "task").mesh
+        mesh = _session.resolve_task(spec, spec.name or "task").mesh
     except errors.MultiMeshError:  # a mesh_slice with no MultiMesh, positions beyond devices
         return None
     return NamedSharding(mesh, PartitionSpec())

@@ -21,7 +21,7 @@ import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
-from multimesh_flax.core import _structure
+from multimesh_flax.core.run import _structure
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 ROOT = Path(__file__).resolve().parents[2]

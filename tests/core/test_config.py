@@ -1,4 +1,4 @@
-"""Tests for compiler contexts (``multimesh_flax.core._config``)."""
+"""Tests for compiler contexts (``multimesh_flax.core.declare._config``)."""
 
 import threading
 

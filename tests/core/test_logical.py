@@ -1,4 +1,4 @@
-"""Tests for logical sharding (``multimesh_flax.core._logical``).
+"""Tests for logical sharding (``multimesh_flax.core.declare._rules``).
 
 One test per resolution rule of ``logical_to_mesh_spec`` (API.md, "Sharding"), then the
 behaviour of ``with_sharding_constraint`` inside a task, under ``autoshard``, under

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core import _trace
+from multimesh_flax.core.trace import _trace
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core import _warnings
+from multimesh_flax.core.declare import _warnings
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 

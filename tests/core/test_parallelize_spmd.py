@@ -1,4 +1,4 @@
-"""Tests for ``parallelize`` on one SPMD submesh (``multimesh_flax.core._parallelize``).
+"""Tests for ``parallelize`` on one SPMD submesh (``multimesh_flax.core.front._parallelize``).
 
 The function is the seeds' SPMD example: ``f(params, x)`` with a batch ``x`` of shape (16, 8)
 constrained ``P("batch", None)``, ``param1`` (8, 16) constrained ``P("model", None)`` and

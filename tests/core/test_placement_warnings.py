@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core import _warnings
+from multimesh_flax.core.declare import _warnings
 
 
 @pytest.fixture(autouse=True)

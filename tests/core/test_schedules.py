@@ -1,16 +1,11 @@
-"""Tests for schedule generation and validation (``multimesh_flax.core._schedules``)."""
+"""Tests for schedule generation and validation (``multimesh_flax.core.declare._schedules``)."""
 
 import collections
 
 import pytest
 
 from multimesh_flax import errors
-from multimesh_flax.core._schedules import (
-    Schedule,
-    ScheduleOp,
-    make_schedule,
-    validate_schedule,
-)
+from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, make_schedule, validate_schedule
 
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2"]
 

@@ -1,4 +1,4 @@
-"""Tests for the schedule simulator (``multimesh_flax.core._simulator``).
+"""Tests for the schedule simulator (``multimesh_flax.core.plan._simulator``).
 
 Expected values come from closed-form pipeline analysis, not from the simulator: GPipe and
 1F1B idle ``(p - 1) / (m + p - 1)`` of the time with equal per-stage costs.
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from multimesh_flax import errors
-from multimesh_flax.core._schedules import Schedule, ScheduleOp, make_schedule
-from multimesh_flax.core._simulator import SimulationResult, simulate
+from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, make_schedule
+from multimesh_flax.core.plan._simulator import SimulationResult, simulate
 
 EXACT = 1e-12  # closed-form answers: only float rounding may differ
 

@@ -1,4 +1,4 @@
-"""Tests for tasks (``multimesh_flax.core._task``): validation, placement, eager calls."""
+"""Tests for tasks (``multimesh_flax.core.declare._task``): validation, placement, eager calls."""
 
 import re
 

@@ -10,8 +10,8 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax import errors
 from multimesh_flax.core import Timeline, TimelineEvent, make_schedule, simulate
-from multimesh_flax.core._schedules import _deps
-from multimesh_flax.core._timeline_plot import replay_timeline
+from multimesh_flax.core.declare._schedules import _deps
+from multimesh_flax.core.run._timeline_plot import replay_timeline
 
 
 def _events_from_simulation(schedule, costs=None):

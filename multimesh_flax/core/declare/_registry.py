@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from multimesh_flax import errors
+from multimesh_flax.core.declare._task import Task
 
 TaskCallback = Callable[[str, bool], Any]
 
@@ -38,7 +39,7 @@ class Registration:
 
     pattern: re.Pattern[str]
     callback: TaskCallback | None
-    task: Any  # a ``Task`` (typed loosely: ``_task`` imports this module's users)
+    task: Task | None
 
     def matched_name(self, name: str) -> str | None:
         """The matched name for ``name``, or ``None`` if the matcher does not match it."""
@@ -76,7 +77,7 @@ def _compile(matcher: Any) -> re.Pattern[str]:
 
 
 def make_registration(
-    matcher: Any, callback: TaskCallback | None, task: Any, task_type: type
+    matcher: Any, callback: TaskCallback | None, task: Task | None
 ) -> Registration:
     """Validates ``register_task``'s arguments and builds the registration."""
     pattern = _compile(matcher)
@@ -93,7 +94,7 @@ def make_registration(
             f"`(matched_name, backprop) -> Task`, got {type(callback).__name__}: {callback!r}. "
             "Pass a function, or `task=Task(...)` for a fixed task."
         )
-    if task is not None and not isinstance(task, task_type):
+    if task is not None and not isinstance(task, Task):
         raise errors.TaskTypeError(
             f"Expected `task` for matcher {pattern.pattern!r} to be a Task, got "
             f"{type(task).__name__}: {task!r}. Pass `task=Task(...)`, e.g. "
@@ -152,9 +153,7 @@ class Context:
         task: Any = None,
     ) -> None:
         """Registers a name-based task in this context (see :func:`register_task`)."""
-        from multimesh_flax.core._task import Task
-
-        self._registrations.append(make_registration(matcher, callback, task, Task))
+        self._registrations.append(make_registration(matcher, callback, task))
         self._version += 1
         _WITH_REGISTRATIONS.add(self)
 

@@ -1,6 +1,6 @@
 """A simulator that predicts a pipeline schedule's timeline, bubble and activation memory.
 
-:func:`simulate` replays a :class:`~multimesh_flax.core._schedules.Schedule` with per-op
+:func:`simulate` replays a :class:`~multimesh_flax.core.declare._schedules.Schedule` with per-op
 costs: each row (submesh) runs its ops in order, one at a time, and an op starts as soon as
 its row is free and the ops it depends on have finished (plus a transfer cost when they ran
 on another row). The result, a :class:`SimulationResult`, holds the makespan, the bubble
@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from multimesh_flax import errors
-from multimesh_flax.core._schedules import Schedule, ScheduleOp, _deps, _validated_order
+from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, _deps, _validated_order
 
 _DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "transfer": 0.0}
 
@@ -42,8 +42,8 @@ class SimulationResult:
         With one stage per row this is the number of microbatches in flight.
 
     Example:
-      >>> from multimesh_flax.core._schedules import make_schedule
-      >>> from multimesh_flax.core._simulator import simulate
+      >>> from multimesh_flax.core.declare._schedules import make_schedule
+      >>> from multimesh_flax.core.plan._simulator import simulate
       >>> result = simulate(make_schedule("1f1b", num_stages=2, num_microbatches=2))
       >>> result.makespan, result.busy_time, result.peak_in_flight
       (9.0, (6.0, 6.0), (2, 1))
@@ -81,8 +81,8 @@ def simulate(
         cost is negative, not finite, or keyed by an unknown phase.
 
     Example:
-      >>> from multimesh_flax.core._schedules import make_schedule
-      >>> from multimesh_flax.core._simulator import simulate
+      >>> from multimesh_flax.core.declare._schedules import make_schedule
+      >>> from multimesh_flax.core.plan._simulator import simulate
       >>> gpipe = make_schedule("gpipe", num_stages=4, num_microbatches=8)
       >>> result = simulate(gpipe)
       >>> result.makespan, round(result.bubble_fraction, 4)  # (p - 1) / (m + p - 1) = 3/11

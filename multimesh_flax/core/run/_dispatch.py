@@ -9,12 +9,6 @@ Slots whose last reader has been dispatched are cleared right away, so XLA frees
 buffers as soon as the computations using them finish. Calling the executable dispatches
 every op in order and returns without waiting: each device runs its queue in dispatch order,
 so the op order *is* the pipeline schedule.
-
-Fragments are compiled through a process-wide cache keyed by (fragment jaxpr, donation),
-with sharding constraints rewritten onto abstract meshes, so identical fragments -- the same
-stage for every microbatch, identical blocks on different submeshes, or the same step traced
-twice -- share one ``jax.jit``: traced and lowered once, compiled once per device set and
-input sharding.
 """
 
 from __future__ import annotations
@@ -30,11 +24,19 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core import _partition, _pipeline, _structure, _trace
+from multimesh_flax.core.fragment import _partition
+from multimesh_flax.core.fragment._inputs import (
+    _first_constraint,
+    canonical_sharding,
+    input_sharding,
+)
+from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.run._compile import compile_fragment
 
 RUN, PUT = 0, 1
-_UNSEEN = object()  # no argument sharding has been checked for this input yet
 
+
+_UNSEEN = object()  # no argument sharding has been checked for this input yet
 
 # --- timelines ------------------------------------------------------------------------------
 
@@ -123,65 +125,6 @@ def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
     )
 
 
-# --- fragment compilation -------------------------------------------------------------------
-
-# Compiled fragments by (structural key, donation, output shardings): shared by every
-# program of the process. Bounded: a program keeps the fragments it uses.
-_FRAGMENT_CACHE = _structure.BoundedCache(capacity=2048)
-
-
-def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
-    run = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))
-
-    def fragment(*args: Any) -> tuple[Any, ...]:
-        return tuple(run(*args))
-
-    return fragment
-
-
-def _abstract_constraint(eqn: Any) -> Any:
-    """The equation with a concrete-mesh sharding constraint rewritten onto the abstract mesh.
-
-    Identical stages on different submeshes then have identical fragment jaxprs, so they share
-    one ``jax.jit``: traced and lowered once, compiled once per device set.
-    """
-    sharding = eqn.params.get("sharding")
-    if eqn.primitive.name != "sharding_constraint" or not isinstance(sharding, NamedSharding):
-        return eqn
-    if not isinstance(sharding.mesh, jax.sharding.Mesh):
-        return eqn
-    abstract = NamedSharding(
-        sharding.mesh.abstract_mesh, sharding.spec, memory_kind=sharding.memory_kind
-    )
-    return eqn.replace(params={**eqn.params, "sharding": abstract})
-
-
-def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
-    """The fragment as a closed-over-nothing jaxpr, sharding constraints on abstract meshes."""
-    eqns = [_abstract_constraint(e) for e in frag.eqns]
-    return _trace.make_jaxpr_object(
-        [], list(frag.invars), list(frag.outvars), eqns, f"fragment {frag.index}"
-    )
-
-
-def compile_fragment(
-    frag: _partition.Fragment,
-    mesh: jax.sharding.Mesh,
-    donate: tuple[int, ...],
-    memo: dict[int, Any] | None = None,
-) -> Any:
-    """Returns the (cached) ``jax.jit`` of a fragment (``memo``: see ``structural_key``)."""
-    jaxpr = fragment_jaxpr(frag)
-    out_shardings = None
-    if not frag.invars:  # nothing to infer devices from: pin outputs to the place
-        out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
-    key = (_structure.structural_key(jaxpr, memo), donate, out_shardings)
-    return _FRAGMENT_CACHE.get_or_make(
-        key,
-        lambda _: jax.jit(_as_tuple_fun(jaxpr), donate_argnums=donate, out_shardings=out_shardings),
-    )
-
-
 # --- the executable -------------------------------------------------------------------------
 
 
@@ -198,60 +141,6 @@ class _Op:
     hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
     unit: tuple[Any, Any, Any] = (None, None, None)  # RUN: (stage, microbatch, phase)
     deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
-
-
-def _first_constraint(frag: _partition.Fragment, var: Any) -> Any:
-    for eqn in frag.eqns:
-        if var in eqn.invars:
-            if eqn.primitive.name == "sharding_constraint" and eqn.invars[0] is var:
-                return eqn.params["sharding"]
-            return None
-    return None
-
-
-def canonical_sharding(sharding: Any) -> Any:
-    """``sharding`` with trailing ``None`` entries dropped from its spec.
-
-    ``P('x', None)`` and ``P('x')`` lay an array out identically, but ``jax.jit`` caches
-    executables per spec and returns outputs in the short form; giving inputs the short form
-    too keeps step ``n + 1`` (fed with step ``n``'s outputs) from compiling again.
-    """
-    if not isinstance(sharding, NamedSharding):
-        return sharding
-    spec = canonical_spec(sharding.spec)
-    if spec is sharding.spec:
-        return sharding
-    return NamedSharding(sharding.mesh, spec, memory_kind=sharding.memory_kind)
-
-
-def canonical_spec(spec: PartitionSpec) -> PartitionSpec:
-    """``spec`` without trailing ``None`` entries (``spec`` itself if it has none)."""
-    entries = list(spec)
-    if not entries or entries[-1] is not None:
-        return spec
-    while entries and entries[-1] is None:
-        entries.pop()
-    return PartitionSpec(*entries)
-
-
-def _same_place(sharding: Any, place: tuple[int, ...]) -> bool:
-    return tuple(sorted(d.id for d in sharding.device_set)) == place
-
-
-def input_sharding(part: _partition.Partition, var: Any) -> Any:
-    """The sharding a program input should arrive in (``None``: the input is unused).
-
-    The first sharding constraint applied to the input inside its first consuming fragment,
-    else replicated on that fragment's submesh.
-    """
-    place = part.input_place.get(var)
-    if place is None:
-        return None
-    first = next(f for f in part.fragments if var in f.invars and f.place == place)
-    constraint = _first_constraint(first, var)
-    if constraint is not None and _same_place(constraint, place):
-        return canonical_sharding(constraint)
-    return NamedSharding(part.place_meshes[place], PartitionSpec())
 
 
 def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragment | None:

@@ -24,7 +24,8 @@ from typing import Any
 
 import jax.extend.core as jex
 
-from multimesh_flax.core import _pipeline, _trace
+from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.trace import _trace
 
 _SUMS = ("add", "add_any")
 _EARLY = (-1, float("-inf"))
@@ -104,7 +105,10 @@ def _sum_trees(
 def _microbatches(
     traced: _trace.TracedProgram, leaves: list[Any], producer: dict[Any, int]
 ) -> set[Any]:
-    found = {_pipeline.microbatch_of(traced.stacks[producer[v]]) for v in leaves if v in producer}
+    calls = traced.microbatch_calls
+    found = {
+        _pipeline.microbatch_of(traced.stacks[producer[v]], calls) for v in leaves if v in producer
+    }
     found.discard(None)
     return found
 

@@ -21,7 +21,10 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _jit, _mesh, _partition, _runtime, _task, _trace
+from multimesh_flax.core.declare import _devices
+from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.front import _jit
+from multimesh_flax.core.trace import _session, _trace
 
 
 def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
@@ -30,7 +33,7 @@ def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: An
     ``MpmdJit.input_shardings``."""
     traced = _trace.trace_program(fun, args, devices)
     part = _partition.partition(traced, devices)
-    shardings = [_runtime.input_sharding(part, v) for v in traced.jaxpr.invars]
+    shardings = [_inputs.input_sharding(part, v) for v in traced.jaxpr.invars]
     fallback = jax.sharding.NamedSharding(
         part.place_meshes[part.default_place], jax.sharding.PartitionSpec()
     )
@@ -60,7 +63,7 @@ def sharded_initializer(
         groups.setdefault(frozenset(d.id for d in s.device_set), []).append(i)
     # Traced once; each device group replays the program and keeps its own outputs.
     if program is None:
-        with _task.shape_only_trace():  # tasks in an initializer are not placed, by design
+        with _session.shape_only_trace():  # tasks in an initializer are not placed, by design
             program = jax.make_jaxpr(init)()
     run = jex.jaxpr_as_fun(program)
 
@@ -148,13 +151,13 @@ def parallelize(
         256.0
     """
     _check_args(fun, init_params, get_input_batch, initial_batch)
-    devices = None if devices is None else _mesh.as_device_array(devices, "devices")
+    devices = None if devices is None else _devices.as_device_array(devices, "devices")
     has_batch = get_input_batch is not None or initial_batch is not None
-    with _task.shape_only_trace():
+    with _session.shape_only_trace():
         params_shape = jax.eval_shape(init_params) if init_params is not None else None
     batch_shape = None
     if get_input_batch is not None:
-        with _task.shape_only_trace():
+        with _session.shape_only_trace():
             batch_shape = jax.eval_shape(get_input_batch)
     elif initial_batch is not None:
         batch_shape = _shapes(initial_batch)

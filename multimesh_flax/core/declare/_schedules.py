@@ -41,7 +41,7 @@ class ScheduleOp:
         backward is split) or ``"W"`` (weight-gradient half of a split backward).
 
     Example:
-      >>> from multimesh_flax.core._schedules import ScheduleOp
+      >>> from multimesh_flax.core.declare._schedules import ScheduleOp
       >>> op = ScheduleOp.parse("B1.3")
       >>> op
       ScheduleOp(stage=1, microbatch=3, phase='B')
@@ -86,7 +86,7 @@ class Schedule:
       stage_to_row: ``stage_to_row[s]`` is the row that runs stage ``s``.
 
     Example:
-      >>> from multimesh_flax.core._schedules import make_schedule
+      >>> from multimesh_flax.core.declare._schedules import make_schedule
       >>> schedule = make_schedule("1f1b", num_stages=2, num_microbatches=3)
       >>> print(schedule)
       row 0: F0.0 F0.1 B0.0 F0.2 B0.1 B0.2
@@ -178,7 +178,7 @@ def make_schedule(
         ``custom`` order that :func:`validate_schedule` rejects.
 
     Example:
-      >>> from multimesh_flax.core._schedules import make_schedule
+      >>> from multimesh_flax.core.declare._schedules import make_schedule
       >>> print(make_schedule("gpipe", num_stages=2, num_microbatches=2))
       row 0: F0.0 F0.1 B0.0 B0.1
       row 1: F1.0 F1.1 B1.0 B1.1
@@ -407,7 +407,7 @@ def validate_schedule(schedule: Schedule) -> None:
         belong to, or if the per-row orders deadlock. The message names the op.
 
     Example:
-      >>> from multimesh_flax.core._schedules import Schedule, ScheduleOp, validate_schedule
+      >>> from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, validate_schedule
       >>> ops = lambda *names: tuple(ScheduleOp.parse(n) for n in names)
       >>> stuck = Schedule(
       ...     rows=(ops("F0.0", "B0.0"), ops("B1.0", "F1.0")),

@@ -19,7 +19,8 @@ import jax
 import jax.extend.core as jex
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _named_tasks, _task
+from multimesh_flax.core.declare import _config, _devices
+from multimesh_flax.core.trace import _colour, _session
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
 # differentiated after tracing, so dropping custom derivative rules is exact).
@@ -66,10 +67,16 @@ class TracedProgram:
     jaxpr: jex.Jaxpr
     consts: list[Any]
     labels: list[Label]
-    tasks: dict[int, _task.ResolvedTask]
+    tasks: dict[int, _session.ResolvedTask]
     out_tree: Any
     stacks: list[str] = dataclasses.field(default_factory=list)  # name stack per equation
-    default_task: _task.ResolvedTask | None = None  # registered for "default": glue fallback
+    default_task: _session.ResolvedTask | None = None  # registered for "default": glue fallback
+    session: _session.TraceSession | None = None  # what the trace learnt (tasks, microbatches)
+
+    @property
+    def microbatch_calls(self) -> dict[int, _session.MicrobatchCall]:
+        """The ``microbatch`` calls traced in this program, by scope uid."""
+        return self.session.microbatch_calls if self.session is not None else {}
 
 
 def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
@@ -130,8 +137,8 @@ def _join(prefix: str, stack: str) -> str:
 
 
 def _check_no_inner_tasks(eqn: Any) -> None:
-    for stack in _named_tasks.inner_stacks(eqn):
-        marker = _task.MARKER_RE.search(stack)
+    for stack in _colour.inner_stacks(eqn):
+        marker = _session.MARKER_RE.search(stack)
         if marker:
             name = stack[marker.end() :].split("/")[0]  # the marker is mmtask<uid>_<name>
             raise errors.TaskInControlFlowError(
@@ -141,8 +148,8 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
-def _label(stack: str, tasks: dict[int, _task.ResolvedTask]) -> Label:
-    matches = [m for m in _task.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
+def _label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> Label:
+    matches = [m for m in _session.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
     if not matches:
         return None
     last = matches[-1]
@@ -161,15 +168,15 @@ def trace_program(
     leaves of the result, whose tree is ``out_tree``.
     """
     with (
-        _mesh.use_device_list(devices),
+        _devices.use_device_list(devices),
         _config.autoshard(),
-        _task.trace_session() as session,
-        _named_tasks.intercept_flax_modules(),  # registered Flax modules enter their tasks
+        _session.trace_session() as session,
+        _colour.intercept_flax_modules(),  # registered Flax modules enter their tasks
     ):
         # A fresh wrapper: jax caches traces per function object, and our contexts (task
         # stack, flags) are not part of its cache key.
         closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*args)
-        default = _named_tasks.default_task()
+        default = _colour.default_task()
     inliner = _Inliner()
     outer, consts = _open(closed)
     const_vars = [inliner._const(c) for c in consts]
@@ -177,8 +184,8 @@ def trace_program(
     outs = inliner.run(outer, const_vars, in_vars, "")
     labels = [_label(s, session.tasks) for s in inliner.stacks]
     # Registered tasks (named scopes, backward callbacks) where they are innermost.
-    labels = _named_tasks.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
-    eqns = _named_tasks.concretise_constraints(inliner.eqns, labels, session)
+    labels = _colour.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
+    eqns = _colour.concretise_constraints(inliner.eqns, labels, session)
     const_items = list(inliner.consts.items())
     jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, eqns, "program")
     return TracedProgram(
@@ -189,4 +196,5 @@ def trace_program(
         out_tree=jax.tree_util.tree_structure(out_shape),
         stacks=inliner.stacks,
         default_task=default,
+        session=session,
     )

@@ -38,7 +38,8 @@ from jax._src import source_info_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _registry, _task, _warnings
+from multimesh_flax.core.declare import _config, _devices, _registry, _task, _warnings
+from multimesh_flax.core.trace import _session
 
 Label = tuple[int, str] | None
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
@@ -76,9 +77,9 @@ def _same_task(a: _task.Task, b: _task.Task) -> bool:
 class _SessionState:
     """The registered tasks of one trace session, and caches for matching."""
 
-    def __init__(self, session: _task.TraceSession) -> None:
+    def __init__(self, session: _session.TraceSession) -> None:
         self.session = session
-        self.resolved: dict[tuple[Any, str, bool], _task.ResolvedTask] = {}
+        self.resolved: dict[tuple[Any, str, bool], _session.ResolvedTask] = {}
         self.origin: dict[int, _registry.Match] = {}  # uid -> the match it was made for
         self.matches: dict[Any, _registry.Match | None] = {}
         self.labels: dict[str, Label] = {}
@@ -89,7 +90,7 @@ class _SessionState:
             self.matches[names] = _registry.find_match(*names)
         return self.matches[names]
 
-    def resolve(self, match: _registry.Match, backprop: bool) -> _task.ResolvedTask:
+    def resolve(self, match: _registry.Match, backprop: bool) -> _session.ResolvedTask:
         """The task of ``match`` for the forward or backward pass (resolved once)."""
         key = (match.registration, match.name, backprop)
         if key not in self.resolved:
@@ -113,7 +114,7 @@ class _SessionState:
     def _find_label(self, stack: str) -> Label:
         for name, offset in reversed(_components(stack)):
             backprop = "transpose(" in stack[:offset]
-            marker = _task.MARKER_RE.match(name)
+            marker = _session.MARKER_RE.match(name)
             if marker is not None:
                 uid = int(marker.group(1))
                 if uid not in self.session.tasks:
@@ -129,10 +130,12 @@ class _SessionState:
         return None
 
 
-_STATES: weakref.WeakKeyDictionary[_task.TraceSession, _SessionState] = weakref.WeakKeyDictionary()
+_STATES: weakref.WeakKeyDictionary[_session.TraceSession, _SessionState] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _state(session: _task.TraceSession) -> _SessionState:
+def _state(session: _session.TraceSession) -> _SessionState:
     if session not in _STATES:
         _STATES[session] = _SessionState(session)
     return _STATES[session]
@@ -153,9 +156,9 @@ def task_for(match: _registry.Match, backprop: bool) -> _task.Task:
     return spec
 
 
-def _resolve(spec: _task.Task, match: _registry.Match) -> _task.ResolvedTask:
+def _resolve(spec: _task.Task, match: _registry.Match) -> _session.ResolvedTask:
     try:
-        return _task.resolve_task(spec, match.name)
+        return _session.resolve_task(spec, match.name)
     except errors.MultiMeshError as e:
         raise type(e)(
             f"{e} (task registered for matcher {match.registration.pattern.pattern!r}, "
@@ -163,7 +166,7 @@ def _resolve(spec: _task.Task, match: _registry.Match) -> _task.ResolvedTask:
         ) from e
 
 
-def default_task() -> _task.ResolvedTask | None:
+def default_task() -> _session.ResolvedTask | None:
     """The task registered for the name ``"default"``, resolved, or ``None``.
 
     It decides where glue goes that has no placed input and no placed consumer (and unused
@@ -178,15 +181,15 @@ def default_task() -> _task.ResolvedTask | None:
 # --- trace time -----------------------------------------------------------------------------
 
 
-def current_task() -> _task.ResolvedTask | None:
+def current_task() -> _session.ResolvedTask | None:
     """The innermost task being traced: explicit, registered Flax module, or named scope.
 
-    Without active registrations this is ``_task.current_task()``. With them, the current
+    Without active registrations this is ``_session.current_task()``. With them, the current
     name stack decides; the explicit task stack is the fallback (a nested ``jax.jit`` starts
     a fresh name stack).
     """
-    explicit = _task.current_task()
-    session = _task.current_session()
+    explicit = _session.current_task()
+    session = _session.current_session()
     if session is None or not _registry.has_registrations():
         return explicit
     label = _state(session).stack_label(_current_name_stack())
@@ -202,7 +205,7 @@ _FLAX_ACTIVE = _FlaxActive()
 
 
 @contextlib.contextmanager
-def flax_rules(resolved: _task.ResolvedTask) -> Iterator[None]:
+def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     """Makes Flax's logical API resolve through ``resolved``'s rules onto its mesh.
 
     Sets ``nn.logical_axis_rules`` and the task's abstract mesh (which Flax requires before
@@ -230,15 +233,15 @@ def module_names(module: nn.Module) -> tuple[str, ...]:
 
 
 def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
-    session = _task.current_session()
+    session = _session.current_session()
     if session is None or _config.get_flag("ignore_transforms"):
         return next_fun(*args, **kwargs)
     state = _state(session)
     match = state.match(*module_names(context.module))
     if match is not None:
         resolved = state.resolve(match, False)
-        if _task.current_task() is not resolved:
-            with _task.enter_task(resolved), flax_rules(resolved):
+        if _session.current_task() is not resolved:
+            with _session.enter_task(resolved), flax_rules(resolved):
                 return next_fun(*args, **kwargs)
     else:
         resolved = current_task()  # a matched named scope around this module
@@ -293,7 +296,7 @@ def label_equations(
     eqns: Sequence[Any],
     stacks: Sequence[str],
     labels: Sequence[Any],
-    session: _task.TraceSession,
+    session: _session.TraceSession,
     devices: Any,
 ) -> list[Any]:
     """Relabels equations where a registered task is the innermost task of their name stack.
@@ -311,7 +314,7 @@ def label_equations(
         return list(labels)
     state = _state(session)
     out: list[Any] = []
-    with _mesh.use_device_list(devices):
+    with _devices.use_device_list(devices):
         for eqn, stack, label in zip(eqns, stacks, labels, strict=True):
             mine = state.stack_label(stack)
             if jex.jaxprs_in_params(eqn.params):
@@ -394,7 +397,7 @@ def _retarget(eqn: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def concretise_constraints(
-    eqns: Sequence[Any], labels: Sequence[Any], session: _task.TraceSession
+    eqns: Sequence[Any], labels: Sequence[Any], session: _session.TraceSession
 ) -> list[Any]:
     """Puts Flax's and registered tasks' sharding constraints onto the task's own mesh.
 

@@ -34,7 +34,9 @@ import jax
 import jax.extend.core as jex
 import numpy as np
 
-from multimesh_flax.core import _accumulate, _mesh, _pipeline, _trace
+from multimesh_flax.core.declare import _devices
+from multimesh_flax.core.plan import _accumulate, _pipeline
+from multimesh_flax.core.trace import _trace
 
 Place = _pipeline.Place
 
@@ -87,9 +89,9 @@ def _place_meshes(traced: _trace.TracedProgram, devices: Any) -> tuple[dict[Plac
     meshes: dict[Place, Any] = {}
     for resolved in traced.tasks.values():
         meshes.setdefault(place_of(resolved.mesh), resolved.mesh)
-    with _mesh.use_device_list(devices):
-        pool = np.array(_mesh.get_device_list(), dtype=object)
-    everything = _mesh.make_auto_mesh(pool, ("devices",))
+    with _devices.use_device_list(devices):
+        pool = np.array(_devices.get_device_list(), dtype=object)
+    everything = _devices.make_auto_mesh(pool, ("devices",))
     first = next(
         (traced.tasks[label[0]].mesh for label in traced.labels if label is not None), None
     )
@@ -407,7 +409,7 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     for place in set(places):
         if place not in meshes:
             grid = np.array([by_id[i] for i in place], dtype=object)
-            meshes[place] = _mesh.make_auto_mesh(grid, ("devices",))
+            meshes[place] = _devices.make_auto_mesh(grid, ("devices",))
     return Partition(
         traced=traced,
         fragments=fragments,

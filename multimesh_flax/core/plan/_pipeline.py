@@ -31,13 +31,15 @@ import functools
 import heapq
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax.extend.core as jex
 
 from multimesh_flax import errors
-from multimesh_flax.core import _microbatch, _schedules, _simulator, _trace
+from multimesh_flax.core.declare import _schedules
+from multimesh_flax.core.plan import _simulator
+from multimesh_flax.core.trace import _session, _trace
 
 MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")
 Place = tuple[int, ...]
@@ -51,7 +53,7 @@ class Region:
     """One traced ``microbatch`` call: its options, stages and schedule."""
 
     uid: int
-    call: _microbatch.MicrobatchCall
+    call: _session.MicrobatchCall
     stage_tasks: list[list[Any]]  # the ResolvedTasks of each stage (microbatch 0's)
     stage_places: list[Place]
     schedule: _schedules.Schedule | None = None
@@ -86,16 +88,19 @@ class PipelinePlan:
 
 
 @functools.lru_cache(maxsize=8192)
-def microbatch_of(stack: str) -> Microbatch | None:
-    """The ``(uid, k)`` of the innermost registered microbatch scope in a name stack.
+def _microbatch_scopes(stack: str) -> tuple[Microbatch, ...]:
+    """The ``(uid, k)`` of every microbatch scope in a name stack, innermost first.
 
     Memoised: a program's equations share a few thousand distinct name stacks.
     """
-    for match in reversed(list(MICROBATCH_RE.finditer(stack))):
-        uid, k = int(match.group(1)), int(match.group(2))
-        if _microbatch.get_call(uid) is not None:
-            return uid, k
-    return None
+    found = [(int(m.group(1)), int(m.group(2))) for m in MICROBATCH_RE.finditer(stack)]
+    return tuple(reversed(found))
+
+
+def microbatch_of(stack: str, calls: Mapping[int, Any]) -> Microbatch | None:
+    """The ``(uid, k)`` of the innermost microbatch scope in a name stack whose call was
+    traced in this program (``calls``: ``TracedProgram.microbatch_calls``)."""
+    return next((found for found in _microbatch_scopes(stack) if found[0] in calls), None)
 
 
 _MIXED = (-1, -1)  # the "microbatch" of a value computed from several microbatches
@@ -173,7 +178,7 @@ def _regions(
 ) -> dict[int, Region]:
     regions: dict[int, Region] = {}
     for (uid, k), groups in sorted(order.items()):
-        call = _microbatch.get_call(uid)
+        call = traced.microbatch_calls.get(uid)
         assert call is not None
         tasks = [[traced.tasks[t] for t in group] for group in groups]
         places = [places_of[group[0]] for group in groups]
@@ -232,7 +237,7 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
     """
     if not traced.stacks:
         return None
-    mbs = [microbatch_of(s) for s in traced.stacks]
+    mbs = [microbatch_of(s, traced.microbatch_calls) for s in traced.stacks]
     if not any(mbs):
         return None
     mixed = _drop_mixing(traced.jaxpr, mbs)

@@ -20,7 +20,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _mesh, _partition, _registry, _runtime, _trace
+from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
+from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.trace import _trace
 
 
 def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int, ...]:
@@ -109,16 +112,16 @@ class _Entry:
 
     def partition(self) -> _partition.Partition:
         """The placed program (on the fast path placed now, from the same trace)."""
-        if isinstance(self.run, _runtime.MpmdExecutable):
+        if isinstance(self.run, _dispatch.MpmdExecutable):
             return self.run.partition
         return _partition.partition(self.traced, self.devices)
 
     def input_shardings(self) -> list[Any]:
-        """Per input leaf, the sharding it should arrive in (see ``_runtime.input_sharding``);
+        """Per input leaf, the sharding it should arrive in (see ``_inputs.input_sharding``);
         an unused input: replicated on the default submesh."""
         part = self.partition()
         fallback = NamedSharding(part.place_meshes[part.default_place], PartitionSpec())
-        wanted = [_runtime.input_sharding(part, v) for v in self.traced.jaxpr.invars]
+        wanted = [_inputs.input_sharding(part, v) for v in self.traced.jaxpr.invars]
         return [fallback if s is None else s for s in wanted]
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
@@ -174,8 +177,8 @@ class MpmdJit:
             in_tree,
             _leaf_keys(leaves),
             statics,
-            self.devices or _mesh.get_device_list(),
-            id(_mesh.get_multi_mesh()),
+            self.devices or _devices.get_device_list(),
+            id(_multimesh.get_multi_mesh()),
             _registry.fingerprint(),  # registered tasks change the program
             _config.get_flag("enable_recomputation"),
             _config.get_flag("enable_fast_path"),
@@ -214,7 +217,7 @@ class MpmdJit:
             entry = _Entry(_FastPath(traced, donate), traced, self.devices)
         else:
             part = _partition.partition(traced, self.devices)
-            entry = _Entry(_runtime.MpmdExecutable(part, donate), traced, self.devices)
+            entry = _Entry(_dispatch.MpmdExecutable(part, donate), traced, self.devices)
         entry.build_seconds = {
             "trace": traced_at - start,
             "partition": time.perf_counter() - traced_at,  # with the executable's op list
@@ -237,7 +240,7 @@ class MpmdJit:
         entry, leaves = self._entry(args, kwargs)
         if entry.donated and _any_deleted(leaves, entry.donated):
             raise self._consumed_error(args, kwargs, entry.donated)
-        with _mesh.use_device_list(self.devices):
+        with _devices.use_device_list(self.devices):
             return entry(leaves)
 
     def _consumed_error(
@@ -344,13 +347,13 @@ def jit(
             "function itself, not its result."
         )
     if devices is not None:
-        devices = _mesh.as_device_array(devices, "devices")
+        devices = _devices.as_device_array(devices, "devices")
         if devices.size == 0:
             raise errors.ParallelizeArgumentError(
                 "Expected at least one device in `devices`, got none. Pass a list of jax "
                 "devices, or omit `devices` for the current MultiMesh or all devices."
             )
-        _mesh.check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
+        _devices.check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
     return MpmdJit(
         fun,
         devices,

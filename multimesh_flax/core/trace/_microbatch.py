@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,46 +24,18 @@ import jax
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core import _config, _logical, _schedules, _task
+from multimesh_flax.core.declare import _config, _schedules
+from multimesh_flax.core.trace import _constraints, _session
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
 _REDUCTIONS = ("sum", "mean")
 
 
-@dataclasses.dataclass(frozen=True)
-class PipelineOptions:
-    """The schedule options of one ``microbatch`` transform."""
-
-    schedule: str | None
-    num_stages: int | None
-    interleave: int | None
-    custom_schedule: tuple[tuple[Any, ...], ...] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class MicrobatchCall:
-    """One traced call of a microbatched function: its options and microbatch count."""
-
-    options: PipelineOptions
-    num_microbatches: int
-
-
-# Calls traced inside a ``jit``/``parallelize`` trace, by the uid in their scope names.
-_CALLS: dict[int, MicrobatchCall] = {}
-_UIDS = itertools.count(1)
-
-
-def get_call(uid: int) -> MicrobatchCall | None:
-    """The registered call whose chunks run in scopes ``mmmb<uid>_<k>``, if any."""
-    return _CALLS.get(uid)
-
-
-def _register(options: PipelineOptions, num_microbatches: int) -> int:
-    if _task.current_session() is None:  # plain JAX or eager: nothing will read the scopes
+def _register(options: _session.PipelineOptions, num_microbatches: int) -> int:
+    session = _session.current_session()
+    if session is None:  # plain JAX or eager: nothing will read the scopes
         return 0
-    uid = next(_UIDS)
-    _CALLS[uid] = MicrobatchCall(options, num_microbatches)
-    return uid
+    return session.add_microbatch_call(options, num_microbatches)
 
 
 # --- argument checks ------------------------------------------------------------------------
@@ -121,7 +92,7 @@ def _make_options(
     num_stages: int | None,
     interleave: int | None,
     custom_schedule: Any,
-) -> PipelineOptions:
+) -> _session.PipelineOptions:
     if custom_schedule is not None and schedule is None:
         schedule = "custom"
     if schedule is not None and schedule not in SCHEDULES:
@@ -137,7 +108,7 @@ def _make_options(
         )
     _check_positive(num_stages=num_stages, interleave=interleave)
     custom = None if custom_schedule is None else _normalise_custom(custom_schedule)
-    return PipelineOptions(schedule, num_stages, interleave, custom)
+    return _session.PipelineOptions(schedule, num_stages, interleave, custom)
 
 
 # --- splitting and reducing -----------------------------------------------------------------
@@ -233,7 +204,7 @@ class _Body:
             return self.apply(chunk)
         if k > 0:
             return self.shared(chunk)
-        session = _task.current_session()
+        session = _session.current_session()
         before, session.loop_dependent = session.loop_dependent, False
         try:
             out = self.shared(chunk)
@@ -248,7 +219,7 @@ class _Body:
 def _run(
     fun: Callable[..., Any],
     split: _Split,
-    options: PipelineOptions,
+    options: _session.PipelineOptions,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
@@ -264,10 +235,10 @@ def _run(
     body = _Body(fun, split if uid else dataclasses.replace(split, trace_once=False), args, kwargs)
     outs = []
     for k in range(m):
-        with jax.named_scope(f"mmmb{uid}_{k}"), _task.microbatch_iteration(k):
+        with jax.named_scope(f"mmmb{uid}_{k}"), _session.microbatch_iteration(k):
             chunk = _chunk(batch, k, split.dim, split.size)
             if split.arg_shardings is not None:
-                chunk = _logical.with_sharding_constraint(chunk, split.arg_shardings)
+                chunk = _constraints.with_sharding_constraint(chunk, split.arg_shardings)
             with _explaining_split(fun, split, args, kwargs, m):
                 outs.append(body(k, chunk))
     return _reduce(outs, split.reduce, m)

@@ -1,9 +1,9 @@
-"""Meshes: the global ``MultiMesh``, submesh descriptions (``TaskMesh``) and the device list.
+"""Devices: the executable's device list, submesh descriptions (``TaskMesh``).
 
-A ``MultiMesh`` is a named global device grid. A ``TaskMesh`` describes a submesh by device
-*positions* ``0..N-1`` in the executable's device list, so the same description can be placed
-on any devices. That list is, in priority order, the ``devices`` given to ``parallelize``/``jit``,
-the devices of the innermost active ``MultiMesh``, or ``jax.devices()``.
+A ``TaskMesh`` describes a submesh by device *positions* ``0..N-1`` in the executable's device
+list, so the same description can be placed on any devices. That list is, in priority order,
+the ``devices`` given to ``parallelize``/``jit``, the devices of the innermost active
+``MultiMesh`` (``_multimesh``), or ``jax.devices()``.
 
 Every mesh built here uses ``AxisType.Auto`` axes: Linen logical partitioning and
 ``with_sharding_constraint`` hints need them (``jax.make_mesh`` defaults to Explicit axes).
@@ -15,15 +15,14 @@ import contextlib
 import dataclasses
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core._registry import Context, TaskCallback
 
 
 def make_auto_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
@@ -129,10 +128,16 @@ def as_device_array(devices: Any, argument: str) -> np.ndarray:
 # --- the executable's device list -----------------------------------------------------------
 
 
+class _DeviceGrid(Protocol):
+    """What the device list needs of a ``MultiMesh`` (``_multimesh``, which imports this module)."""
+
+    devices: np.ndarray
+
+
 class _MeshState(threading.local):
     def __init__(self) -> None:
         self.device_lists: list[tuple[jax.Device, ...]] = []
-        self.multi_meshes: list[MultiMesh] = []
+        self.multi_meshes: list[_DeviceGrid] = []  # active ``MultiMesh``es, innermost last
 
 
 _STATE = _MeshState()
@@ -166,11 +171,6 @@ def get_device_list() -> tuple[jax.Device, ...]:
     if _STATE.multi_meshes:
         return tuple(_STATE.multi_meshes[-1].devices.reshape(-1))
     return tuple(jax.devices())
-
-
-def get_multi_mesh() -> MultiMesh | None:
-    """Returns the innermost active ``MultiMesh``, or ``None``."""
-    return _STATE.multi_meshes[-1] if _STATE.multi_meshes else None
 
 
 # --- TaskMesh -------------------------------------------------------------------------------
@@ -292,217 +292,3 @@ class TaskMesh:
             )
         grid = np.array([pool[p] for p in self.devices], dtype=object).reshape(self.axis_sizes)
         return make_auto_mesh(grid, self.axis_names)
-
-
-# --- MultiMesh ------------------------------------------------------------------------------
-
-
-def _int_hint(value: Any) -> int:
-    """An integer to suggest in place of a mistyped index (``1.0`` -> ``1``)."""
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
-
-
-class MultiMesh(Context):
-    """A global device mesh with named submeshes.
-
-    Builds a mesh from ``axis_sizes``/``axis_names`` (devices default to ``jax.devices()``,
-    reshaped) or wraps ``global_mesh``. Used as a context manager it turns on autosharding,
-    becomes the mesh that ``Task(mesh_slice=...)`` and ``slice_global_mesh`` slice, and
-    activates the tasks registered with :meth:`register_task` (a ``MultiMesh`` is a
-    ``Context``).
-
-    Args:
-        axis_sizes: the size of each global axis.
-        axis_names: the name of each global axis.
-        devices: devices to use (any shape with the right count), as jax devices or integer
-            positions in ``jax.devices()`` (``range(8)``); default ``jax.devices()``.
-        global_mesh: an existing ``jax.sharding.Mesh`` to wrap; the other arguments must then
-            be omitted.
-
-    Raises:
-        MeshShapeError: sizes, names and device count disagree.
-        DuplicateDeviceError: a device appears twice.
-
-    Example:
-        >>> import multimesh_flax as mm
-        >>> mesh = mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=("stage", "batch", "model"))
-        >>> mesh.slice(stage=1).device_ids.tolist()
-        [[[4, 5], [6, 7]]]
-    """
-
-    def __init__(
-        self,
-        *,
-        axis_sizes: Sequence[int] | None = None,
-        axis_names: Sequence[str] | None = None,
-        devices: Sequence[jax.Device] | np.ndarray | None = None,
-        global_mesh: Mesh | None = None,
-    ) -> None:
-        super().__init__()
-        self._exits: list[Any] = []
-        if global_mesh is not None:
-            if axis_sizes is not None or axis_names is not None or devices is not None:
-                raise errors.MeshShapeError(
-                    "Expected either `global_mesh` or `axis_sizes`/`axis_names`/`devices`, "
-                    "got both. Pass only `global_mesh` to wrap an existing mesh."
-                )
-            self._mesh = make_auto_mesh(global_mesh.devices, global_mesh.axis_names)
-            return
-        if axis_sizes is None or axis_names is None:
-            raise errors.MeshShapeError(
-                f"Expected `axis_sizes` and `axis_names` (or `global_mesh`), got "
-                f"`axis_sizes`={axis_sizes!r}, `axis_names`={axis_names!r}."
-            )
-        sizes, names = _as_axes(axis_sizes, axis_names)
-        _check_names_sizes(sizes, names)
-        pool = as_device_array(jax.devices() if devices is None else devices, "devices")
-        flat = pool.reshape(-1)
-        if devices is None and flat.size > math.prod(sizes):
-            flat = flat[: math.prod(sizes)]
-        _check_device_count(flat.size, sizes, "devices")
-        check_unique(list(flat), "devices")
-        self._mesh = make_auto_mesh(flat.reshape(sizes), names)
-
-    @property
-    def mesh(self) -> Mesh:
-        """The global ``jax.sharding.Mesh``."""
-        return self._mesh
-
-    @property
-    def shape(self) -> Mapping[str, int]:
-        return self._mesh.shape
-
-    @property
-    def axis_names(self) -> tuple[str, ...]:
-        return tuple(self._mesh.axis_names)
-
-    @property
-    def axis_sizes(self) -> tuple[int, ...]:
-        return tuple(self._mesh.axis_sizes)
-
-    @property
-    def devices(self) -> np.ndarray:
-        return self._mesh.devices
-
-    @property
-    def size(self) -> int:
-        return self._mesh.size
-
-    @property
-    def abstract_mesh(self) -> AbstractMesh:
-        return self._mesh.abstract_mesh
-
-    def _slice_index(self, **indices: int) -> tuple[Any, ...]:
-        unknown = [a for a in indices if a not in self.axis_names]
-        if unknown:
-            raise errors.UnknownMeshAxisError(
-                f"Unknown mesh axis {unknown[0]!r} in slice {indices!r}; this mesh has axes "
-                f"{self.axis_names}. Slice along one of those."
-            )
-        index: list[Any] = []
-        for name, size in zip(self.axis_names, self.axis_sizes, strict=True):
-            if name not in indices:
-                index.append(slice(None))
-                continue
-            i = indices[name]
-            if not isinstance(i, (int, np.integer)) or isinstance(i, (bool, np.bool_)):
-                raise errors.MeshIndexError(
-                    f"Expected an integer index for mesh axis {name!r}, got "
-                    f"{type(i).__name__}: {name}={i!r}. Pass an int, e.g. {name}={_int_hint(i)}."
-                )
-            if not 0 <= i < size:
-                raise errors.MeshIndexError(
-                    f"Index {name}={i!r} is out of range for mesh axis {name!r} of size "
-                    f"{size}. Use an index in [0, {size})."
-                )
-            index.append(slice(int(i), int(i) + 1))
-        return tuple(index)
-
-    def slice(self, **indices: int) -> Mesh:
-        """The submesh at ``{axis: index}``; sliced axes keep size 1.
-
-        Raises:
-            UnknownMeshAxisError: an axis name the mesh does not have.
-            MeshIndexError: an index outside the axis.
-        """
-        sub = self._mesh.devices[self._slice_index(**indices)]
-        return make_auto_mesh(sub, self.axis_names)
-
-    def slice_positions(self, **indices: int) -> TaskMesh:
-        """The same slice as :meth:`slice`, as a ``TaskMesh`` of positions in this mesh."""
-        positions = np.arange(self.size).reshape(self.axis_sizes)[self._slice_index(**indices)]
-        return TaskMesh(
-            devices=positions.reshape(-1).tolist(),
-            axis_sizes=positions.shape,
-            axis_names=self.axis_names,
-        )
-
-    def register_task(
-        self, matcher: Any, *, callback: TaskCallback | None = None, task: Any = None
-    ) -> None:
-        """Registers a name-based task, active inside ``with self:`` (see ``register_task``).
-
-        A ``task`` with a ``mesh_slice`` is checked against this mesh right away.
-
-        Raises:
-            UnknownMeshAxisError: ``task.mesh_slice`` names an axis this mesh lacks.
-            MeshIndexError: ``task.mesh_slice`` indexes outside an axis.
-
-        Example:
-            >>> import multimesh_flax as mm
-            >>> mesh = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
-            >>> mesh.register_task("head", task=mm.Task(mesh_slice={"stage": 1}))
-            >>> def f(x):
-            ...     with jax.named_scope("head"):
-            ...         return x * 2
-            >>> with mesh:
-            ...     y = mm.jit(f)(jnp.ones(4))
-            >>> sorted(d.id for d in y.devices())
-            [4, 5, 6, 7]
-        """
-        if task is not None and getattr(task, "mesh_slice", None) is not None:
-            self._slice_index(**task.mesh_slice)
-        super().register_task(matcher, callback=callback, task=task)
-
-    def __enter__(self) -> MultiMesh:
-        from multimesh_flax.core import _config
-
-        autoshard = _config.autoshard()
-        autoshard.__enter__()
-        _STATE.multi_meshes.append(self)
-        super().__enter__()
-        self._exits.append(autoshard)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        _STATE.multi_meshes.pop()
-        self._exits.pop().__exit__(*exc)
-
-    def __repr__(self) -> str:
-        axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes, strict=True))
-        return f"MultiMesh({axes})"
-
-
-def slice_global_mesh(**indices: int) -> TaskMesh:
-    """A slice of the current ``MultiMesh`` as a ``TaskMesh`` (sliced axes keep size 1).
-
-    Raises:
-        NoMultiMeshError: no ``MultiMesh`` context is active.
-
-    Example:
-        >>> import multimesh_flax as mm
-        >>> with mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data")):
-        ...     mm.slice_global_mesh(stage=1)
-        TaskMesh(devices=(4, 5, 6, 7), axis_sizes=(1, 4), axis_names=('stage', 'data'))
-    """
-    multi = get_multi_mesh()
-    if multi is None:
-        raise errors.NoMultiMeshError(
-            f"`slice_global_mesh({indices!r})` needs an active MultiMesh, got none. "
-            "Call it inside `with multi_mesh:`."
-        )
-    return multi.slice_positions(**indices)

@@ -19,7 +19,7 @@ import jax
 
 import multimesh_flax
 from multimesh_flax import errors
-from multimesh_flax.core import _config
+from multimesh_flax.core.declare import _config
 
 _LOCK = threading.Lock()
 _WARNED: set[Hashable] = set()

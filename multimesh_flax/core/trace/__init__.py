@@ -1,0 +1,7 @@
+"""Stage 2, trace and colour: capture the program once and label every equation by task.
+
+``_trace.trace_program`` runs ``jax.make_jaxpr`` inside a trace session (``_session``: what one
+trace learns), inlines nested calls, and colours each equation with its task and phase
+(``_colour`` for name-registered tasks). While tracing, ``_constraints`` resolves logical
+sharding constraints and ``_microbatch`` unrolls microbatch loops.
+"""

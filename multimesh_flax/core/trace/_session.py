@@ -1,0 +1,274 @@
+"""Trace sessions: what one trace learns, and the task stack while it runs.
+
+``Task`` is a plain description (a mesh or a ``MultiMesh`` slice, plus logical rules).
+``task(fun, ...)`` returns a function that, when traced, runs ``fun`` inside a reserved named
+scope -- its *marker* -- with the task's rules active for ``with_sharding_constraint``. JAX keeps
+name scopes on every equation, also through ``jax.grad`` (the backward appears as
+``transpose(jvp(<marker>))``), so the partitioner can later colour each equation by the task
+whose marker is innermost in its name stack.
+
+At trace time a ``Task`` is *resolved* into a ``ResolvedTask``: a concrete
+``jax.sharding.Mesh`` and a flat rule list. Resolution happens per call, so a ``TaskMesh``
+follows the executable's device list and a ``mesh_slice`` follows the current ``MultiMesh``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import re
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from multimesh_flax import errors
+from multimesh_flax.core.declare import _devices, _multimesh, _warnings
+from multimesh_flax.core.declare._rules import Rule
+from multimesh_flax.core.declare._task import Task
+
+MARKER_RE = re.compile(r"mmtask(\d+)_")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ResolvedTask:
+    """A task bound to concrete devices for one trace: its mesh, rules and marker."""
+
+    uid: int
+    name: str
+    mesh: Mesh
+    rules: tuple[Rule, ...]
+    task: Task
+
+    @property
+    def marker(self) -> str:
+        """The named-scope component that tags this task's equations."""
+        return f"mmtask{self.uid}_{self.name}"
+
+
+def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
+    """``mesh_slice``, or ``loop_dependent_mesh_slice(i)`` in microbatch iteration ``i``.
+
+    Outside microbatching a loop-dependent task uses its ``mesh``/``mesh_slice`` if it has
+    one, else iteration 0's slice.
+    """
+    loop_slice = spec.loop_dependent_mesh_slice
+    index = _STATE.microbatch_index
+    has_home = spec.mesh is not None or spec.mesh_slice is not None
+    if loop_slice is None or (index is None and has_home):
+        return spec.mesh_slice
+    session = current_session()
+    if session is not None and index is not None:
+        session.loop_dependent = True  # microbatches differ: ``microbatch`` must unroll
+    return dict(loop_slice(index or 0))
+
+
+def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
+    multi = _multimesh.get_multi_mesh()
+    mesh_slice = _mesh_slice(spec)
+    if mesh_slice is not None:
+        if multi is None:
+            raise errors.NoMultiMeshError(
+                f"Task {name!r} has `mesh_slice`={mesh_slice!r} but no MultiMesh "
+                "is active. Call it inside `with multi_mesh:` or give it a `mesh`."
+            )
+        identity = tuple((n, n) for n in multi.axis_names)
+        return multi.slice(**mesh_slice), identity
+    if isinstance(spec.mesh, _devices.TaskMesh):
+        mesh = spec.mesh.to_mesh()
+    elif isinstance(spec.mesh, Mesh):
+        mesh = _devices.make_auto_mesh(spec.mesh.devices, spec.mesh.axis_names)
+    elif multi is not None:
+        mesh = multi.mesh
+    else:
+        mesh = _devices.make_auto_mesh(
+            np.array(_devices.get_device_list(), dtype=object), ("devices",)
+        )
+    return mesh, tuple((n, n) for n in mesh.axis_names)
+
+
+def _check_rules(rules: tuple[Rule, ...], mesh: Mesh, name: str) -> None:
+    for logical, axes in rules:
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        unknown = [a for a in names if a not in mesh.axis_names]
+        if unknown:
+            raise errors.LogicalRulesError(
+                f"Rule ({logical!r}, {axes!r}) of task {name!r} names mesh axis "
+                f"{unknown[0]!r}, but the task mesh has axes {tuple(mesh.axis_names)}. "
+                "Map logical names onto those axes."
+            )
+
+
+_UIDS = itertools.count(1)
+
+
+def resolve_task(spec: Task, fallback_name: str = "task") -> ResolvedTask:
+    """Binds ``spec`` to concrete devices and rules for the current trace.
+
+    Raises:
+        NoMultiMeshError: ``mesh_slice`` with no active ``MultiMesh``.
+        LogicalRulesError: a rule names a mesh axis the task mesh lacks.
+    """
+    name = re.sub(r"\W", "_", spec.name or fallback_name)
+    mesh, identity = _resolve_mesh(spec, name)
+    rules = spec.logical_axes if spec.logical_axes is not None else identity
+    rules = tuple(rules) + tuple(spec.extra_axes or ())
+    _check_rules(rules, mesh, name)
+    return ResolvedTask(uid=next(_UIDS), name=name, mesh=mesh, rules=rules, task=spec)
+
+
+# --- trace sessions and the task stack ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """The schedule options of one ``microbatch`` transform."""
+
+    schedule: str | None
+    num_stages: int | None
+    interleave: int | None
+    custom_schedule: tuple[tuple[Any, ...], ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MicrobatchCall:
+    """One traced call of a microbatched function: its options and microbatch count."""
+
+    options: PipelineOptions
+    num_microbatches: int
+
+
+_CALL_UIDS = itertools.count(1)  # process-wide, so scope names never collide across traces
+
+
+class TraceSession:
+    """What one ``jit``/``parallelize`` trace learns; returned with the traced program.
+
+    Attributes:
+        tasks: every task entered, by uid (the number in its marker scope ``mmtask<uid>_``).
+        microbatch_calls: every ``microbatch`` call traced, by the uid in its chunks' scopes
+            ``mmmb<uid>_<k>``.
+        module_tasks: Linen/NNX task modules resolved once per trace (see ``resolve_module``).
+        loop_dependent: whether a task resolved its mesh from the microbatch index: then the
+            microbatches of one ``microbatch`` call differ and cannot share one traced body.
+    """
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, ResolvedTask] = {}
+        self.microbatch_calls: dict[int, MicrobatchCall] = {}
+        self.module_tasks: dict[tuple[Any, ...], ResolvedTask] = {}
+        self.loop_dependent = False
+
+    def resolve_module(self, key: tuple[Any, ...], spec: Task, name: str) -> ResolvedTask:
+        """The task of a Flax module, resolved once per trace under ``key`` (a Linen module
+        path or an NNX instance), and once per microbatch when its slice depends on it."""
+        if spec.loop_dependent_mesh_slice is not None:
+            key += (current_microbatch_index(),)
+        if key not in self.module_tasks:
+            self.module_tasks[key] = resolve_task(spec, name)
+        return self.module_tasks[key]
+
+    def add_microbatch_call(self, options: PipelineOptions, num_microbatches: int) -> int:
+        """Records a traced ``microbatch`` call; returns the uid its scopes carry."""
+        uid = next(_CALL_UIDS)
+        self.microbatch_calls[uid] = MicrobatchCall(options, num_microbatches)
+        return uid
+
+
+class _TaskState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[ResolvedTask] = []
+        self.sessions: list[TraceSession] = []
+        self.microbatch_index: int | None = None
+        self.shape_only = 0  # > 0 inside traces that only compute shapes or variables
+
+
+_STATE = _TaskState()
+
+
+@contextlib.contextmanager
+def shape_only_trace() -> Iterator[None]:
+    """Marks the body as a trace for shapes or variables only (``jax.eval_shape`` of an
+    initializer): tasks met there are not placed, by design, so nothing is warned."""
+    _STATE.shape_only += 1
+    try:
+        yield
+    finally:
+        _STATE.shape_only -= 1
+
+
+def warn_foreign_trace(name: str) -> None:
+    """Warns (once per task) that task ``name`` is traced by a transformation not ours.
+
+    Raises:
+        StrictModeError: under ``context(strict=True)``.
+    """
+    if _STATE.shape_only:
+        return
+    _warnings.warn_placement(
+        ("foreign-trace", name),
+        f"Task {name!r} is traced by a JAX transformation that is not multimesh_flax's "
+        "(jax.jit, jax.grad, jax.vmap, ... outside `multimesh_flax.jit`), so it is not placed "
+        "on its submesh: it runs wherever that transformation runs (usually device 0). "
+        "Compile the function with `multimesh_flax.jit`, `multimesh_flax.parallelize` or "
+        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless).",
+    )
+
+
+@contextlib.contextmanager
+def microbatch_iteration(index: int) -> Iterator[None]:
+    """Marks the body as microbatch iteration ``index`` (for ``loop_dependent_mesh_slice``)."""
+    previous = _STATE.microbatch_index
+    _STATE.microbatch_index = index
+    try:
+        yield
+    finally:
+        _STATE.microbatch_index = previous
+
+
+def current_microbatch_index() -> int | None:
+    """The microbatch iteration being traced (see :func:`microbatch_iteration`), or ``None``."""
+    return _STATE.microbatch_index
+
+
+def current_task() -> ResolvedTask | None:
+    """The innermost task being traced, or ``None`` outside every task."""
+    return _STATE.stack[-1] if _STATE.stack else None
+
+
+def current_session() -> TraceSession | None:
+    return _STATE.sessions[-1] if _STATE.sessions else None
+
+
+@contextlib.contextmanager
+def trace_session() -> Iterator[TraceSession]:
+    """Opens a session that records every task traced inside it."""
+    session = TraceSession()
+    _STATE.sessions.append(session)
+    try:
+        yield session
+    finally:
+        _STATE.sessions.pop()
+
+
+@contextlib.contextmanager
+def enter_task(resolved: ResolvedTask) -> Iterator[ResolvedTask]:
+    """Runs the body as ``resolved``: its marker scope, its rules, its registration."""
+    session = current_session()
+    if session is not None:
+        session.tasks[resolved.uid] = resolved
+    _STATE.stack.append(resolved)
+    try:
+        with jax.named_scope(resolved.marker):
+            yield resolved
+    finally:
+        _STATE.stack.pop()
+
+
+def contains_tracer(tree: Any) -> bool:
+    """Whether any leaf of ``tree`` is a tracer (the call is being traced)."""
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
