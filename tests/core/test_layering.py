@@ -1,0 +1,116 @@
+"""The core's import graph: stages in pipeline order, no cycles, no imports hidden in functions.
+
+``multimesh_flax/core`` is laid out as the pipeline it implements (see its README):
+declare -> trace -> plan -> fragment -> run -> front. A module may import modules of its own
+stage or of earlier stages only, so the graph is a DAG by construction; this file checks it
+from the source text (``ast``), the way a newcomer would read the imports.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+CORE = Path(__file__).resolve().parents[2] / "multimesh_flax" / "core"
+STAGES = ("declare", "trace", "plan", "fragment", "run", "front")
+
+
+def _modules() -> dict[str, Path]:
+    """``{"stage._module": path}`` for every module of the core's stage packages."""
+    return {
+        f"{path.parent.name}.{path.stem}": path
+        for stage in STAGES
+        for path in sorted((CORE / stage).glob("_*.py"))
+        if path.name != "__init__.py"
+    }
+
+
+def _core_target(node: ast.ImportFrom) -> list[str]:
+    """The core modules an ``from multimesh_flax.core... import ...`` statement names."""
+    module = node.module or ""
+    if not module.startswith("multimesh_flax.core."):
+        return []
+    rest = module.removeprefix("multimesh_flax.core.").split(".")
+    if len(rest) == 2:  # from multimesh_flax.core.stage._module import name
+        return [".".join(rest)]
+    return [f"{rest[0]}.{alias.name}" for alias in node.names]  # from ...core.stage import _m
+
+
+def _imports(path: Path) -> tuple[set[str], list[int]]:
+    """(core modules imported at module level, lines of our imports inside functions).
+
+    Third-party imports inside functions are allowed (matplotlib is imported where a figure is
+    drawn); an import of ``multimesh_flax`` inside a function is how a cycle hides.
+    """
+    tree = ast.parse(path.read_text())
+    top: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            top.update(_core_target(node))
+        if isinstance(node, ast.If):  # e.g. ``if TYPE_CHECKING:`` -- still an arrow
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.ImportFrom):
+                    top.update(_core_target(inner))
+    nested = [
+        inner.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for inner in ast.walk(node)
+        if isinstance(inner, ast.ImportFrom)
+        and (inner.module or "").startswith("multimesh_flax")
+        or isinstance(inner, ast.Import)
+        and any(a.name.startswith("multimesh_flax") for a in inner.names)
+    ]
+    return top, nested
+
+
+def test_every_core_module_sits_in_a_stage_package() -> None:
+    loose = [p.name for p in CORE.glob("*.py") if p.name != "__init__.py"]
+    assert not loose, f"modules outside the stage packages {STAGES}: {loose}"
+    assert len(_modules()) >= 20
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_no_import_inside_a_function(name: str) -> None:
+    _, nested = _imports(_modules()[name])
+    assert not nested, f"{name} imports inside functions at lines {nested}"
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_imports_point_to_the_same_or_an_earlier_stage(name: str) -> None:
+    stage = STAGES.index(name.split(".")[0])
+    top, _ = _imports(_modules()[name])
+    later = sorted(t for t in top if STAGES.index(t.split(".")[0]) > stage)
+    assert not later, f"{name} (stage {STAGES[stage]}) imports later stages: {later}"
+
+
+def test_import_graph_is_acyclic() -> None:
+    graph = {name: _imports(path)[0] & _modules().keys() for name, path in _modules().items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, f"import cycle: {' -> '.join((*path, name))}"
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, (*path, name))
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, ())
+
+
+def test_the_checker_sees_a_cycle_and_a_backward_import(tmp_path: Path) -> None:
+    """The parser finds the arrows these tests rely on (so they cannot pass vacuously)."""
+    source = tmp_path / "_probe.py"
+    source.write_text(
+        "from multimesh_flax.core.front import _jit\n"
+        "from multimesh_flax.core.declare._task import Task\n"
+        "def f():\n    from multimesh_flax.core.run import _dispatch\n"
+        "def g():\n    import numpy\n"
+    )
+    top, nested = _imports(source)
+    assert top == {"front._jit", "declare._task"}
+    assert nested == [4]
