@@ -4,3 +4,4 @@ from multimesh_flax.distributed._launch import LaunchResult as LaunchResult
 from multimesh_flax.distributed._launch import launch as launch
 from multimesh_flax.distributed._setup import initialize as initialize
 from multimesh_flax.distributed._setup import launched as launched
+from multimesh_flax.distributed._wire import host_values as host_values

@@ -32,6 +32,7 @@ from multimesh_flax.core.fragment._inputs import (
 )
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.run._compile import compile_fragment
+from multimesh_flax.distributed import _dispatch as _processes
 
 RUN, PUT = 0, 1
 
@@ -184,6 +185,9 @@ class MpmdExecutable:
         self.ops = self._build_ops(set(donate))
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self._assign_frees()
+        # In a multi-process job each process dispatches only its own ops (see
+        # multimesh_flax.distributed._dispatch); None: this process runs every op.
+        self.processes = _processes.ProcessDispatch(self) if jax.process_count() > 1 else None
 
     # --- planning ---
 
@@ -370,6 +374,8 @@ class MpmdExecutable:
         return targets
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
+        if self.processes is not None:
+            return self.processes(args)
         env: list[Any] = [None] * len(self._slots)
         for slot, value in self._consts.items():
             env[slot] = value
