@@ -38,7 +38,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding
 
-from multimesh_flax.distributed import _exchange, _wire
+from multimesh_flax.distributed import _exchange, _watchdog, _wire
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,17 @@ class ProcessDispatch:
         for slot, value in exe._consts.items():
             env[slot] = value
         self._place_inputs(env, args)
-        for index, op in enumerate(exe.ops):
+        try:
+            self._dispatch(env)
+        except jax.errors.JaxRuntimeError:
+            _watchdog.await_loss()  # a lost peer: the watchdog names it and ends the process
+            raise
+        outs = [self._output(i, env[s]) for i, s in enumerate(exe.output_slots)]
+        self.first_call = False
+        return outs
+
+    def _dispatch(self, env: list[Any]) -> None:
+        for index, op in enumerate(self.exe.ops):
             if op.kind == _RUN:
                 if self.mine(op.place):
                     results = op.fn(*[env[s] for s in op.ins])
@@ -105,9 +115,6 @@ class ProcessDispatch:
                 self._put(index, op, env)
             for s in op.frees:
                 env[s] = None
-        outs = [self._output(i, env[s]) for i, s in enumerate(exe.output_slots)]
-        self.first_call = False
-        return outs
 
     def _place_inputs(self, env: list[Any], args: Sequence[Any]) -> None:
         exe = self.exe

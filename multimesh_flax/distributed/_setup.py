@@ -20,7 +20,7 @@ import os
 import jax
 
 from multimesh_flax import errors
-from multimesh_flax.distributed import _launch
+from multimesh_flax.distributed import _exchange, _launch, _watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,15 @@ def initialize(*, heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
     if not launched():
         logger.info("no launcher environment: jax.distributed.initialize() detects the cluster")
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout)
-        return
+    else:
+        _join_launched(heartbeat_timeout)
+    if jax.process_count() > 1:
+        _watchdog.start(
+            _exchange.client(), jax.process_index(), jax.process_count(), heartbeat_timeout
+        )
+
+
+def _join_launched(heartbeat_timeout: int) -> None:
     rank = _env_int(_launch.ENV_PROCESS_ID)
     count = _env_int(_launch.ENV_NUM_PROCESSES)
     devices = _env_int(_launch.ENV_DEVICES)

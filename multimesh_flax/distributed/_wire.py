@@ -36,6 +36,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from multimesh_flax.distributed import _watchdog
+
 WIRE = "_mmflax_wire"
 
 
@@ -245,10 +247,15 @@ def host_values(tree: Any) -> Any:
     is ``jax.device_get``.
 
     Example:
-        >>>         >>> from multimesh_flax.distributed import host_values
+        >>> import jax.numpy as jnp
+        >>> from multimesh_flax.distributed import host_values
         >>> host_values({"loss": jnp.float32(0.5)})
         {'loss': array(0.5, dtype=float32)}
     """
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
-    return jax.tree_util.tree_map(_host_value, tree)
+    try:
+        return jax.tree_util.tree_map(_host_value, tree)
+    except jax.errors.JaxRuntimeError:
+        _watchdog.await_loss()  # a lost peer: the watchdog names it and ends the process
+        raise

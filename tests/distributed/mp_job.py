@@ -1,0 +1,48 @@
+"""One process of the multi-process test job (run by ``launch``; see test_multiprocess.py).
+
+``python mp_job.py OUT_DIR MODE``. MODE ``mlp``: the two-submesh MLP with a second stage of 4
+and of 2 devices; every process writes what it saw to ``OUT_DIR/rank{r}.npz``. MODE
+``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself before
+step 3 while process 0 runs it.
+"""
+
+import os
+import signal
+import sys
+import time
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multimesh_flax.distributed import initialize
+
+    initialize(heartbeat_timeout=5)
+    import jax
+    import mp_models
+    import numpy as np
+
+    out_dir, mode = sys.argv[1], sys.argv[2]
+    rank = jax.process_index()
+    if mode == "mlp":
+        results = {}
+        for second in (4, 2):
+            for name, value in mp_models.run_parallel(second).items():
+                results[f"{second}/{name}"] = value
+        np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
+    elif mode == "mismatch":
+        mp_models.run_parallel(4, hidden=16 if rank == 0 else 32)
+    elif mode == "kill":
+        import multimesh_flax as mm
+
+        step, init = mp_models.make_step(4)
+        x = mp_models.batch()
+        sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
+        params = init_params()
+        for i in range(10):
+            if i == 3 and rank == 1:
+                print("killing myself", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if i == 3:
+                print(f"step 3 starts at {time.time():.3f}", flush=True)
+            loss, params = sharded_step(params, x)
+            jax.block_until_ready(params)
+    print("finished", flush=True)

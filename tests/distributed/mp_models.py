@@ -1,0 +1,85 @@
+"""Programs the multi-process tests run in every process and, for the reference, in one.
+
+The two-submesh MLP of the README ("Logical sharding inside a task"): ``layer1`` on devices
+0-3, ``layer2`` on devices 4-7 (``second=4``) or on devices 4-5 with another mesh shape
+(``second=2``: transfers between submeshes of different sizes).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import multimesh_flax as mm
+
+RULES = (("batch", "x"), ("model", "x"))
+STEPS = 3
+
+
+def layer1(w, x):
+    x = mm.with_sharding_constraint(x, P("batch", None))
+    return jnp.tanh(x @ mm.with_sharding_constraint(w, P("model", None)))
+
+
+def layer2(w, h):
+    h = mm.with_sharding_constraint(h, P("batch", None))
+    return h @ mm.with_sharding_constraint(w, P(None, "model"))
+
+
+def make_step(second: int, hidden: int = 16):
+    stage0 = mm.TaskMesh(devices=[0, 1, 2, 3], axis_sizes=(4, 1), axis_names=("x", "y"))
+    if second == 4:
+        stage1 = stage0.place([4, 5, 6, 7])
+    else:
+        stage1 = mm.TaskMesh(devices=[4, 5], axis_sizes=(2, 1), axis_names=("x", "y"))
+    l1 = mm.task(layer1, mesh=stage0, logical_axes=RULES)
+    l2 = mm.task(layer2, mesh=stage1, logical_axes=RULES)
+
+    def step(params, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(l2(p[1], l1(p[0], x)) ** 2))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    def init():
+        k1, k2 = jax.random.split(jax.random.key(0))
+        return (
+            jax.random.normal(k1, (16, hidden)) * 0.3,
+            jax.random.normal(k2, (hidden, 8)) * 0.3,
+        )
+
+    return step, init
+
+
+def batch() -> np.ndarray:
+    return np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
+
+
+def run_parallel(second: int, hidden: int = 16) -> dict[str, np.ndarray]:
+    """``STEPS`` steps through ``mm.parallelize``; losses and final parameters as numpy."""
+    from multimesh_flax.distributed import host_values
+
+    step, init = make_step(second, hidden)
+    x = batch()
+    sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
+    params = init_params()
+    losses = []
+    for _ in range(STEPS):
+        loss, params = sharded_step(params, x)
+        losses.append(host_values(loss))
+    p0, p1 = host_values(params)
+    return {"losses": np.stack(losses), "p0": p0, "p1": p1}
+
+
+def run_reference(second: int) -> dict[str, np.ndarray]:
+    """The same steps unparallelized: plain ``jax.jit`` on one device."""
+    step, init = make_step(second)
+    x = jax.device_put(batch(), jax.devices()[0])
+    with mm.ignore_transforms():
+        jitted = jax.jit(step)
+        params = jax.jit(init)()
+        losses = []
+        for _ in range(STEPS):
+            loss, params = jitted(params, x)
+            losses.append(np.asarray(loss))
+    return {"losses": np.stack(losses), "p0": np.asarray(params[0]), "p1": np.asarray(params[1])}
