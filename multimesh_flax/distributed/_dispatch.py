@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from multimesh_flax.distributed import _exchange, _watchdog, _wire
@@ -193,6 +194,18 @@ class ProcessDispatch:
         return jax.make_array_from_single_device_arrays(
             tuple(var.aval.shape), sharding, [], dtype=var.aval.dtype
         )
+
+
+def place(value: Any, sharding: Any) -> jax.Array:
+    """``jax.device_put(value, sharding)``, also onto devices of other processes.
+
+    A traced constant is a concrete array of this process; in a multi-process job its
+    sharding may hold devices of other processes, where ``device_put`` only takes host data
+    (each process then places its own shards).
+    """
+    if jax.process_count() > 1 and isinstance(value, jax.Array):
+        value = np.asarray(value)
+    return jax.device_put(value, sharding)
 
 
 class _Sub:

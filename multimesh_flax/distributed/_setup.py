@@ -25,6 +25,7 @@ from multimesh_flax.distributed import _exchange, _launch, _watchdog
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT = 10  # seconds; jax's own default (100 s) is for real clusters
+SHUTDOWN_TIMEOUT = 10  # seconds a launched process waits for the others when it exits
 
 
 def _env_int(name: str) -> int:
@@ -86,5 +87,8 @@ def _join_launched(heartbeat_timeout: int) -> None:
         process_id=rank,
         heartbeat_timeout_seconds=heartbeat_timeout,
         initialization_timeout=60,
+        # A process that fails waits at exit for the others to reach the shutdown barrier;
+        # bounded, so that the others' watchdogs soon see it gone.
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT,
     )
     logger.info("process %d of %d joined with %d CPU devices", rank, count, devices)

@@ -181,7 +181,7 @@ class MpmdExecutable:
         for v, value in zip(jaxpr.constvars, part.traced.consts, strict=True):
             if v in part.input_place:
                 sharding = self._input_sharding(v)
-                self._consts[self._slot(v, part.home[v])] = jax.device_put(value, sharding)
+                self._consts[self._slot(v, part.home[v])] = _processes.place(value, sharding)
         self.ops = self._build_ops(set(donate))
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self._assign_frees()
