@@ -54,11 +54,14 @@ def _assert_close(actual, expected):
         np.testing.assert_allclose(np.asarray(a), np.asarray(e), **TOL)
 
 
+_PHASE_NAMES = {"F": "fwd", "B": "bwd"}  # as fragment names spell them
+
+
 def _task_names(jitted, *args) -> list[str]:
     """``name.phase`` of every task fragment of the compiled program, in program order."""
     part = jitted.executable(*args).partition
     return [
-        f"{part.traced.tasks[f.label[0]].name}.{f.label[1]}"
+        f"{part.traced.tasks[f.label.task].name}.{_PHASE_NAMES[f.label.phase]}"
         for f in part.fragments
         if f.label is not None
     ]

@@ -21,12 +21,28 @@ weight gradient that nobody waits for, so it can fill idle time.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from collections.abc import Callable, Iterator, Sequence
 
 from multimesh_flax import errors
 
-_PHASES = ("F", "B", "W")
+
+class Phase(str, enum.Enum):
+    """A pipeline phase: ``F`` forward; ``B`` backward, or its activation-gradient half when
+    the backward is split; ``W`` the weight-gradient half. Equal to its letter as a string."""
+
+    F = "F"
+    B = "B"
+    W = "W"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+_PHASES = tuple(p.value for p in Phase)
 _OP_PATTERN = re.compile(r"^\s*([FBW])(\d+)\.(\d+)\s*$")
 
 

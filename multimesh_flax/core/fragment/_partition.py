@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
@@ -36,7 +37,7 @@ import numpy as np
 
 from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.plan import _accumulate, _pipeline
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.trace import _session, _trace
 
 Place = _pipeline.Place
 
@@ -55,7 +56,7 @@ class Fragment:
 
     index: int
     place: Place
-    label: _trace.Label
+    label: _session.Label | None  # None: glue
     eqns: list[Any] = dataclasses.field(default_factory=list)
     invars: list[Any] = dataclasses.field(default_factory=list)
     outvars: list[Any] = dataclasses.field(default_factory=list)
@@ -93,7 +94,7 @@ def _place_meshes(traced: _trace.TracedProgram, devices: Any) -> tuple[dict[Plac
         pool = np.array(_devices.get_device_list(), dtype=object)
     everything = _devices.make_auto_mesh(pool, ("devices",))
     first = next(
-        (traced.tasks[label[0]].mesh for label in traced.labels if label is not None), None
+        (traced.tasks[label.task].mesh for label in traced.labels if label is not None), None
     )
     if traced.default_task is not None:  # a task registered as "default" says where
         first = traced.default_task.mesh
@@ -126,7 +127,8 @@ def _place_equations(
 ) -> list[Place]:
     eqns = traced.jaxpr.eqns
     places: list[Place | None] = [
-        None if label is None else place_of(traced.tasks[label[0]].mesh) for label in traced.labels
+        None if label is None else place_of(traced.tasks[label.task].mesh)
+        for label in traced.labels
     ]
     producer: dict[Any, int] = {}
     for i, eqn in enumerate(eqns):
@@ -154,26 +156,56 @@ def _place_equations(
     return places  # type: ignore[return-value]
 
 
-_Lookup = tuple[Any, bool]  # (key, join only if order-neutral)
+class _Group(enum.Enum):
+    """What the fragments under a join key have in common (besides their place)."""
+
+    PLACE = "any equation on the place (no microbatching)"
+    TASK = "one task label (and microbatch)"
+    UNIT = "one pipeline unit"
+    MICROBATCH = "one microbatch"
+    OUTSIDE = "glue outside every microbatch"
+    FREE = "free glue (depends only on other free glue)"
+
+    def __repr__(self) -> str:
+        return f"_Group.{self.name}"
+
+
+class _Key(NamedTuple):
+    """A group of fragments an equation may join: ``(group, place, what identifies it)``."""
+
+    group: _Group
+    place: Place
+    of: Any = None  # the label, unit, microbatch or (label, microbatch)
+
+
+class _Lookup(NamedTuple):
+    key: _Key
+    neutral: bool  # join only if that adds no ordering constraint
 
 
 def _keys(
-    i: int, place: Place, label: _trace.Label, plan: _pipeline.PipelinePlan | None
-) -> tuple[list[_Lookup], list[Any]]:
+    i: int, place: Place, label: _session.Label | None, plan: _pipeline.PipelinePlan | None
+) -> tuple[list[_Lookup], list[_Key]]:
     """Where equation ``i`` may join (in preference order) and which keys it updates."""
     if plan is None:
         if label is None:
-            return [(("p", place), False)], [("p", place)]
-        return [(("t", place, label), False)], [("t", place, label), ("p", place)]
+            return [_Lookup(_Key(_Group.PLACE, place), False)], [_Key(_Group.PLACE, place)]
+        task = _Key(_Group.TASK, place, label)
+        return [_Lookup(task, False)], [task, _Key(_Group.PLACE, place)]
     strict = plan.scheduled  # fragments get reordered: glue may only merge neutrally
     mb, unit = plan.microbatch[i], plan.units[i]
+    microbatch = _Key(_Group.MICROBATCH, place, mb)
     if unit is not None:
-        return [(("u", place, unit), False)], [("u", place, unit), ("m", place, mb)]
+        return [_Lookup(_Key(_Group.UNIT, place, unit), False)], [
+            _Key(_Group.UNIT, place, unit),
+            microbatch,
+        ]
     if label is not None:
-        return [(("t", place, label, mb), False)], [("t", place, label, mb), ("m", place, mb)]
+        task = _Key(_Group.TASK, place, (label, mb))
+        return [_Lookup(task, False)], [task, microbatch]
     if mb is None:
-        return [(("n", place), strict)], [("n", place)]
-    return [(("m", place, mb), strict)], [("m", place, mb)]
+        return [_Lookup(_Key(_Group.OUTSIDE, place), strict)], [_Key(_Group.OUTSIDE, place)]
+    return [_Lookup(microbatch, strict)], [microbatch]
 
 
 class _Cutter:
@@ -195,7 +227,7 @@ class _Cutter:
         self.made_in: dict[Any, int] = {}  # var -> index of the fragment producing it
         self.ancestors: list[int] = []  # per fragment, a bit set of fragment indices
         self.free = 0  # bit set of free fragments
-        self.latest: dict[Any, list[int]] = {}  # key -> fragments under it, ascending
+        self.latest: dict[_Key, list[int]] = {}  # key -> fragments under it, ascending
 
     def _inputs(self, eqn: Any) -> tuple[int, int]:
         """``(highest producing fragment index, ancestor bit set)`` of an equation."""
@@ -221,12 +253,17 @@ class _Cutter:
         return None
 
     def add(
-        self, eqn: Any, label: _trace.Label, place: Place, lookups: list[_Lookup], updates: list
+        self,
+        eqn: Any,
+        label: _session.Label | None,
+        place: Place,
+        lookups: list[_Lookup],
+        updates: list[_Key],
     ) -> Fragment:
         earliest, bits = self._inputs(eqn)
         only_free = self.pool_free and label is None and bits & ~self.free == 0
         if only_free:
-            lookups = [(("s", place), self.strict), *lookups]
+            lookups = [_Lookup(_Key(_Group.FREE, place), self.strict), *lookups]
         f = self._find(lookups, earliest, bits)
         if f is None:
             f = len(self.fragments)
@@ -235,7 +272,7 @@ class _Cutter:
             self.free |= (1 << f) if only_free else 0
         self.ancestors[f] |= bits & ~(1 << f)
         if self.free >> f & 1:
-            updates = [*updates, ("s", place)]
+            updates = [*updates, _Key(_Group.FREE, place)]
         for key in updates:
             under = self.latest.setdefault(key, [])
             at = bisect.bisect_left(under, f)

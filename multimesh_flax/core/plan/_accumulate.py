@@ -120,7 +120,7 @@ def _leaf_places(
     places = []
     for v in leaves:
         label = traced.labels[producer[v]] if v in producer else None
-        places.append(None if label is None else _pipeline.place_of(traced.tasks[label[0]].mesh))
+        places.append(None if label is None else _pipeline.place_of(traced.tasks[label.task].mesh))
     return places
 
 
@@ -194,26 +194,33 @@ def reassociate_sums(
 def _rebuild(
     traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, replaced: dict[int, list[Any]]
 ) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    """The program with equation ``i`` replaced by the chain ``replaced[i]``.
+
+    Each per-equation fact (label, name stack, microbatch, unit, mixed) follows its equation;
+    a replacement chain is glue that mixes microbatches (it keeps only the name stack).
+    """
     new_eqns: list[Any] = []
-    columns: dict[str, list[Any]] = {"labels": [], "stacks": [], "mb": [], "units": [], "mixed": []}
+    origin: list[int] = []  # per new equation, the index of the equation it comes from
     for i, eqn in enumerate(traced.jaxpr.eqns):
         chain = replaced.get(i, [eqn])
-        glue = i in replaced
-        for new in chain:
-            new_eqns.append(new)
-            columns["labels"].append(None if glue else traced.labels[i])
-            columns["stacks"].append(traced.stacks[i])
-            columns["mb"].append(None if glue else plan.microbatch[i])
-            columns["units"].append(None if glue else plan.units[i])
-            columns["mixed"].append(glue or plan.mixed[i])
+        new_eqns.extend(chain)
+        origin.extend([i] * len(chain))
+
+    def column(facts: list[Any], glue: Any) -> list[Any]:
+        return [glue if i in replaced else facts[i] for i in origin]
+
     jaxpr = traced.jaxpr
     program = _trace.make_jaxpr_object(
         list(jaxpr.constvars), list(jaxpr.invars), list(jaxpr.outvars), new_eqns, "program"
     )
+    stacks = [traced.stacks[i] for i in origin]
     traced = dataclasses.replace(
-        traced, jaxpr=program, labels=columns["labels"], stacks=columns["stacks"]
+        traced, jaxpr=program, labels=column(traced.labels, None), stacks=stacks
     )
     plan = dataclasses.replace(
-        plan, microbatch=columns["mb"], units=columns["units"], mixed=columns["mixed"]
+        plan,
+        microbatch=column(plan.microbatch, None),
+        units=column(plan.units, None),
+        mixed=column(plan.mixed, True),
     )
     return traced, plan

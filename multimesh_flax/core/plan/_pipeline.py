@@ -32,19 +32,36 @@ import heapq
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.extend.core as jex
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _schedules
+from multimesh_flax.core.declare._schedules import Phase
+from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.plan import _simulator
 from multimesh_flax.core.trace import _session, _trace
 
 MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")
 Place = tuple[int, ...]
 Microbatch = tuple[int, int]  # (region uid, k)
-Unit = tuple[int, int, int, str]  # (region uid, stage, k, phase)
+
+
+class Unit(NamedTuple):
+    """One unit of pipeline work: a phase of one stage on one microbatch of one region."""
+
+    region: int  # the uid of the ``microbatch`` call
+    stage: int
+    microbatch: int  # k
+    phase: Phase
+
+    @property
+    def work(self) -> tuple[int, int, int]:
+        """``(region, stage, microbatch)``: the unit without its phase."""
+        return self.region, self.stage, self.microbatch
+
+
 SPLIT_NAMES = ("bwd_act", "bwd_weight")
 
 
@@ -103,7 +120,8 @@ def microbatch_of(stack: str, calls: Mapping[int, Any]) -> Microbatch | None:
     return next((found for found in _microbatch_scopes(stack) if found[0] in calls), None)
 
 
-_MIXED = (-1, -1)  # the "microbatch" of a value computed from several microbatches
+# The "microbatch" of a value computed from several microbatches.
+_MIXED = Sentinel("several microbatches")
 
 
 def _drop_mixing(jaxpr: jex.Jaxpr, mbs: list[Microbatch | None]) -> list[bool]:
@@ -134,17 +152,17 @@ def _stage_ranks(
     order: dict[tuple[int, int], list[int]] = {}
     seen_specs: dict[tuple[int, int], list[Any]] = {}
     for label, mb, mixes in zip(traced.labels, mbs, mixed, strict=True):
-        if label is None or label[1] != "fwd" or mb is None or mixes:
+        if label is None or label.phase is not Phase.F or mb is None or mixes:
             continue
-        resolved = traced.tasks[label[0]]
+        resolved = traced.tasks[label.task]
         if resolved.task.loop_dependent_mesh_slice is not None:
             continue
         uids, specs = order.setdefault(mb, []), seen_specs.setdefault(mb, [])
-        if label[0] in uids:
+        if label.task in uids:
             continue
         if any(spec is resolved.task for spec in specs):  # a task called twice: one stage
             continue
-        uids.append(label[0])
+        uids.append(label.task)
         specs.append(resolved.task)
     return order
 
@@ -216,11 +234,10 @@ def _units(
         if label is None or mb is None:
             units.append(None)
             continue
-        stage = stage_of.get((mb, label[0]))
+        stage = stage_of.get((mb, label.task))
         if stage is None:
-            stage = spec_stage.get((mb, id(traced.tasks[label[0]].task)))
-        phase = "F" if label[1] == "fwd" else "B"
-        units.append(None if stage is None else (mb[0], stage, mb[1], phase))
+            stage = spec_stage.get((mb, id(traced.tasks[label.task].task)))
+        units.append(None if stage is None else Unit(mb[0], stage, mb[1], label.phase))
     return units
 
 
@@ -332,8 +349,8 @@ def _cap(items: set[Any]) -> set[Any]:
 def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
     owners = []
     for label, mb, mixed in zip(traced.labels, plan.microbatch, plan.mixed, strict=True):
-        is_bwd = label is not None and label[1] == "bwd" and not mixed
-        owners.append((label[0], mb) if is_bwd else None)  # type: ignore[index]
+        is_bwd = label is not None and label.phase is Phase.B and not mixed
+        owners.append((label.task, mb) if is_bwd else None)  # type: ignore[union-attr]
     return owners
 
 
@@ -362,7 +379,7 @@ def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: s
     stack = [
         i
         for i, u in enumerate(plan.units)
-        if u is not None and u[3] == "B" and u[0] in regions and critical[i]
+        if u is not None and u.phase is Phase.B and u.region in regions and critical[i]
     ]
     while stack:
         i = stack.pop()
@@ -374,8 +391,13 @@ def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: s
             if j is not None and plan.units[j] == plan.units[i]:
                 stack.append(j)
     for i, unit in enumerate(plan.units):
-        if unit is not None and unit[3] == "B" and unit[0] in regions and i not in needed:
-            plan.units[i] = (*unit[:3], "W")
+        if (
+            unit is not None
+            and unit.phase is Phase.B
+            and unit.region in regions
+            and i not in needed
+        ):
+            plan.units[i] = unit._replace(phase=Phase.W)
 
 
 def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int]:
@@ -392,18 +414,18 @@ def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int
     for i, eqn in enumerate(traced.jaxpr.eqns):
         unit = plan.units[i]
         reads = any(not isinstance(v, jex.Literal) and v in produced for v in eqn.invars)
-        if unit is not None and unit[3] == "W" and (current is None or unit[:3] == current):
-            current = unit[:3]
+        if unit is not None and unit.phase is Phase.W and current in (None, unit.work):
+            current = unit.work
         elif reads and unit is None:
             pass  # glue reading a deferred W: deferred with it
-        elif unit is not None and unit[3] == "B" and unit[:3] == current and not reads:
+        elif unit is not None and unit.phase is Phase.B and unit.work == current and not reads:
             order.append(i)
             continue
         else:
             order.extend(deferred)
             deferred, produced, current = [], set(), None
-            if unit is not None and unit[3] == "W":
-                current = unit[:3]
+            if unit is not None and unit.phase is Phase.W:
+                current = unit.work
             else:
                 order.append(i)
                 continue

@@ -18,12 +18,14 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
+from multimesh_flax.core.declare._schedules import Phase
+from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.fragment import _partition
 from multimesh_flax.core.fragment._inputs import (
     _first_constraint,
@@ -35,9 +37,18 @@ from multimesh_flax.core.run._compile import compile_fragment
 from multimesh_flax.distributed import _dispatch as _processes
 
 RUN, PUT = 0, 1
+_PHASE_NAMES = {Phase.F: "fwd", Phase.B: "bwd"}  # in fragment names: ``block.fwd[0]#3``
 
 
-_UNSEEN = object()  # no argument sharding has been checked for this input yet
+class _OpUnit(NamedTuple):
+    """The pipeline unit a RUN op executes, as timelines record it (``None``: not a unit)."""
+
+    stage: int | None
+    microbatch: int | None
+    phase: str | None
+
+
+_UNSEEN = Sentinel("no input sharding checked yet")  # see MpmdExecutable._place_inputs
 
 # --- timelines ------------------------------------------------------------------------------
 
@@ -140,7 +151,7 @@ class _Op:
     name: str = ""
     shardings: list[Any] | None = None  # PUT targets, fixed on first execution
     hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
-    unit: tuple[Any, Any, Any] = (None, None, None)  # RUN: (stage, microbatch, phase)
+    unit: _OpUnit = _OpUnit(None, None, None)  # RUN: what a timeline records of it
     deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
 
 
@@ -226,18 +237,19 @@ class MpmdExecutable:
 
     def _fragment_mesh(self, frag: _partition.Fragment) -> Any:
         if frag.label is not None:
-            return self.partition.traced.tasks[frag.label[0]].mesh
+            return self.partition.traced.tasks[frag.label.task].mesh
         return self.partition.place_meshes[frag.place]
 
     def _fragment_name(self, frag: _partition.Fragment) -> str:
         mb = "" if frag.microbatch is None else f"[{frag.microbatch}]"
         if frag.label is None:
             return f"glue{mb}#{frag.index}"
-        resolved = self.partition.traced.tasks[frag.label[0]]
-        phase = frag.label[1]
-        if frag.unit is not None and frag.unit[3] != "F" and self._split(frag.unit[0]):
+        resolved = self.partition.traced.tasks[frag.label.task]
+        phase = _PHASE_NAMES[frag.label.phase]
+        unit = frag.unit
+        if unit is not None and unit.phase is not Phase.F and self._split(unit.region):
             names = resolved.task.split_backprop or _pipeline.SPLIT_NAMES
-            phase = names[frag.unit[3] == "W"]
+            phase = names[unit.phase is Phase.W]
         return f"{resolved.name}.{phase}{mb}#{frag.index}"
 
     def _split(self, region: int) -> bool:
@@ -279,9 +291,9 @@ class MpmdExecutable:
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
             fn = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
-            unit = (None, frag.microbatch, None)
+            unit = _OpUnit(None, frag.microbatch, None)
             if frag.unit is not None:
-                unit = (frag.unit[1], frag.unit[2], frag.unit[3])
+                unit = _OpUnit(frag.unit.stage, frag.unit.microbatch, frag.unit.phase.value)
             name = self._fragment_name(frag)
             runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=name, unit=unit))
         ops = self._puts(transfers.get(-1, {}))

@@ -39,9 +39,9 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices, _registry, _task, _warnings
+from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _session
 
-Label = tuple[int, str] | None
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
 _EMPTY_MESH = AbstractMesh((), ())
 
@@ -82,7 +82,7 @@ class _SessionState:
         self.resolved: dict[tuple[Any, str, bool], _session.ResolvedTask] = {}
         self.origin: dict[int, _registry.Match] = {}  # uid -> the match it was made for
         self.matches: dict[Any, _registry.Match | None] = {}
-        self.labels: dict[str, Label] = {}
+        self.labels: dict[str, _session.Label | None] = {}
 
     def match(self, *names: str) -> _registry.Match | None:
         """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
@@ -105,13 +105,13 @@ class _SessionState:
                 self.resolved[key] = resolved
         return self.resolved[key]
 
-    def stack_label(self, stack: str) -> Label:
+    def stack_label(self, stack: str) -> _session.Label | None:
         """The label of an equation with name stack ``stack`` (innermost task wins)."""
         if stack not in self.labels:
             self.labels[stack] = self._find_label(stack)
         return self.labels[stack]
 
-    def _find_label(self, stack: str) -> Label:
+    def _find_label(self, stack: str) -> _session.Label | None:
         for name, offset in reversed(_components(stack)):
             backprop = "transpose(" in stack[:offset]
             marker = _session.MARKER_RE.match(name)
@@ -126,7 +126,7 @@ class _SessionState:
                 if match is None:
                     continue
                 uid = self.resolve(match, backprop).uid
-            return uid, "bwd" if backprop else "fwd"
+            return _session.Label(uid, Phase.B if backprop else Phase.F)
         return None
 
 
@@ -193,7 +193,7 @@ def current_task() -> _session.ResolvedTask | None:
     if session is None or not _registry.has_registrations():
         return explicit
     label = _state(session).stack_label(_current_name_stack())
-    return explicit if label is None else session.tasks[label[0]]
+    return explicit if label is None else session.tasks[label.task]
 
 
 class _FlaxActive(threading.local):
@@ -275,14 +275,14 @@ def inner_stacks(eqn: Any) -> list[str]:
     return found
 
 
-def _check_control_flow(eqn: Any, label: Label, state: _SessionState) -> None:
+def _check_control_flow(eqn: Any, label: _session.Label, state: _SessionState) -> None:
     for stack in inner_stacks(eqn):
         for name, _ in _components(stack):
             match = state.match(name)
             if match is None:
                 continue
-            backprop = label is not None and label[1] == "bwd"
-            if label is None or state.resolve(match, backprop).uid != label[0]:
+            backprop = label is not None and label.phase is Phase.B
+            if label is None or state.resolve(match, backprop).uid != label.task:
                 raise errors.TaskInControlFlowError(
                     f"Registered task {match.name!r} (matcher "
                     f"{match.registration.pattern.pattern!r}) starts inside "
@@ -319,7 +319,7 @@ def label_equations(
             mine = state.stack_label(stack)
             if jex.jaxprs_in_params(eqn.params):
                 _check_control_flow(eqn, mine, state)
-            keep = mine is None or (label is not None and tuple(label[:2]) == mine)
+            keep = mine is None or label == mine
             out.append(label if keep else mine)
     warn_unmatched(state, stacks)
     return out
@@ -415,9 +415,9 @@ def concretise_constraints(
             label is not None
             and eqn.primitive.name == "sharding_constraint"
             and isinstance(sharding, NamedSharding)
-            and (label[0] in origin or isinstance(sharding.mesh, AbstractMesh))
-            and sharding.mesh != tasks[label[0]].mesh
+            and (label.task in origin or isinstance(sharding.mesh, AbstractMesh))
+            and sharding.mesh != tasks[label.task].mesh
         ):
-            eqn = _retarget(eqn, tasks[label[0]].mesh)
+            eqn = _retarget(eqn, tasks[label.task].mesh)
         out.append(eqn)
     return out

@@ -20,7 +20,7 @@ import itertools
 import re
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -29,9 +29,18 @@ from jax.sharding import Mesh
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _devices, _multimesh, _warnings
 from multimesh_flax.core.declare._rules import Rule
+from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._task import Task
 
 MARKER_RE = re.compile(r"mmtask(\d+)_")
+
+
+class Label(NamedTuple):
+    """The colour of one traced equation: the task (uid) it belongs to, and whether it is
+    that task's forward (``Phase.F``) or backward (``Phase.B``). Glue has no label."""
+
+    task: int
+    phase: Phase
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

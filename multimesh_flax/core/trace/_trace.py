@@ -3,7 +3,7 @@
 ``trace_program`` runs ``jax.make_jaxpr`` inside a trace session (so each task call records
 its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
 boundaries become visible at the top level, and labels every equation with
-``(task uid, phase)`` -- phase ``"fwd"`` or ``"bwd"`` (the name stack shows ``transpose(``
+a ``Label(task uid, phase)`` -- phase ``F`` or ``B`` (the name stack shows ``transpose(``
 before the task's marker) -- or ``None`` for glue. Tasks registered by name
 (``register_task``) are entered around matching Flax modules while tracing and matched on name
 stacks afterwards; ``_named_tasks`` does both.
@@ -20,6 +20,7 @@ import jax.extend.core as jex
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices
+from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _colour, _session
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
@@ -36,8 +37,6 @@ _INLINE_PARAM = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
-
-Label = tuple[int, str] | None
 
 
 def make_jaxpr_object(
@@ -66,7 +65,7 @@ class TracedProgram:
 
     jaxpr: jex.Jaxpr
     consts: list[Any]
-    labels: list[Label]
+    labels: list[_session.Label | None]  # per equation; None: glue
     tasks: dict[int, _session.ResolvedTask]
     out_tree: Any
     stacks: list[str] = dataclasses.field(default_factory=list)  # name stack per equation
@@ -148,13 +147,13 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
-def _label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> Label:
+def _label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> _session.Label | None:
     matches = [m for m in _session.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
     if not matches:
         return None
     last = matches[-1]
-    phase = "bwd" if "transpose(" in stack[: last.start()] else "fwd"
-    return int(last.group(1)), phase
+    backward = "transpose(" in stack[: last.start()]
+    return _session.Label(int(last.group(1)), Phase.B if backward else Phase.F)
 
 
 def trace_program(
