@@ -1,4 +1,4 @@
-"""The ``mmflax`` command line: ``demo``, ``train``, ``sample`` and ``export``.
+"""The ``mmflax`` command line: ``demo``, ``train``, ``launch``, ``sample`` and ``export``.
 
 * ``mmflax train`` trains the tiny GPT pipelined over 2 stages x (2 data x 2 tensor) on 8
   simulated CPU devices (real devices on a GPU host) with 4 microbatches under 1F1B, and
@@ -6,6 +6,9 @@
   an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
   ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama checkpoint instead
   (`models.hf`), on any stage layout, tokenizing with its ``tokenizer.json`` when it has one.
+* ``mmflax train --processes N`` runs the same training as N local processes of one
+  ``jax.distributed`` job (``--devices`` split between them); ``mmflax launch -n N
+  [--devices-per-process K] -- COMMAND...`` runs any such script (`multimesh_flax.distributed`).
 * ``mmflax sample --checkpoint RUN_DIR`` generates text from a run's latest checkpoint.
 * ``mmflax export --checkpoint RUN_DIR --to HF_DIR`` writes it as a Hugging Face folder.
 * ``mmflax demo`` (also plain ``mmflax``) runs the placement demo: a two-layer function on
@@ -19,6 +22,7 @@ traceback; a failed ``--check-reference`` exits with status 1. The work lives in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any
@@ -114,7 +118,31 @@ def _add_train(sub: Any) -> None:
         default=_DEFAULT_DEVICES,
         help="simulated CPU devices (8); a GPU host uses its GPUs unless JAX_PLATFORMS=cpu",
     )
+    add(
+        "--processes",
+        type=int,
+        default=1,
+        help="run as this many local processes of one jax.distributed job, --devices split "
+        "evenly between them (1: one process)",
+    )
     _add_compile_cache(add)
+
+
+def _add_launch(sub: Any) -> None:
+    launch = sub.add_parser(
+        "launch",
+        help="run a command as N local processes of one jax.distributed job",
+        description="Start N copies of COMMAND, each with K simulated CPU devices, joined "
+        "through a coordinator on a free loopback port (the script calls "
+        "multimesh_flax.distributed.initialize()). Output is prefixed with [rank]; the exit "
+        "status is non-zero if any process fails.",
+    )
+    launch.add_argument("-n", "--processes", type=int, required=True, help="processes")
+    launch.add_argument(
+        "--devices-per-process", type=int, default=4, help="CPU devices per process (4)"
+    )
+    launch.add_argument("--timeout", type=float, help="seconds before every process is killed")
+    launch.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
 
 
 def _add_compile_cache(add: Any) -> None:
@@ -162,6 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", type=int, default=_DEFAULT_DEVICES, help="simulated CPU devices (even)"
     )
     _add_train(sub)
+    _add_launch(sub)
     _add_sample(sub)
     _add_export(sub)
     return parser
@@ -179,22 +208,92 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_train(args: argparse.Namespace) -> int:
     if args.devices < 1:
         raise _ArgumentError(f"`--devices` must be a positive number, got {args.devices}")
-    _configure_devices(args.devices, accelerators=True)
+    from multimesh_flax import distributed
+
+    if args.processes != 1 and not distributed.launched():
+        return _launch_train(args)
+    if distributed.launched():
+        distributed.initialize()
+    else:
+        _configure_devices(args.devices, accelerators=True)
     _enable_cache(args)
     from multimesh_flax.cli import _run_options, _train
 
-    given = {
-        k: v for k, v in vars(args).items() if k not in ("command", "devices", "compile_cache")
-    }
+    skip = ("command", "devices", "compile_cache", "processes", "argv")
+    given = {k: v for k, v in vars(args).items() if k not in skip}
     options = _run_options.resolve_options({**given, "resume": args.resume or None})
     _run_options.check_options(options, _device_count())  # fail before any tracing
     model = options.init_from or options.model
+    if _device_rank() != 0:  # the other processes of a job train quietly
+        options = dataclasses.replace(options, progress=False)
+        _train.train(options, report=lambda _: None)
+        return 0
     print(
         f"mmflax train: {model} on {options.layout} (stages x data x tensor), "
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)
     return _print_result(result)
+
+
+def _device_rank() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def _without_processes(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            out.append(arg)
+    return out
+
+
+def _launch_train(args: argparse.Namespace) -> int:
+    """``mmflax train --processes N``: the same command in N launched processes."""
+    from multimesh_flax import distributed
+    from multimesh_flax.cli import _run_options
+
+    if args.processes < 1 or args.devices % args.processes:
+        raise _ArgumentError(
+            f"`--processes` must be a positive divisor of `--devices` ({args.devices}), got "
+            f"{args.processes}"
+        )
+    out = args.out or str(_run_options.fresh_run_dir())  # one run folder for every process
+    result = distributed.launch(
+        args.processes,
+        train_command(args.argv, out),
+        devices_per_process=args.devices // args.processes,
+    )
+    return result.returncode
+
+
+def train_command(argv: list[str], out: str) -> list[str]:
+    """The command each process of ``mmflax train --processes N`` runs (``argv``: the CLI's)."""
+    argv = _without_processes(argv)
+    if "--out" not in argv and not any(a.startswith("--out=") for a in argv):
+        argv += ["--out", out]
+    return [sys.executable, "-m", "multimesh_flax.cli", *argv]
+
+
+def _run_launch(args: argparse.Namespace) -> int:
+    from multimesh_flax import distributed
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        raise _ArgumentError("give the command to run after `--`, e.g. `-- python train.py`")
+    result = distributed.launch(
+        args.processes,
+        command,
+        devices_per_process=args.devices_per_process,
+        timeout=args.timeout,
+    )
+    return result.returncode
 
 
 def _enable_cache(args: argparse.Namespace) -> None:
@@ -284,6 +383,7 @@ def _run_export(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "demo": _run_demo,
     "train": _run_train,
+    "launch": _run_launch,
     "sample": _run_sample,
     "export": _run_export,
 }
@@ -296,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = _parser().parse_args(argv or ["demo"])
+        args.argv = argv
         if args.command is None:
             raise _ArgumentError(
-                "choose a command: demo, train, sample or export (see `mmflax --help`)"
+                "choose a command: demo, train, launch, sample or export (see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
     except (_ArgumentError, errors.MultiMeshError) as e:

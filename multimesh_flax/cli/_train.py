@@ -51,6 +51,7 @@ from multimesh_flax.cli._run_options import (
     check_options,
     fresh_run_dir,
 )
+from multimesh_flax.distributed import host_values
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def _read_out(
     history: dict[str, list[float]], pending: list[jax.Array], bar: Any, window: int, tokens: int
 ) -> None:
     """Converts the ``pending`` losses to floats and shows the latest on the bar."""
-    history["loss"] += [float(x) for x in pending]
+    history["loss"] += [float(x) for x in host_values(list(pending))]  # every process
     pending.clear()
     recent = history["step_time_s"][-window:]
     bar.set_postfix(
@@ -191,8 +192,18 @@ def _steady_tokens_per_s(steps: _Steps, start: int, tokens: int) -> float:
     return tokens / statistics.median(times)
 
 
+def _savable(state: Any) -> Any:
+    """The state as orbax can save it.
+
+    In a multi-process job orbax refuses arrays that one process holds whole ("Cannot
+    serialize host local jax.Array"), which is every array of a stage living in one process;
+    the state then goes to the host of every process (a collective) and is saved from there.
+    """
+    return state if jax.process_count() == 1 else host_values(state)
+
+
 def _on_one_device(tree: Any) -> Any:
-    return jax.device_put(jax.tree.map(np.asarray, tree), jax.devices()[0])
+    return jax.device_put(host_values(tree), jax.local_devices()[0])
 
 
 def reference_losses(config: ModelConfig, host_state: Any, batches: list[Any]) -> list[float]:
@@ -320,14 +331,17 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
         if options.resume:
             state = ckpt.restore(target=state)
-            report(f"resumed step {int(state.step)} of '{run_dir}' on layout {options.layout}")
-        start = int(state.step)
-        host_start = jax.tree.map(np.asarray, state) if options.check_reference else None
+            step = int(host_values(state.step))
+            report(f"resumed step {step} of '{run_dir}' on layout {options.layout}")
+        start = int(host_values(state.step))
+        host_start = host_values(state) if options.check_reference else None
         before = _samples(config, state.params, options)
         steps = _run_steps(step_fn, state, options, start)
         steps.compilation = compiled()  # building and training; sampling compiles more
         ckpt.save(
-            start + options.steps, steps.state, _metadata(options, config, start + options.steps)
+            start + options.steps,
+            _savable(steps.state),
+            _metadata(options, config, start + options.steps),
         )
         after = _samples(config, steps.state.params, options)
         reference = None
@@ -337,7 +351,8 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     bubble = _timeline(steps, step_fn, run_dir / _run_files.TIMELINE_PNG)
     metrics = _finish(options, run_dir, steps, start, placement, bubble, reference, before, after)
     metrics["summary"]["wall_s"] = time.perf_counter() - began
-    _run_files.write_metrics(run_dir, metrics)
+    if jax.process_index() == 0:  # in a multi-process job, process 0 writes the run folder
+        _run_files.write_metrics(run_dir, metrics)
     return TrainResult(
         run_dir=run_dir,
         start_step=start,
@@ -368,10 +383,12 @@ def _finish(
     invocations.append({"start_step": start, "end_step": end, "layout": options.layout})
     resumed_at = [v["start_step"] for v in invocations if v["start_step"] > 0]
     title = f"{options.model}, {options.layout} (stages x data x tensor), {options.schedule}"
-    _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at)
     prompt = _sample.DEFAULT_PROMPT
     header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
-    _run_files.write_samples(run_dir, {"before": before["texts"], "after": after["texts"]}, header)
+    if jax.process_index() == 0:
+        _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at)
+        texts = {"before": before["texts"], "after": after["texts"]}
+        _run_files.write_samples(run_dir, texts, header)
     tokens = options.batch_size * options.seq_len
     summary = {
         "start_step": start,
