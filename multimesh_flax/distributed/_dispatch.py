@@ -191,21 +191,27 @@ class ProcessDispatch:
         sharding = self.output_shardings[i]
         if sharding is None:  # an input passed through, held elsewhere
             return value
-        return jax.make_array_from_single_device_arrays(
-            tuple(var.aval.shape), sharding, [], dtype=var.aval.dtype
-        )
+        return _wire.assemble(var.aval, sharding, [])
 
 
-def place(value: Any, sharding: Any) -> jax.Array:
-    """``jax.device_put(value, sharding)``, also onto devices of other processes.
+def place(value: Any, sharding: Any) -> Any:
+    """``jax.device_put(value, sharding)`` of a traced constant, in a multi-process job too.
 
-    A traced constant is a concrete array of this process; in a multi-process job its
-    sharding may hold devices of other processes, where ``device_put`` only takes host data
-    (each process then places its own shards).
+    A process owning none of the devices keeps no copy (``None``: no op of its own reads it);
+    one owning only some of them places its shards from host data (``device_put`` of a
+    process's own array onto other processes' devices is refused).
     """
-    if jax.process_count() > 1 and isinstance(value, jax.Array):
-        value = np.asarray(value)
-    return jax.device_put(value, sharding)
+    if jax.process_count() == 1 or not isinstance(value, jax.Array):
+        return jax.device_put(value, sharding)
+    holders = _wire.owners(list(sharding.device_set))
+    if jax.process_index() not in holders:
+        return None
+    if holders == {jax.process_index()}:
+        return jax.device_put(value, sharding)
+    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        data = jax.device_put(np.asarray(jax.random.key_data(value)), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    return jax.device_put(np.asarray(value), sharding)
 
 
 class _Sub:

@@ -63,7 +63,7 @@ def _collective(mesh: Mesh, spec: PartitionSpec, kind: str) -> Any:
     else:
 
         def body(x: jax.Array) -> jax.Array:
-            return lax.psum(x, WIRE)[0]
+            return lax.psum(x, WIRE)[0].astype(x.dtype)  # bool sums come back as int
 
         out = PartitionSpec(*spec[1:])
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out))
@@ -99,6 +99,22 @@ def _global(
             buffer = _zeros(sharding.shard_shape(shape), np.dtype(dtype), d)
         local.append(buffer)
     return jax.make_array_from_single_device_arrays(shape, sharding, local, dtype=dtype)
+
+
+def assemble(aval: Any, sharding: Any, buffers: Sequence[jax.Array]) -> jax.Array:
+    """The global array of ``aval`` whose local shards are ``buffers`` (none: held elsewhere).
+
+    Keeps ``aval``'s weak type, which ``jax.make_array_from_single_device_arrays`` drops: a
+    program's signature includes it, and a process whose copy of an output lost it would build
+    a different program for the next step than the process that computed it.
+    """
+    shape, dtype = tuple(aval.shape), aval.dtype
+    if not getattr(aval, "weak_type", False) or jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return jax.make_array_from_single_device_arrays(shape, sharding, list(buffers), dtype=dtype)
+    from jax._src import array, core  # weak-typed global arrays have no public constructor
+
+    weak = core.update_aval_with_sharding(core.ShapedArray(shape, dtype, weak_type=True), sharding)
+    return array.ArrayImpl(weak, sharding, list(buffers), committed=True)
 
 
 def _shards(x: jax.Array | None, devices: set[Any]) -> dict[Any, jax.Array]:
@@ -152,8 +168,7 @@ def _layout_wire(
         return None
     if scalar:
         received = {d: b.reshape(()) for d, b in received.items()}
-    local = [received[d] for d in _local(_flat(target))]
-    return jax.make_array_from_single_device_arrays(tuple(aval.shape), target, local)
+    return assemble(aval, target, [received[d] for d in _local(_flat(target))])
 
 
 def _broadcast_wire(
@@ -177,8 +192,7 @@ def _broadcast_wire(
         return None
     received = _shards(out, set(_flat(target)))
     replicated = NamedSharding(target.mesh, PartitionSpec())
-    local = [received[d] for d in _local(_flat(target))]
-    whole = jax.make_array_from_single_device_arrays(tuple(aval.shape), replicated, local)
+    whole = assemble(aval, replicated, [received[d] for d in _local(_flat(target))])
     return _reshard(whole, target)
 
 
