@@ -150,7 +150,7 @@ def launch(
     timeout: float | None = None,
     failure_grace: float = 30.0,
     env: Mapping[str, str] | None = None,
-    stream: IO[str] | None = sys.stdout,
+    stream: IO[str] | None | str = "stdout",
 ) -> LaunchResult:
     """Runs ``command`` in ``n`` local processes that form one ``jax.distributed`` job.
 
@@ -163,7 +163,8 @@ def launch(
         failure_grace: seconds the others may keep running after one process failed (to
             report the failure themselves) before they are killed.
         env: extra environment variables for every process.
-        stream: where the ``[rank]``-prefixed output goes (``None``: only collected).
+        stream: where the ``[rank]``-prefixed output goes: ``"stdout"`` (``sys.stdout`` at
+            the time of the call), a text stream, or ``None`` (only collected).
 
     Returns:
         A :class:`LaunchResult`; ``returncode`` is non-zero if any process failed.
@@ -180,6 +181,8 @@ def launch(
         (0, ['0', '1'])
     """
     argv = _check(n, command, devices_per_process)
+    if stream == "stdout":
+        stream = sys.stdout
     port = free_port()
     procs: list[subprocess.Popen[str]] = []
     outputs: list[list[str]] = [[] for _ in range(n)]
