@@ -14,6 +14,17 @@ writes a step into a temporary directory and renames it when complete, so a save
 midway leaves earlier checkpoints intact and is never listed. ``save_checkpoint``,
 ``restore_checkpoint``, ``restore_metadata`` and ``latest_step`` are one-call shortcuts.
 
+Multi-process jobs (``jax.distributed``). Orbax refuses to save an array that one process holds
+whole ("Cannot serialize host local jax.Array"), which is every array of a pipeline stage
+living in one process, and cannot restore an array a process holds no shard of (jax 0.10 wants
+a ``dtype`` orbax does not pass). So in a job of several processes ``save`` first brings the
+state to the host of every process (``multimesh_flax.distributed.host_values``, a collective:
+every process calls ``save``) and orbax writes it once; ``restore(target=...)`` reads whole
+arrays in every process and places them from host data onto ``target``'s shardings. The files
+are the same as a single process writes: a checkpoint written by 2 processes restores in 1 and
+the reverse. The cost is a full host copy of the state in every process, not each process
+writing its own shards; fine for the models this project trains, not for large ones.
+
 Example:
   >>> import tempfile
   >>> from multimesh_flax import checkpoint
@@ -47,6 +58,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from multimesh_flax import errors
+from multimesh_flax.distributed import host_values
 
 __all__ = [
     "Checkpointer",
@@ -200,6 +212,8 @@ class Checkpointer:
         step = self._check_new_step(step)
         _check_state(state)
         metadata = _check_metadata(metadata)
+        if jax.process_count() > 1:  # see "Multi-process jobs" in the module docstring
+            state = host_values(state)
         args = ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _METADATA: ocp.args.JsonSave(metadata)}
         )
@@ -232,8 +246,26 @@ class Checkpointer:
             target = jax.tree.map(_as_abstract, target)
             saved = self._manager.item_metadata(step)[_STATE]
             _check_target(saved.tree, target, f"step {step} in '{self.directory}'")
+        if target is not None and jax.process_count() > 1:
+            return self._restore_across_processes(step, target)
         args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
         return _own_buffers(self._manager.restore(step, args=args)[_STATE])
+
+    def _restore_across_processes(self, step: int, target: Any) -> Any:
+        """Every process reads whole arrays onto one of its devices, then places them."""
+        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        placed = lambda x: isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None  # noqa: E731
+        read = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local) if placed(x) else x,
+            target,
+        )
+        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(read)})
+        restored = self._manager.restore(step, args=args)[_STATE]
+        return jax.tree.map(
+            lambda r, x: jax.device_put(np.asarray(r), x.sharding) if placed(x) else r,
+            restored,
+            target,
+        )
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """Returns the JSON metadata saved with ``step`` (default: the latest)."""

@@ -192,16 +192,6 @@ def _steady_tokens_per_s(steps: _Steps, start: int, tokens: int) -> float:
     return tokens / statistics.median(times)
 
 
-def _savable(state: Any) -> Any:
-    """The state as orbax can save it.
-
-    In a multi-process job orbax refuses arrays that one process holds whole ("Cannot
-    serialize host local jax.Array"), which is every array of a stage living in one process;
-    the state then goes to the host of every process (a collective) and is saved from there.
-    """
-    return state if jax.process_count() == 1 else host_values(state)
-
-
 def _on_one_device(tree: Any) -> Any:
     return jax.device_put(host_values(tree), jax.local_devices()[0])
 
@@ -339,9 +329,7 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
         steps = _run_steps(step_fn, state, options, start)
         steps.compilation = compiled()  # building and training; sampling compiles more
         ckpt.save(
-            start + options.steps,
-            _savable(steps.state),
-            _metadata(options, config, start + options.steps),
+            start + options.steps, steps.state, _metadata(options, config, start + options.steps)
         )
         after = _samples(config, steps.state.params, options)
         reference = None

@@ -1,7 +1,9 @@
 """One process of the multi-process test job (run by ``launch``; see test_multiprocess.py).
 
-``python mp_job.py OUT_DIR MODE``. MODE ``mlp``: the two-submesh MLP with a second stage of 4
-and of 2 devices; every process writes what it saw to ``OUT_DIR/rank{r}.npz``. MODE
+``python mp_job.py OUT_DIR MODE [CKPT]``. MODE ``mlp``: the two-submesh MLP with a second stage of
+4 and of 2 devices; every process writes what it saw to ``OUT_DIR/rank{r}.npz``; with the
+4-device stage it also restores CKPT (written by one process) and saves its final parameters
+to ``OUT_DIR/ckpt2``. MODE
 ``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself before
 step 3 while process 0 runs it.
 """
@@ -25,7 +27,8 @@ if __name__ == "__main__":
     if mode == "mlp":
         results = {}
         for second in (4, 2):
-            for name, value in mp_models.run_parallel(second).items():
+            ckpts = (sys.argv[3], os.path.join(out_dir, "ckpt2")) if second == 4 else None
+            for name, value in mp_models.run_parallel(second, checkpoints=ckpts).items():
                 results[f"{second}/{name}"] = value
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     elif mode == "mismatch":

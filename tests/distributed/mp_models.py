@@ -55,20 +55,38 @@ def batch() -> np.ndarray:
     return np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 
 
-def run_parallel(second: int, hidden: int = 16) -> dict[str, np.ndarray]:
-    """``STEPS`` steps through ``mm.parallelize``; losses and final parameters as numpy."""
+def run_parallel(
+    second: int, hidden: int = 16, checkpoints: tuple[str, str] | None = None
+) -> dict[str, np.ndarray]:
+    """``STEPS`` steps through ``mm.parallelize``; losses and final parameters as numpy.
+
+    With ``checkpoints=(read, write)``: also restores ``read`` (``{"p0", "p1"}``) onto the
+    parameters' shardings (``ckpt/*`` in the result) and saves the final parameters to
+    ``write``.
+    """
+    from multimesh_flax.checkpoint import Checkpointer
     from multimesh_flax.distributed import host_values
 
     step, init = make_step(second, hidden)
     x = batch()
     sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
     params = init_params()
+    out = {}
+    if checkpoints is not None:
+        target = {"p0": params[0], "p1": params[1]}
+        restored = Checkpointer(checkpoints[0], read_only=True).restore(target=target)
+        same = [restored[k].sharding == target[k].sharding for k in ("p0", "p1")]
+        out.update({f"ckpt/{k}": v for k, v in host_values(restored).items()})
+        out["ckpt/same_shardings"] = np.array(same)
     losses = []
     for _ in range(STEPS):
         loss, params = sharded_step(params, x)
         losses.append(host_values(loss))
+    if checkpoints is not None:
+        with Checkpointer(checkpoints[1]) as ckpt:
+            ckpt.save(STEPS, {"p0": params[0], "p1": params[1]})
     p0, p1 = host_values(params)
-    return {"losses": np.stack(losses), "p0": p0, "p1": p1}
+    return {**out, "losses": np.stack(losses), "p0": p0, "p1": p1}
 
 
 def run_reference(second: int) -> dict[str, np.ndarray]:

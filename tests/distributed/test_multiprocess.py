@@ -15,21 +15,23 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import mp_models
 import numpy as np
 import pytest
 
+from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.distributed import launch
 
 JOB = Path(__file__).with_name("mp_job.py")
 LOST_BOUND_S = 20.0  # heartbeat timeout 5 s + watchdog poll 0.1 s + slack for a loaded host
 
 
-def _launch(tmp_path: Path, mode: str, timeout: float, grace: float = 30.0):
+def _launch(tmp_path: Path, mode: str, timeout: float, grace: float = 30.0, extra=()):
     start = time.monotonic()
     result = launch(
         2,
-        [sys.executable, str(JOB), str(tmp_path), mode],
+        [sys.executable, str(JOB), str(tmp_path), mode, *extra],
         devices_per_process=4,
         timeout=timeout,
         failure_grace=grace,
@@ -38,18 +40,30 @@ def _launch(tmp_path: Path, mode: str, timeout: float, grace: float = 30.0):
     return result, time.monotonic() - start
 
 
+def _one_process_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """Writes ``{"p0", "p1"}`` (shapes of the MLP's parameters) from this one process."""
+    rng = np.random.default_rng(0)
+    values = {"p0": rng.normal(size=(16, 16)), "p1": rng.normal(size=(16, 8))}
+    values = {k: v.astype(np.float32) for k, v in values.items()}
+    with Checkpointer(path) as ckpt:
+        ckpt.save(1, {k: jax.device_put(v, jax.devices()[3]) for k, v in values.items()})
+    return values
+
+
 @pytest.fixture(scope="module")
 def mlp_job(tmp_path_factory):
+    """What each process saw, what this process wrote for them, and the job's folder."""
     out = tmp_path_factory.mktemp("mlp")
-    result, _ = _launch(out, "mlp", timeout=120)
+    written = _one_process_checkpoint(out / "ckpt1")
+    result, _ = _launch(out, "mlp", timeout=120, extra=[str(out / "ckpt1")])
     assert result.returncode == 0, result.output(0)[-3000:] + result.output(1)[-3000:]
-    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)]
+    return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)], written, out
 
 
 @pytest.mark.parametrize("second", [4, 2])
 def test_two_submesh_mlp_matches_one_device(mlp_job, second):
     reference = mp_models.run_reference(second)
-    for rank, seen in enumerate(mlp_job):
+    for rank, seen in enumerate(mlp_job[0]):
         for name in ("losses", "p0", "p1"):
             np.testing.assert_allclose(
                 seen[f"{second}/{name}"],
@@ -61,10 +75,31 @@ def test_two_submesh_mlp_matches_one_device(mlp_job, second):
 
 
 def test_every_process_sees_the_same_losses(mlp_job):
+    seen, _, _ = mlp_job
     for second in (4, 2):
-        np.testing.assert_array_equal(
-            mlp_job[0][f"{second}/losses"], mlp_job[1][f"{second}/losses"]
-        )
+        key = f"{second}/losses"
+        np.testing.assert_array_equal(seen[0][key], seen[1][key])
+
+
+def test_checkpoint_of_one_process_restores_in_two(mlp_job):
+    seen, written, _ = mlp_job
+    for rank in range(2):
+        assert seen[rank]["4/ckpt/same_shardings"].all()
+        for name in ("p0", "p1"):
+            np.testing.assert_array_equal(seen[rank][f"4/ckpt/{name}"], written[name])
+
+
+def test_checkpoint_of_two_processes_restores_in_one(mlp_job):
+    seen, _, out = mlp_job
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[5])
+    target = {
+        k: jax.ShapeDtypeStruct(seen[0][f"4/{k}"].shape, np.float32, sharding=one_device)
+        for k in ("p0", "p1")
+    }
+    restored = Checkpointer(out / "ckpt2", read_only=True).restore(target=target)
+    for name in ("p0", "p1"):
+        assert restored[name].sharding == one_device
+        np.testing.assert_array_equal(np.asarray(restored[name]), seen[0][f"4/{name}"])
 
 
 def test_mismatched_program_fails_at_start_naming_the_difference(tmp_path):
