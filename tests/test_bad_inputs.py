@@ -45,9 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import checkpoint, errors
-from multimesh_flax.core.declare import _config, _devices, _registry
-from multimesh_flax.core.run import _dispatch
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.declare import _config, _registry, _thread
 from multimesh_flax.layers import _task as _flax_task
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
@@ -1073,16 +1071,17 @@ def _snapshot(env: Env) -> dict[str, Any]:
     registries = {*contexts, env.multi, env.context}
     return {
         "flags": {n: _config.get_flag(n) for n in _config._NAMES},
-        "multi_meshes": list(_devices._STATE.multi_meshes),
-        "device_lists": list(_devices._STATE.device_lists),
-        "task_stack": list(_session._STATE.stack),
-        "trace_sessions": list(_session._STATE.sessions),
-        "microbatch_index": _session._STATE.microbatch_index,
+        "multi_meshes": list(_thread.STATE.multi_meshes),
+        "device_lists": list(_thread.STATE.device_lists),
+        "task_stack": list(_thread.STATE.task_stack),
+        "trace_sessions": list(_thread.STATE.sessions),
+        "microbatch_index": _thread.STATE.microbatch_index,
+        "shape_only": _thread.STATE.shape_only,
         "active_contexts": contexts,
         "registrations": {id(c): (c.registrations, c._version) for c in registries},
-        "flax_task_stack": list(_colour._FLAX_ACTIVE.stack),
+        "flax_task_stack": list(_thread.STATE.flax_rules),
         "flax_path_recorders": list(_flax_task._RECORDER.owners),
-        "timeline": _dispatch._RECORDING.timeline,
+        "timeline": _thread.STATE.timeline,
         "abstract_mesh": jax.sharding.get_abstract_mesh(),
         "logical_axis_rules": nn.get_logical_axis_rules(),
         "name_stack": str(source_info_util.current_name_stack()),

@@ -32,8 +32,9 @@ import optax
 import multimesh_flax as mm
 from models import GPT, cross_entropy_loss, get_config
 from models.pipeline import make_multimesh
-from multimesh_flax.core.run import _compile, _dispatch
-from multimesh_flax.core.trace import _colour, _microbatch
+from multimesh_flax.core.declare import _thread
+from multimesh_flax.core.run import _compile
+from multimesh_flax.core.trace import _session
 
 STEPS = 500
 WARMUP = 50
@@ -68,8 +69,8 @@ def _sample(step_fn, state, batch) -> dict:
         "compiled_programs": len(step_fn.jitted._cache),
         "compiled_fragments": step_fn.executable(state, batch).compile_count(),
         "fragment_cache": len(_compile._FRAGMENT_CACHE),
-        "microbatch_calls": len(_microbatch._CALLS),
-        "trace_states": len(_colour._STATES),
+        # What traces learn lives on their TraceSession: none may outlive its program.
+        "trace_sessions": sum(isinstance(o, _session.TraceSession) for o in gc.get_objects()),
     }
 
 
@@ -100,7 +101,7 @@ def test_500_pipelined_steps_do_not_leak():
     end = _sample(step, state, batch)
 
     assert np.isfinite(float(loss))
-    assert _dispatch._RECORDING.timeline is None
+    assert _thread.STATE.timeline is None
     assert len(set(recorded)) == 1 and recorded[0] > 0  # every timeline saw the whole step
     rss_warm, rss_end = warm.pop("rss_mib"), end.pop("rss_mib")
     objects_warm, objects_end = warm.pop("gc_objects"), end.pop("gc_objects")

@@ -1,4 +1,4 @@
-"""Tests for meshes (``multimesh_flax.core.declare._devices``): MultiMesh, TaskMesh, slice_global_mesh."""
+"""Tests for meshes (``core.declare._devices``, ``_multimesh``): MultiMesh, TaskMesh, slices."""
 
 import re
 

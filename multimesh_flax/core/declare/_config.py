@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 from collections.abc import Iterator
 
 import numpy as np
 
 from multimesh_flax import errors
+from multimesh_flax.core.declare import _thread
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Flags:
     autoshard: bool = False
     enable_fast_path: bool = True
@@ -39,12 +39,12 @@ class _Flags:
     strict: bool = False
 
 
-class _ThreadFlags(threading.local):
-    def __init__(self) -> None:
-        self.flags = _Flags()
+_DEFAULTS = _Flags()
 
 
-_STATE = _ThreadFlags()
+def _flags() -> _Flags:
+    """The switches in force in this thread."""
+    return _thread.STATE.flags or _DEFAULTS
 
 
 _NAMES = tuple(f.name for f in dataclasses.fields(_Flags))
@@ -58,7 +58,7 @@ def get_flag(name: str) -> bool:
     """
     if name not in _NAMES:
         raise errors.ContextFlagError(f"Unknown switch {name!r}; expected one of {list(_NAMES)}.")
-    return getattr(_STATE.flags, name)
+    return getattr(_flags(), name)
 
 
 def _is_switch_value(value: object) -> bool:
@@ -79,15 +79,13 @@ def _check_switches(values: dict[str, bool | None]) -> None:
 @contextlib.contextmanager
 def _override(**values: bool | None) -> Iterator[None]:
     _check_switches(values)
-    flags = _STATE.flags
-    saved = dataclasses.replace(flags)
+    saved = _thread.STATE.flags
+    changes = {name: bool(value) for name, value in values.items() if value is not None}
+    _thread.STATE.flags = dataclasses.replace(_flags(), **changes)
     try:
-        for name, value in values.items():
-            if value is not None:
-                setattr(flags, name, bool(value))
         yield
     finally:
-        _STATE.flags = saved
+        _thread.STATE.flags = saved
 
 
 def autoshard(enable: bool = True) -> contextlib.AbstractContextManager[None]:

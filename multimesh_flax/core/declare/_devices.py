@@ -14,15 +14,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import threading
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from multimesh_flax import errors
+from multimesh_flax.core.declare import _thread
 
 
 def make_auto_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
@@ -128,21 +128,6 @@ def as_device_array(devices: Any, argument: str) -> np.ndarray:
 # --- the executable's device list -----------------------------------------------------------
 
 
-class _DeviceGrid(Protocol):
-    """What the device list needs of a ``MultiMesh`` (``_multimesh``, which imports this module)."""
-
-    devices: np.ndarray
-
-
-class _MeshState(threading.local):
-    def __init__(self) -> None:
-        self.device_lists: list[tuple[jax.Device, ...]] = []
-        self.multi_meshes: list[_DeviceGrid] = []  # active ``MultiMesh``es, innermost last
-
-
-_STATE = _MeshState()
-
-
 @contextlib.contextmanager
 def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterator[None]:
     """Makes ``devices`` the list that ``TaskMesh`` positions index (``None``: no change)."""
@@ -151,11 +136,11 @@ def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterat
         return
     flat = tuple(np.asarray(devices, dtype=object).reshape(-1))
     check_unique(flat, "devices")
-    _STATE.device_lists.append(flat)
+    _thread.STATE.device_lists.append(flat)
     try:
         yield
     finally:
-        _STATE.device_lists.pop()
+        _thread.STATE.device_lists.pop()
 
 
 def get_device_list() -> tuple[jax.Device, ...]:
@@ -166,10 +151,10 @@ def get_device_list() -> tuple[jax.Device, ...]:
         >>> len(mm.core.get_device_list())
         8
     """
-    if _STATE.device_lists:
-        return _STATE.device_lists[-1]
-    if _STATE.multi_meshes:
-        return tuple(_STATE.multi_meshes[-1].devices.reshape(-1))
+    if _thread.STATE.device_lists:
+        return _thread.STATE.device_lists[-1]
+    if _thread.STATE.multi_meshes:
+        return tuple(_thread.STATE.multi_meshes[-1].devices.reshape(-1))
     return tuple(jax.devices())
 
 

@@ -16,9 +16,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config
+from multimesh_flax.core.declare import _config, _thread
 from multimesh_flax.core.declare._devices import (
-    _STATE,
     TaskMesh,
     _as_axes,
     _check_device_count,
@@ -32,7 +31,7 @@ from multimesh_flax.core.declare._registry import Context, TaskCallback
 
 def get_multi_mesh() -> MultiMesh | None:
     """Returns the innermost active ``MultiMesh``, or ``None``."""
-    return _STATE.multi_meshes[-1] if _STATE.multi_meshes else None  # type: ignore[return-value]
+    return _thread.STATE.multi_meshes[-1] if _thread.STATE.multi_meshes else None  # type: ignore[return-value]
 
 
 def _int_hint(value: Any) -> int:
@@ -208,14 +207,14 @@ class MultiMesh(Context):
     def __enter__(self) -> MultiMesh:
         autoshard = _config.autoshard()
         autoshard.__enter__()
-        _STATE.multi_meshes.append(self)
+        _thread.STATE.multi_meshes.append(self)
         super().__enter__()
         self._exits.append(autoshard)
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        _STATE.multi_meshes.pop()
+        _thread.STATE.multi_meshes.pop()
         self._exits.pop().__exit__(*exc)
 
     def __repr__(self) -> str:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from multimesh_flax import errors
+from multimesh_flax.core.declare import _thread
 from multimesh_flax.core.declare._task import Task
 
 TaskCallback = Callable[[str, bool], Any]
@@ -103,14 +103,6 @@ def make_registration(
     return Registration(pattern=pattern, callback=callback, task=task)
 
 
-class _ContextStack(threading.local):
-    def __init__(self) -> None:
-        self.active: list[Context] = []
-
-
-_ACTIVE = _ContextStack()
-
-
 class Context:
     """A registry of name-based tasks, active inside ``with context:``.
 
@@ -158,12 +150,12 @@ class Context:
         _WITH_REGISTRATIONS.add(self)
 
     def __enter__(self) -> Context:
-        _ACTIVE.active.append(self)
+        _thread.STATE.contexts.append(self)
         self._entered = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _ACTIVE.active.pop()
+        _thread.STATE.contexts.pop()
 
 
 _DEFAULT = Context()
@@ -189,7 +181,7 @@ def inactive_contexts() -> list[Context]:
 
 def active_contexts() -> list[Context]:
     """The active contexts, innermost first, ending with the process-wide default."""
-    return [*reversed(_ACTIVE.active), _DEFAULT]
+    return [*reversed(_thread.STATE.contexts), _DEFAULT]
 
 
 def has_registrations() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -24,6 +23,7 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
+from multimesh_flax.core.declare import _thread
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.fragment import _partition
@@ -85,14 +85,6 @@ class Timeline:
     calls: int = 0  # how many program calls were recorded
 
 
-class _Recording(threading.local):
-    def __init__(self) -> None:
-        self.timeline: Timeline | None = None
-
-
-_RECORDING = _Recording()
-
-
 @contextlib.contextmanager
 def record_timeline() -> Iterator[Timeline]:
     """Records every op that MPMD programs execute inside the block.
@@ -110,13 +102,13 @@ def record_timeline() -> Iterator[Timeline]:
         >>> [e.kind for e in timeline.events]
         ['run', 'transfer', 'run']
     """
-    previous = _RECORDING.timeline
+    previous = _thread.STATE.timeline
     timeline = Timeline()
-    _RECORDING.timeline = timeline
+    _thread.STATE.timeline = timeline
     try:
         yield timeline
     finally:
-        _RECORDING.timeline = previous
+        _thread.STATE.timeline = previous
 
 
 def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
@@ -392,7 +384,7 @@ class MpmdExecutable:
         for slot, value in self._consts.items():
             env[slot] = value
         self._place_inputs(env, args)
-        timeline = _RECORDING.timeline
+        timeline = _thread.STATE.timeline
         call = 0
         if timeline is not None:
             call, timeline.calls = timeline.calls, timeline.calls + 1

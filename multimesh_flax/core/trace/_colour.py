@@ -26,8 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
-import threading
-import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +36,7 @@ from jax._src import source_info_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _registry, _task, _warnings
+from multimesh_flax.core.declare import _config, _devices, _registry, _task, _thread, _warnings
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _session
 
@@ -75,14 +73,17 @@ def _same_task(a: _task.Task, b: _task.Task) -> bool:
 
 
 class _SessionState:
-    """The registered tasks of one trace session, and caches for matching."""
+    """Matching and resolving registered tasks in one trace session; what it learns is kept
+    on the session (``TraceSession.registered``)."""
 
     def __init__(self, session: _session.TraceSession) -> None:
         self.session = session
-        self.resolved: dict[tuple[Any, str, bool], _session.ResolvedTask] = {}
-        self.origin: dict[int, _registry.Match] = {}  # uid -> the match it was made for
-        self.matches: dict[Any, _registry.Match | None] = {}
-        self.labels: dict[str, _session.Label | None] = {}
+        learnt = session.registered
+        learnt.used = True
+        self.resolved = learnt.resolved
+        self.origin = learnt.origin
+        self.matches = learnt.matches
+        self.labels = learnt.labels
 
     def match(self, *names: str) -> _registry.Match | None:
         """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
@@ -130,15 +131,8 @@ class _SessionState:
         return None
 
 
-_STATES: weakref.WeakKeyDictionary[_session.TraceSession, _SessionState] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _state(session: _session.TraceSession) -> _SessionState:
-    if session not in _STATES:
-        _STATES[session] = _SessionState(session)
-    return _STATES[session]
+    return _SessionState(session)
 
 
 def task_for(match: _registry.Match, backprop: bool) -> _task.Task:
@@ -196,14 +190,6 @@ def current_task() -> _session.ResolvedTask | None:
     return explicit if label is None else session.tasks[label.task]
 
 
-class _FlaxActive(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[int] = []
-
-
-_FLAX_ACTIVE = _FlaxActive()
-
-
 @contextlib.contextmanager
 def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     """Makes Flax's logical API resolve through ``resolved``'s rules onto its mesh.
@@ -214,7 +200,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     Constraints made this way name the abstract mesh; :func:`concretise_constraints` puts
     them back on the task's devices after tracing.
     """
-    _FLAX_ACTIVE.stack.append(resolved.uid)
+    _thread.STATE.flax_rules.append(resolved.uid)
     try:
         with (
             nn.logical_axis_rules(resolved.rules),
@@ -223,7 +209,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
         ):
             yield
     finally:
-        _FLAX_ACTIVE.stack.pop()
+        _thread.STATE.flax_rules.pop()
 
 
 def module_names(module: nn.Module) -> tuple[str, ...]:
@@ -245,7 +231,7 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
                 return next_fun(*args, **kwargs)
     else:
         resolved = current_task()  # a matched named scope around this module
-        active = _FLAX_ACTIVE.stack[-1] if _FLAX_ACTIVE.stack else None
+        active = _thread.STATE.flax_rules[-1] if _thread.STATE.flax_rules else None
         if resolved is not None and resolved.uid in state.origin and resolved.uid != active:
             with flax_rules(resolved):
                 return next_fun(*args, **kwargs)
@@ -310,7 +296,7 @@ def label_equations(
         TaskInControlFlowError: a registered scope starts inside a loop or conditional.
     """
     warn_inactive(stacks)
-    if not _registry.has_registrations() and session not in _STATES:
+    if not _registry.has_registrations() and not session.registered.used:
         return list(labels)
     state = _state(session)
     out: list[Any] = []
@@ -406,7 +392,7 @@ def concretise_constraints(
     forward's, transposed into a backward task placed elsewhere -- replicates on the
     backward's mesh instead. Other constraints of explicit tasks are left as they are.
     """
-    origin = _STATES[session].origin if session in _STATES else {}
+    origin = session.registered.origin
     tasks = session.tasks
     out = []
     for eqn, label in zip(eqns, labels, strict=True):

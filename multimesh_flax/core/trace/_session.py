@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import itertools
 import re
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -27,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _devices, _multimesh, _warnings
+from multimesh_flax.core.declare import _devices, _multimesh, _registry, _thread, _warnings
 from multimesh_flax.core.declare._rules import Rule
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._task import Task
@@ -66,7 +65,7 @@ def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
     one, else iteration 0's slice.
     """
     loop_slice = spec.loop_dependent_mesh_slice
-    index = _STATE.microbatch_index
+    index = _thread.STATE.microbatch_index
     has_home = spec.mesh is not None or spec.mesh_slice is not None
     if loop_slice is None or (index is None and has_home):
         return spec.mesh_slice
@@ -151,6 +150,21 @@ class MicrobatchCall:
     num_microbatches: int
 
 
+@dataclasses.dataclass
+class RegisteredTasks:
+    """What a trace learns about name-registered tasks (``trace/_colour`` fills it in)."""
+
+    used: bool = False  # whether any registered matching ran in this trace
+    resolved: dict[tuple[_registry.Registration, str, bool], ResolvedTask] = dataclasses.field(
+        default_factory=dict
+    )  # (registration, matched name, backprop) -> its task
+    origin: dict[int, _registry.Match] = dataclasses.field(default_factory=dict)  # uid -> match
+    matches: dict[tuple[str, ...], _registry.Match | None] = dataclasses.field(
+        default_factory=dict
+    )  # scope or module names -> the winning registration
+    labels: dict[str, Label | None] = dataclasses.field(default_factory=dict)  # by name stack
+
+
 _CALL_UIDS = itertools.count(1)  # process-wide, so scope names never collide across traces
 
 
@@ -162,6 +176,7 @@ class TraceSession:
         microbatch_calls: every ``microbatch`` call traced, by the uid in its chunks' scopes
             ``mmmb<uid>_<k>``.
         module_tasks: Linen/NNX task modules resolved once per trace (see ``resolve_module``).
+        registered: name-registered tasks matched and resolved in this trace.
         loop_dependent: whether a task resolved its mesh from the microbatch index: then the
             microbatches of one ``microbatch`` call differ and cannot share one traced body.
     """
@@ -170,6 +185,7 @@ class TraceSession:
         self.tasks: dict[int, ResolvedTask] = {}
         self.microbatch_calls: dict[int, MicrobatchCall] = {}
         self.module_tasks: dict[tuple[Any, ...], ResolvedTask] = {}
+        self.registered = RegisteredTasks()
         self.loop_dependent = False
 
     def resolve_module(self, key: tuple[Any, ...], spec: Task, name: str) -> ResolvedTask:
@@ -188,26 +204,15 @@ class TraceSession:
         return uid
 
 
-class _TaskState(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[ResolvedTask] = []
-        self.sessions: list[TraceSession] = []
-        self.microbatch_index: int | None = None
-        self.shape_only = 0  # > 0 inside traces that only compute shapes or variables
-
-
-_STATE = _TaskState()
-
-
 @contextlib.contextmanager
 def shape_only_trace() -> Iterator[None]:
     """Marks the body as a trace for shapes or variables only (``jax.eval_shape`` of an
     initializer): tasks met there are not placed, by design, so nothing is warned."""
-    _STATE.shape_only += 1
+    _thread.STATE.shape_only += 1
     try:
         yield
     finally:
-        _STATE.shape_only -= 1
+        _thread.STATE.shape_only -= 1
 
 
 def warn_foreign_trace(name: str) -> None:
@@ -216,7 +221,7 @@ def warn_foreign_trace(name: str) -> None:
     Raises:
         StrictModeError: under ``context(strict=True)``.
     """
-    if _STATE.shape_only:
+    if _thread.STATE.shape_only:
         return
     _warnings.warn_placement(
         ("foreign-trace", name),
@@ -231,37 +236,37 @@ def warn_foreign_trace(name: str) -> None:
 @contextlib.contextmanager
 def microbatch_iteration(index: int) -> Iterator[None]:
     """Marks the body as microbatch iteration ``index`` (for ``loop_dependent_mesh_slice``)."""
-    previous = _STATE.microbatch_index
-    _STATE.microbatch_index = index
+    previous = _thread.STATE.microbatch_index
+    _thread.STATE.microbatch_index = index
     try:
         yield
     finally:
-        _STATE.microbatch_index = previous
+        _thread.STATE.microbatch_index = previous
 
 
 def current_microbatch_index() -> int | None:
     """The microbatch iteration being traced (see :func:`microbatch_iteration`), or ``None``."""
-    return _STATE.microbatch_index
+    return _thread.STATE.microbatch_index
 
 
 def current_task() -> ResolvedTask | None:
     """The innermost task being traced, or ``None`` outside every task."""
-    return _STATE.stack[-1] if _STATE.stack else None
+    return _thread.STATE.task_stack[-1] if _thread.STATE.task_stack else None
 
 
 def current_session() -> TraceSession | None:
-    return _STATE.sessions[-1] if _STATE.sessions else None
+    return _thread.STATE.sessions[-1] if _thread.STATE.sessions else None
 
 
 @contextlib.contextmanager
 def trace_session() -> Iterator[TraceSession]:
     """Opens a session that records every task traced inside it."""
     session = TraceSession()
-    _STATE.sessions.append(session)
+    _thread.STATE.sessions.append(session)
     try:
         yield session
     finally:
-        _STATE.sessions.pop()
+        _thread.STATE.sessions.pop()
 
 
 @contextlib.contextmanager
@@ -270,12 +275,12 @@ def enter_task(resolved: ResolvedTask) -> Iterator[ResolvedTask]:
     session = current_session()
     if session is not None:
         session.tasks[resolved.uid] = resolved
-    _STATE.stack.append(resolved)
+    _thread.STATE.task_stack.append(resolved)
     try:
         with jax.named_scope(resolved.marker):
             yield resolved
     finally:
-        _STATE.stack.pop()
+        _thread.STATE.task_stack.pop()
 
 
 def contains_tracer(tree: Any) -> bool:
