@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
 import numpy as np
 
+from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _cli
 from multimesh_flax.distributed import launch
 
@@ -41,6 +43,11 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     assert _cli.main([*TRAIN, "--out", str(single)]) == 0
     capsys.readouterr()
     np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-6, atol=0)
+    saved = [Checkpointer(d / "checkpoint", read_only=True).restore() for d in (multi, single)]
+    leaves = [jax.tree.leaves(jax.tree.map(np.asarray, tree)) for tree in saved]
+    assert len(leaves[0]) == len(leaves[1]) > 0
+    for a, b in zip(*leaves, strict=True):  # the 2-process checkpoint restores in 1 process
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_launch_command_runs_every_rank_and_reports_failure(capfd):
