@@ -441,6 +441,9 @@ class ProgramMismatchError(MultiMeshError, ValueError):
     arguments; the message names the processes and what differs."""
 
 
-class ProcessLostError(MultiMeshError, RuntimeError):
+class ProcessLostError(MultiMeshError, ValueError):
     """Another process of the job stopped answering (it died or was killed). The message
-    names it; this process stops instead of waiting for collectives that can never finish."""
+    names it; this process stops instead of waiting for collectives that can never finish.
+
+    Logged by the watchdog of ``multimesh_flax.distributed`` just before it ends the process
+    (exit status 75), not raised into user code; a ``ValueError`` like every class here."""
