@@ -121,9 +121,9 @@ def _add_train(sub: Any) -> None:
     add(
         "--processes",
         type=int,
-        default=1,
+        default=argparse.SUPPRESS,  # absent unless given: the namespace stays the options
         help="run as this many local processes of one jax.distributed job, --devices split "
-        "evenly between them (1: one process)",
+        "evenly between them (default: one process)",
     )
     _add_compile_cache(add)
 
@@ -210,7 +210,7 @@ def _run_train(args: argparse.Namespace) -> int:
         raise _ArgumentError(f"`--devices` must be a positive number, got {args.devices}")
     from multimesh_flax import distributed
 
-    if args.processes != 1 and not distributed.launched():
+    if getattr(args, "processes", 1) != 1 and not distributed.launched():
         return _launch_train(args)
     if distributed.launched():
         distributed.initialize()
