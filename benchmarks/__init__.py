@@ -13,6 +13,9 @@ Sections (one module each, each writing ``<out>/<section>.json``):
 * ``B6`` (``b6_schedules``) -- simulated vs recorded pipeline bubble per schedule;
 * ``B7`` (``b7_spmd_peer``) -- step time, cold first step and peak bytes per device against
   the SPMD pipeline a JAX user would write instead (``shard_map`` + ``ppermute``);
+* ``B8`` (``b8_processes``) -- the same pipelined step in 1 process x 8 devices and 2 processes
+  x 4 devices (``jax.distributed``): step time and cold start ratios, bytes across processes
+  per step vs the analytic count, one transfer in-process vs cross-process;
 * ``GPU`` (``gpu``) -- tokens/s and model FLOPs utilisation of gpt-small on a GPU (skipped
   without one).
 
@@ -42,6 +45,7 @@ SECTIONS = {
     "B5": "b5_transfers",
     "B6": "b6_schedules",
     "B7": "b7_spmd_peer",
+    "B8": "b8_processes",
 }
 
 

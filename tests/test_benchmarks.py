@@ -23,6 +23,7 @@ SECTION_FILES = {
     "b5_transfers": ["configs"],
     "b6_schedules": ["schedules"],
     "b7_spmd_peer": ["configs"],
+    "b8_processes": ["one_process", "two_processes", "analytic_bytes"],
 }
 
 

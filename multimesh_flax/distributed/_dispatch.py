@@ -172,6 +172,18 @@ class ProcessDispatch:
         probe = jax.ShapeDtypeStruct(move.aval.shape, move.aval.dtype, sharding=move.source)
         (move.target,) = self.exe._put_targets(_Sub(op, [j]), [probe])
 
+    # --- inspection ---
+
+    def cross_process_bytes(self) -> int:
+        """Bytes this process's cross-process transfers move per call (after the first call;
+        see ``_wire.wire_bytes``)."""
+        return sum(
+            _wire.wire_bytes(m.source, m.target, m.aval)
+            for moves in self.moves.values()
+            for m in moves
+            if m.target is not None
+        )
+
     # --- outputs ---
 
     def _output(self, i: int, value: Any) -> Any:
