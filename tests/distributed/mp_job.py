@@ -1,11 +1,11 @@
 """One process of the multi-process test job (run by ``launch``; see test_multiprocess.py).
 
-``python mp_job.py OUT_DIR MODE [CKPT]``. MODE ``mlp``: the two-submesh MLP with a second stage of
-4 and of 2 devices; every process writes what it saw to ``OUT_DIR/rank{r}.npz``; with the
-4-device stage it also restores CKPT (written by one process) and saves its final parameters
-to ``OUT_DIR/ckpt2``. MODE
-``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself before
-step 3 while process 0 runs it.
+``python mp_job.py OUT_DIR MODE [CKPT]``. MODE ``mlp``: the two-submesh MLP with a second
+stage of 4 devices, of 2 devices, and of 4 devices spanning both processes (``-4``); every
+process writes what it saw to ``OUT_DIR/rank{r}.npz``; with the 4-device stage it also
+restores CKPT (written by one process) and saves its final parameters to ``OUT_DIR/ckpt2``.
+MODE ``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself
+before step 3 while process 0 runs it.
 """
 
 import os
@@ -26,7 +26,7 @@ if __name__ == "__main__":
     rank = jax.process_index()
     if mode == "mlp":
         results = {}
-        for second in (4, 2):
+        for second in (4, 2, -4):
             ckpts = (sys.argv[3], os.path.join(out_dir, "ckpt2")) if second == 4 else None
             for name, value in mp_models.run_parallel(second, checkpoints=ckpts).items():
                 results[f"{second}/{name}"] = value

@@ -1,8 +1,9 @@
 """Programs the multi-process tests run in every process and, for the reference, in one.
 
 The two-submesh MLP of the README ("Logical sharding inside a task"): ``layer1`` on devices
-0-3, ``layer2`` on devices 4-7 (``second=4``) or on devices 4-5 with another mesh shape
-(``second=2``: transfers between submeshes of different sizes).
+0-3, ``layer2`` on devices 4-7 (``second=4``), on devices 4-5 with another mesh shape
+(``second=2``: transfers between submeshes of different sizes), or on devices 2-5
+(``second=-4``: a submesh spanning both processes, overlapping the first).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def make_step(second: int, hidden: int = 16):
     stage0 = mm.TaskMesh(devices=[0, 1, 2, 3], axis_sizes=(4, 1), axis_names=("x", "y"))
     if second == 4:
         stage1 = stage0.place([4, 5, 6, 7])
+    elif second == -4:  # spans both processes and overlaps the first stage
+        stage1 = stage0.place([2, 3, 4, 5])
     else:
         stage1 = mm.TaskMesh(devices=[4, 5], axis_sizes=(2, 1), axis_names=("x", "y"))
     l1 = mm.task(layer1, mesh=stage0, logical_axes=RULES)

@@ -4,8 +4,9 @@ Each test launches a job with ``multimesh_flax.distributed.launch`` (children ki
 id at the timeout) and compares what the processes computed with the same program run
 unparallelized here (plain ``jax.jit`` on one device, under ``ignore_transforms``). One job
 serves several assertions: the two-submesh MLP with a second stage of 4 devices (equal
-layouts: the ppermute wire) and of 2 devices (the broadcast wire), losses and final parameters,
-as both processes saw them.
+layouts: the ppermute wire), of 2 devices (the broadcast wire) and of devices 2-5 (a submesh
+spanning both processes and overlapping the first stage: run by both, fed by the broadcast
+wire), losses and final parameters as both processes saw them, and checkpoint round trips.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def mlp_job(tmp_path_factory):
     return [dict(np.load(out / f"rank{r}.npz")) for r in range(2)], written, out
 
 
-@pytest.mark.parametrize("second", [4, 2])
+@pytest.mark.parametrize("second", [4, 2, -4])
 def test_two_submesh_mlp_matches_one_device(mlp_job, second):
     reference = mp_models.run_reference(second)
     for rank, seen in enumerate(mlp_job[0]):
@@ -76,7 +77,7 @@ def test_two_submesh_mlp_matches_one_device(mlp_job, second):
 
 def test_every_process_sees_the_same_losses(mlp_job):
     seen, _, _ = mlp_job
-    for second in (4, 2):
+    for second in (4, 2, -4):
         key = f"{second}/losses"
         np.testing.assert_array_equal(seen[0][key], seen[1][key])
 
