@@ -333,7 +333,10 @@ def _print_result(result: Any) -> int:
         rate = sample["corpus_match_rate"][kind]
         print(f"sample {moment} training ({rate:.0%} of its 4-grams occur in the corpus):")
         print(f"  {sample['texts'][kind]!r}")
-    print(f"wrote {result.run_dir}/: metrics.json loss.png timeline.png samples.txt checkpoint/")
+    names = ("metrics.json", "loss.png", "timeline.png", "samples.txt", "checkpoint/")
+    # A multi-process job records no timeline (each process sees only its own ops).
+    wrote = [n for n in names if (result.run_dir / n.rstrip("/")).exists()]
+    print(f"wrote {result.run_dir}/: {' '.join(wrote)}")
     ref = m["reference"]
     if ref is None:
         return 0
