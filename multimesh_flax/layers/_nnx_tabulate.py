@@ -158,8 +158,7 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
     return f"{_summary(model, args, options, call_kwargs)}\n{placement}"
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+_abstract = _parallelize.shape_structs
 
 
 def _summary(model: nnx.Module, args: Any, options: Any, call_kwargs: Any) -> str:

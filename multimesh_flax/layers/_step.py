@@ -24,6 +24,7 @@ example input is needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -85,7 +86,7 @@ class _Model:
     """Initializes and applies ``model`` for ``loss_fn`` (``model_fn`` is what it sees)."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, rng: Any, pipeline: dict[str, Any] | None = None
+        self, model: nn.Module, loss_fn: LossFn, rng: Any, pipeline: _Microbatching | None = None
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -105,7 +106,7 @@ class _Model:
         """
         if self.pipeline is None:
             return self.loss_fn(model_fn_at(None), batch)
-        count = self.pipeline["microbatches"]
+        count = self.pipeline.microbatches
         length = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if length % count:
             raise errors.UnevenMicrobatchError(
@@ -118,9 +119,9 @@ class _Model:
             lambda b: self.loss_fn(model_fn_at(b[1][0]), b[0]),
             0,
             size,
-            schedule=self.pipeline["schedule"],
-            interleave=self.pipeline["interleave"],
-            custom_schedule=self.pipeline.get("custom_schedule"),
+            schedule=self.pipeline.schedule,
+            interleave=self.pipeline.interleave,
+            custom_schedule=self.pipeline.custom_schedule,
             reduce="mean",
             trace_once=trace_once,
         )
@@ -192,8 +193,7 @@ def _check_batches(global_batch: Any, local_batch: Any) -> Any:
     )
 
 
-def _abstract(tree: Any) -> Any:
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+_abstract = _parallelize.shape_structs
 
 
 def _devices_of(mesh: Any) -> tuple[Any, Any, jax.sharding.Mesh]:
@@ -236,9 +236,20 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Microbatching:
+    """How ``parallelize_step`` splits each batch and orders its microbatches (the options
+    of its ``microbatch`` call, checked again there)."""
+
+    microbatches: int
+    schedule: str | None
+    interleave: int | None
+    custom_schedule: Any = None
+
+
 def _pipeline_options(
     microbatches: int | None, schedule: str | None, interleave: int | None, batch_shape: Any
-) -> dict[str, Any] | None:
+) -> _Microbatching | None:
     if microbatches is None:
         if schedule is not None or interleave is not None:
             raise errors.ParallelizeArgumentError(
@@ -260,10 +271,10 @@ def _pipeline_options(
             f"`microbatches`={microbatches}, got leading sizes {sorted(map(str, leading))}. "
             "Choose a microbatch count that divides the batch size."
         )
-    return {"microbatches": microbatches, "schedule": schedule, "interleave": interleave}
+    return _Microbatching(microbatches, schedule, interleave)
 
 
-def _with_custom_schedule(pipeline: dict[str, Any] | None, custom: Any) -> Any:
+def _with_custom_schedule(pipeline: _Microbatching | None, custom: Any) -> _Microbatching | None:
     if custom is None:
         return pipeline
     if pipeline is None:
@@ -271,7 +282,7 @@ def _with_custom_schedule(pipeline: dict[str, Any] | None, custom: Any) -> Any:
             "Got `custom_schedule` without `microbatches`. A schedule orders microbatches: "
             "pass `microbatches=m`."
         )
-    return {**pipeline, "custom_schedule": custom}
+    return dataclasses.replace(pipeline, custom_schedule=custom)
 
 
 def _zeros(shapes: Any) -> Any:
@@ -316,7 +327,7 @@ class _Setup:
         optimizer: Any,
         loss_fn: LossFn,
         rng: Any,
-        pipeline: dict[str, Any] | None = None,
+        pipeline: _Microbatching | None = None,
     ) -> None:
         self.runner = _Model(model, loss_fn, rng, pipeline)
         self.model, self.optimizer = model, optimizer

@@ -123,9 +123,7 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
         p = _placement.constrain(p, task_sh, found)
         return model.apply({"params": p, **others}, *inputs, rngs=_apply_rngs(rngs), **kwargs)
 
-    abstract_args = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), args
-    )
+    abstract_args = _parallelize.shape_structs(args)
     derived = _parallelize.derive_shardings(forward, (params, abstract_args), None)
     flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
     rows = []

@@ -125,6 +125,14 @@ def as_device_array(devices: Any, argument: str) -> np.ndarray:
     return out.reshape(grid.shape)
 
 
+Place = tuple[int, ...]  # a submesh's devices: their sorted ids
+
+
+def place_of(mesh: Any) -> Place:
+    """The place (sorted device ids) of a mesh."""
+    return tuple(sorted(int(i) for i in mesh.device_ids.reshape(-1)))
+
+
 # --- the executable's device list -----------------------------------------------------------
 
 

@@ -36,13 +36,9 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax.core.declare import _devices
+from multimesh_flax.core.declare._devices import Place, place_of
 from multimesh_flax.core.plan import _accumulate, _pipeline
 from multimesh_flax.core.trace import _session, _trace
-
-Place = _pipeline.Place
-
-
-place_of = _pipeline.place_of
 
 
 def nbytes(var: Any) -> int:
@@ -111,12 +107,8 @@ def _pinned_place(eqn: Any, task_places: set[Place]) -> Place | None:
     the value ends up there; placed by its producer instead, the constraint would only fix
     the layout and the value would stay on the producer's devices.
     """
-    if eqn.primitive.name != "sharding_constraint":
-        return None
-    sharding = eqn.params.get("sharding")
-    if not isinstance(sharding, jax.sharding.NamedSharding):
-        return None
-    if not isinstance(sharding.mesh, jax.sharding.Mesh):
+    sharding = _trace.concrete_constraint(eqn)
+    if sharding is None:
         return None
     place = place_of(sharding.mesh)
     return place if place in task_places else None
@@ -130,10 +122,7 @@ def _place_equations(
         None if label is None else place_of(traced.tasks[label.task].mesh)
         for label in traced.labels
     ]
-    producer: dict[Any, int] = {}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.outvars:
-            producer[v] = i
+    producer = traced.producer
     task_places = {place_of(resolved.mesh) for resolved in traced.tasks.values()}
     for i, eqn in enumerate(eqns):  # glue: where most produced input bytes live
         if places[i] is not None:

@@ -86,7 +86,8 @@ def sharded_initializer(
     return sharded_init
 
 
-def _shapes(tree: Any) -> Any:
+def shape_structs(tree: Any) -> Any:
+    """``tree`` with every leaf replaced by its ``jax.ShapeDtypeStruct`` (shape and dtype)."""
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
 
@@ -160,7 +161,7 @@ def parallelize(
         with _session.shape_only_trace():
             batch_shape = jax.eval_shape(get_input_batch)
     elif initial_batch is not None:
-        batch_shape = _shapes(initial_batch)
+        batch_shape = shape_structs(initial_batch)
     args = tuple(
         a for a, used in ((params_shape, init_params is not None), (batch_shape, has_batch)) if used
     )

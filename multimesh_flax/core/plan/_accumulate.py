@@ -24,6 +24,7 @@ from typing import Any
 
 import jax.extend.core as jex
 
+from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.trace import _trace
 
@@ -120,7 +121,7 @@ def _leaf_places(
     places = []
     for v in leaves:
         label = traced.labels[producer[v]] if v in producer else None
-        places.append(None if label is None else _pipeline.place_of(traced.tasks[label.task].mesh))
+        places.append(None if label is None else _devices.place_of(traced.tasks[label.task].mesh))
     return places
 
 
@@ -173,7 +174,7 @@ def reassociate_sums(
     """
     ready = _ready_times(traced, plan)
     eqns = traced.jaxpr.eqns
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    producer = traced.producer
     replaced: dict[int, list[Any]] = {}  # root index -> new chain; other nodes -> []
     for tree in _sum_trees(traced, plan, producer):
         if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves, producer)) < 2:

@@ -38,13 +38,13 @@ import jax.extend.core as jex
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _schedules
+from multimesh_flax.core.declare._devices import Place, place_of
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.plan import _simulator
 from multimesh_flax.core.trace import _session, _trace
 
 MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")
-Place = tuple[int, ...]
 Microbatch = tuple[int, int]  # (region uid, k)
 
 
@@ -241,11 +241,6 @@ def _units(
     return units
 
 
-def place_of(mesh: Any) -> Place:
-    """The place (sorted device ids) of a mesh."""
-    return tuple(sorted(int(i) for i in mesh.device_ids.reshape(-1)))
-
-
 def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
     """The microbatch and unit of every equation, or ``None`` without microbatching.
 
@@ -374,7 +369,7 @@ def _reaches_other_backward(traced: _trace.TracedProgram, owners: list[Any]) -> 
 def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: set[int]) -> None:
     """Relabels the weight-gradient part of every backward unit in ``regions`` as ``"W"``."""
     critical = _reaches_other_backward(traced, _bwd_owners(traced, plan))
-    producer = {v: i for i, e in enumerate(traced.jaxpr.eqns) for v in e.outvars}
+    producer = traced.producer
     needed: set[int] = set()
     stack = [
         i

@@ -39,10 +39,8 @@ def _abstract_constraint(eqn: Any) -> Any:
     Identical stages on different submeshes then have identical fragment jaxprs, so they share
     one ``jax.jit``: traced and lowered once, compiled once per device set.
     """
-    sharding = eqn.params.get("sharding")
-    if eqn.primitive.name != "sharding_constraint" or not isinstance(sharding, NamedSharding):
-        return eqn
-    if not isinstance(sharding.mesh, jax.sharding.Mesh):
+    sharding = _trace.concrete_constraint(eqn)
+    if sharding is None:
         return eqn
     abstract = NamedSharding(
         sharding.mesh.abstract_mesh, sharding.spec, memory_kind=sharding.memory_kind

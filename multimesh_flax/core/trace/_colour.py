@@ -278,6 +278,20 @@ def _check_control_flow(eqn: Any, label: _session.Label, state: _SessionState) -
                 )
 
 
+def marker_label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> _session.Label | None:
+    """The label of the innermost explicit task marker in a name stack (``None``: none).
+
+    Backward when the stack shows ``transpose(`` before the marker. Registered tasks are
+    matched afterwards (:func:`label_equations`), where they are innermost.
+    """
+    matches = [m for m in _session.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
+    if not matches:
+        return None
+    last = matches[-1]
+    backward = "transpose(" in stack[: last.start()]
+    return _session.Label(int(last.group(1)), Phase.B if backward else Phase.F)
+
+
 def label_equations(
     eqns: Sequence[Any],
     stacks: Sequence[str],

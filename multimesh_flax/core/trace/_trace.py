@@ -12,15 +12,16 @@ stacks afterwards; ``_named_tasks`` does both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.extend.core as jex
+from jax.sharding import Mesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices
-from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _colour, _session
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
@@ -72,10 +73,26 @@ class TracedProgram:
     default_task: _session.ResolvedTask | None = None  # registered for "default": glue fallback
     session: _session.TraceSession | None = None  # what the trace learnt (tasks, microbatches)
 
+    @functools.cached_property
+    def producer(self) -> dict[Any, int]:
+        """The index of the equation producing each variable (built once per program)."""
+        return {v: i for i, e in enumerate(self.jaxpr.eqns) for v in e.outvars}
+
     @property
     def microbatch_calls(self) -> dict[int, _session.MicrobatchCall]:
         """The ``microbatch`` calls traced in this program, by scope uid."""
         return self.session.microbatch_calls if self.session is not None else {}
+
+
+def concrete_constraint(eqn: Any) -> NamedSharding | None:
+    """The sharding of a ``sharding_constraint`` equation that names a concrete mesh
+    (devices), else ``None`` (another primitive, or an abstract mesh)."""
+    if eqn.primitive.name != "sharding_constraint":
+        return None
+    sharding = eqn.params.get("sharding")
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+        return None
+    return sharding
 
 
 def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
@@ -147,15 +164,6 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
-def _label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> _session.Label | None:
-    matches = [m for m in _session.MARKER_RE.finditer(stack) if int(m.group(1)) in tasks]
-    if not matches:
-        return None
-    last = matches[-1]
-    backward = "transpose(" in stack[: last.start()]
-    return _session.Label(int(last.group(1)), Phase.B if backward else Phase.F)
-
-
 def trace_program(
     fun: Callable[..., Any],
     args: Sequence[Any],
@@ -181,7 +189,7 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-    labels = [_label(s, session.tasks) for s in inliner.stacks]
+    labels = [_colour.marker_label(s, session.tasks) for s in inliner.stacks]
     # Registered tasks (named scopes, backward callbacks) where they are innermost.
     labels = _colour.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
     eqns = _colour.concretise_constraints(inliner.eqns, labels, session)
