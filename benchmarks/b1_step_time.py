@@ -44,7 +44,7 @@ def kept_or_built(
 
 def grid(workload: _common.Workload, quick: bool) -> list[tuple[int, int, str]]:
     """``(stages, microbatches, schedule)`` configurations measured for ``workload``."""
-    if quick:  # the test suite's run: one unpipelined-batch and one pipelined config
+    if quick:  # the test suite's run: 2 stages with 1 and with 4 microbatches
         return [(2, 1, "gpipe"), (2, 4, "1f1b")]
     if workload.preset == "gpt-small":  # a minute of compilation each on this host
         return [(2, 1, "gpipe"), (2, 4, "1f1b"), (4, 4, "1f1b"), (4, 8, "1f1b")]

@@ -7,12 +7,14 @@ heartbeat; a daemon thread started by :func:`~multimesh_flax.distributed.initial
 for the live processes every ``POLL_S`` seconds and, once one is missing, logs a
 ``ProcessLostError`` naming it and ends this process with status ``EXIT_LOST``. The bound on
 noticing is therefore ``heartbeat_timeout + POLL_S`` (plus the time the service takes to
-answer). jaxlib's own error polling may end the process first with its fatal message ("Task 1
+answer). The watchdog stops when the interpreter exits, before jax shuts the job down.
+jaxlib's own error polling may end the process first with its fatal message ("Task 1
 heartbeat timeout"); both name the lost process.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -36,9 +38,9 @@ def _lost(client: Any, count: int) -> list[int]:
 
 
 def _watch(client: Any, rank: int, count: int, heartbeat_timeout: int) -> None:
-    while True:
+    while not _EXITING.is_set():
         lost = _lost(client, count)
-        if lost:
+        if lost and not _EXITING.is_set():
             names = ", ".join(f"process {p}" for p in lost)
             error = errors.ProcessLostError(
                 f"Lost {names} of this {count}-process job (no heartbeat for "
@@ -52,6 +54,9 @@ def _watch(client: Any, rank: int, count: int, heartbeat_timeout: int) -> None:
 
 
 _STARTED: dict[str, int] = {}  # "heartbeat_timeout" once the watchdog runs
+# Set when the interpreter exits: jax's own exit handler then shuts the job down (the
+# coordinator of process 0 goes away), which is not a lost process.
+_EXITING = threading.Event()
 
 
 def await_loss() -> None:
@@ -74,6 +79,8 @@ def start(client: Any, rank: int, count: int, heartbeat_timeout: int) -> threadi
         name="mmflax-watchdog",
         daemon=True,
     )
+    # atexit runs handlers last-registered first: this one before jax's shutdown.
+    atexit.register(_EXITING.set)
     thread.start()
     _STARTED["heartbeat_timeout"] = heartbeat_timeout
     return thread
