@@ -190,9 +190,9 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", type=int, default=_DEFAULT_DEVICES, help="simulated CPU devices (even)"
     )
     _add_train(sub)
-    _add_launch(sub)
     _add_sample(sub)
     _add_export(sub)
+    _add_launch(sub)
     return parser
 
 
