@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv
         if args.command is None:
             raise _ArgumentError(
-                "choose a command: demo, train, launch, sample or export (see `mmflax --help`)"
+                "choose a command: demo, train, sample, export or launch (see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
     except (_ArgumentError, errors.MultiMeshError) as e:
