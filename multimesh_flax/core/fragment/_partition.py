@@ -182,7 +182,7 @@ def _keys(
         task = _Key(_Group.TASK, place, label)
         return [_Lookup(task, False)], [task, _Key(_Group.PLACE, place)]
     strict = plan.scheduled  # fragments get reordered: glue may only merge neutrally
-    mb, unit = plan.microbatch[i], plan.units[i]
+    mb, unit, _ = plan.equations[i]
     microbatch = _Key(_Group.MICROBATCH, place, mb)
     if unit is not None:
         return [_Lookup(_Key(_Group.UNIT, place, unit), False)], [
@@ -282,15 +282,15 @@ def _fragment(
     order = range(len(eqns)) if plan is None else _pipeline.equation_order(traced, plan)
     for i in order:
         eqn, label, place = eqns[i], traced.labels[i], places[i]
-        if plan is not None and plan.mixed[i]:
+        if plan is not None and plan.equations[i].mixed:
             label = None  # mixes microbatches: glue
         lookups, updates = _keys(i, place, label, plan)
         frag = cutter.add(eqn, label, place, lookups, updates)
         if plan is None:
             continue
-        if frag.unit is None and plan.units[i] is not None:
-            frag.unit = plan.units[i]
-        mb = plan.microbatch[i]
+        mb, unit, _ = plan.equations[i]
+        if frag.unit is None and unit is not None:
+            frag.unit = unit
         if mb is not None and frag.microbatch is None:
             frag.microbatch = mb[1]
     _assign_boundaries(traced, cutter.fragments, cutter.made_in)

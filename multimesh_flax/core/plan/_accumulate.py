@@ -36,7 +36,7 @@ def _ready_times(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> 
     """Per variable, the predicted ``(region rank, end)`` of the last unit it waits for."""
     ends = {unit: (rank, end) for unit, (rank, _, end) in _pipeline.unit_times(plan).items()}
     ready: dict[Any, Any] = {}
-    for eqn, unit in zip(traced.jaxpr.eqns, plan.units, strict=True):
+    for eqn, (_, unit, _) in zip(traced.jaxpr.eqns, plan.equations, strict=True):
         time = ends.get(unit, _EARLY) if unit is not None else _EARLY
         for v in eqn.invars:
             if not isinstance(v, jex.Literal):
@@ -86,7 +86,7 @@ def _sum_trees(
     }
     trees = []
     for root in sorted(sums - inner):
-        if plan.microbatch[root] is not None:
+        if plan.equations[root].microbatch is not None:
             continue
         tree = _Tree(root, [], [])
         stack: list[tuple[bool, Any]] = [(True, root)]
@@ -220,8 +220,6 @@ def _rebuild(
     )
     plan = dataclasses.replace(
         plan,
-        microbatch=column(plan.microbatch, None),
-        units=column(plan.units, None),
-        mixed=column(plan.mixed, True),
+        equations=column(plan.equations, _pipeline.EquationPlan(None, None, True)),
     )
     return traced, plan

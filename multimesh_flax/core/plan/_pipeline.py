@@ -81,13 +81,19 @@ class Region:
         return [] if self.schedule is None else _simulator.simulate(self.schedule).timeline
 
 
+class EquationPlan(NamedTuple):
+    """What the plan says of one equation of the traced program."""
+
+    microbatch: Microbatch | None  # the microbatch it computes on; None: outside every one
+    unit: Unit | None  # the pipeline unit it runs in; None: glue
+    mixed: bool  # it combines several microbatches, so it is glue whatever its task label
+
+
 @dataclasses.dataclass
 class PipelinePlan:
-    """Per-equation microbatch and unit, and the regions they belong to."""
+    """The plan of every equation (index-aligned with the program), and the regions."""
 
-    microbatch: list[Microbatch | None]
-    units: list[Unit | None]
-    mixed: list[bool]  # True: mixes microbatches, so glue whatever its task label
+    equations: list[EquationPlan]
     regions: dict[int, Region]
 
     @functools.cached_property
@@ -260,7 +266,8 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
         if region.call.options.schedule is not None:
             region.schedule = _region_schedule(region)
     units = _units(traced, mbs, order)
-    plan = PipelinePlan(microbatch=mbs, units=units, mixed=mixed, regions=regions)
+    equations = [EquationPlan(*facts) for facts in zip(mbs, units, mixed, strict=True)]
+    plan = PipelinePlan(equations=equations, regions=regions)
     split = {uid for uid, r in regions.items() if r.schedule and r.schedule.split_backward}
     if split:
         _split_backward(traced, plan, split)
@@ -343,7 +350,7 @@ def _cap(items: set[Any]) -> set[Any]:
 
 def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
     owners = []
-    for label, mb, mixed in zip(traced.labels, plan.microbatch, plan.mixed, strict=True):
+    for label, (mb, _, mixed) in zip(traced.labels, plan.equations, strict=True):
         is_bwd = label is not None and label.phase is Phase.B and not mixed
         owners.append((label.task, mb) if is_bwd else None)  # type: ignore[union-attr]
     return owners
@@ -373,7 +380,7 @@ def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: s
     needed: set[int] = set()
     stack = [
         i
-        for i, u in enumerate(plan.units)
+        for i, (_, u, _) in enumerate(plan.equations)
         if u is not None and u.phase is Phase.B and u.region in regions and critical[i]
     ]
     while stack:
@@ -383,16 +390,16 @@ def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: s
         needed.add(i)
         for v in traced.jaxpr.eqns[i].invars:
             j = producer.get(v) if not isinstance(v, jex.Literal) else None
-            if j is not None and plan.units[j] == plan.units[i]:
+            if j is not None and plan.equations[j].unit == plan.equations[i].unit:
                 stack.append(j)
-    for i, unit in enumerate(plan.units):
+    for i, (_, unit, _) in enumerate(plan.equations):
         if (
             unit is not None
             and unit.phase is Phase.B
             and unit.region in regions
             and i not in needed
         ):
-            plan.units[i] = unit._replace(phase=Phase.W)
+            plan.equations[i] = plan.equations[i]._replace(unit=unit._replace(phase=Phase.W))
 
 
 def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int]:
@@ -407,7 +414,7 @@ def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int
     produced: set[Any] = set()
     current: tuple[int, int, int] | None = None
     for i, eqn in enumerate(traced.jaxpr.eqns):
-        unit = plan.units[i]
+        unit = plan.equations[i].unit
         reads = any(not isinstance(v, jex.Literal) and v in produced for v in eqn.invars)
         if unit is not None and unit.phase is Phase.W and current in (None, unit.work):
             current = unit.work

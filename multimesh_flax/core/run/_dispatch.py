@@ -1,4 +1,4 @@
-"""The MPMD runtime: compile fragments, precompute a flat op list, dispatch it.
+"""The MPMD runtime: a flat op list over the compiled fragments (``_compile``), dispatched in order.
 
 An ``MpmdExecutable`` turns a ``Partition`` into a list of ops over numbered value slots:
 

@@ -1,11 +1,14 @@
 """Trace sessions: what one trace learns, and the task stack while it runs.
 
-``Task`` is a plain description (a mesh or a ``MultiMesh`` slice, plus logical rules).
-``task(fun, ...)`` returns a function that, when traced, runs ``fun`` inside a reserved named
-scope -- its *marker* -- with the task's rules active for ``with_sharding_constraint``. JAX keeps
-name scopes on every equation, also through ``jax.grad`` (the backward appears as
-``transpose(jvp(<marker>))``), so the partitioner can later colour each equation by the task
-whose marker is innermost in its name stack.
+``trace_program`` opens a ``TraceSession``; everything the trace finds out -- the tasks entered,
+the ``microbatch`` calls, the Flax/NNX modules resolved, the name-registered matches -- is
+recorded on it, and the traced program carries it on.
+
+A task call (``task(fun)``, ``Task[Module]``) runs inside a reserved named scope -- its
+*marker* -- entered by :func:`enter_task`, with the task's rules active for
+``with_sharding_constraint``. JAX keeps name scopes on every equation, also through ``jax.grad``
+(the backward appears as ``transpose(jvp(<marker>))``), so each equation can later be coloured
+by the task whose marker is innermost in its name stack (a :class:`Label`).
 
 At trace time a ``Task`` is *resolved* into a ``ResolvedTask``: a concrete
 ``jax.sharding.Mesh`` and a flat rule list. Resolution happens per call, so a ``TaskMesh``
