@@ -143,7 +143,7 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
 
 
 def run(quick: bool) -> dict[str, Any]:
-    rounds = 30 if quick else 100
+    rounds = 15 if quick else 100
     configs = (
         [(2, 1, "gpipe"), (2, 4, "1f1b")]
         if quick
