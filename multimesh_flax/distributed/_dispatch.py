@@ -72,6 +72,12 @@ class ProcessDispatch:
         self.output_shardings: list[Any] = [None] * len(exe.output_slots)
         self.moves = {i: self._moves(op) for i, op in enumerate(exe.ops) if op.kind == _PUT}
         self.first_call = True
+        # Inputs whose sharding has none of this process's devices: never read here.
+        self.unread = frozenset(
+            i
+            for i, want in enumerate(exe.input_shardings)
+            if want is not None and self.rank not in _wire.owners(list(want.device_set))
+        )
 
     # --- ownership ---
 
@@ -97,7 +103,7 @@ class ProcessDispatch:
         env: list[Any] = [None] * len(exe._slots)
         for slot, value in exe._consts.items():
             env[slot] = value
-        self._place_inputs(env, args)
+        exe._place_inputs(env, args, self.unread)
         try:
             self._dispatch(env)
         except jax.errors.JaxRuntimeError:
@@ -119,23 +125,6 @@ class ProcessDispatch:
                 self._put(index, op, env)
             for s in op.frees:
                 env[s] = None
-
-    def _place_inputs(self, env: list[Any], args: Sequence[Any]) -> None:
-        exe = self.exe
-        moves, targets, slots = [], [], []
-        for x, want, slot in zip(args, exe.input_shardings, exe.input_slots, strict=True):
-            have = getattr(x, "sharding", None)
-            if want is None or self.rank not in _wire.owners(list(want.device_set)):
-                env[slot] = x  # never read here
-            elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
-                env[slot] = x
-            else:
-                moves.append(x)
-                targets.append(want)
-                slots.append(slot)
-        if moves:
-            for slot, moved in zip(slots, jax.device_put(moves, targets), strict=True):
-                env[slot] = moved
 
     # --- transfers ---
 

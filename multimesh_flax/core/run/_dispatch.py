@@ -339,14 +339,21 @@ class MpmdExecutable:
 
     # --- execution ---
 
-    def _place_inputs(self, env: list[Any], args: Sequence[Any]) -> None:
+    def _place_inputs(
+        self, env: list[Any], args: Sequence[Any], unread: frozenset[int] = frozenset()
+    ) -> None:
+        """Puts the arguments into their slots, moving those not in their input sharding.
+
+        ``unread``: positions of inputs this process never reads (a multi-process job,
+        ``multimesh_flax.distributed``): stored as they are.
+        """
         moves, targets, slots = [], [], []
         fits = self._fitting
         for i, (x, want, slot) in enumerate(
             zip(args, self.input_shardings, self.input_slots, strict=True)
         ):
             have = getattr(x, "sharding", None)
-            if have is fits[i] or want is None:
+            if have is fits[i] or want is None or i in unread:
                 env[slot] = x
             elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
                 # Outputs of one step arrive with the same sharding objects every step:
