@@ -14,16 +14,17 @@ writes a step into a temporary directory and renames it when complete, so a save
 midway leaves earlier checkpoints intact and is never listed. ``save_checkpoint``,
 ``restore_checkpoint``, ``restore_metadata`` and ``latest_step`` are one-call shortcuts.
 
-Multi-process jobs (``jax.distributed``). Orbax refuses to save an array that one process holds
-whole ("Cannot serialize host local jax.Array"), which is every array of a pipeline stage
-living in one process, and cannot restore an array a process holds no shard of (jax 0.10 wants
-a ``dtype`` orbax does not pass). So in a job of several processes ``save`` first brings the
-state to the host of every process (``multimesh_flax.distributed.host_values``, a collective:
-every process calls ``save``) and orbax writes it once; ``restore(target=...)`` reads whole
-arrays in every process and places them from host data onto ``target``'s shardings. The files
-are the same as a single process writes: a checkpoint written by 2 processes restores in 1 and
-the reverse. The cost is a full host copy of the state in every process, not each process
-writing its own shards; fine for the models this project trains, not for large ones.
+Multi-process jobs (``jax.distributed``). Every process calls ``save`` and ``restore`` with
+the same tree (a collective). Each process writes only the shards on its own devices and
+reads only those its own devices need: a leaf of another process's pipeline stage is neither
+copied to this host on save nor read on restore (it comes back as an empty global array of
+the target's sharding, as the multi-controller runtime returns it). Orbax 0.12.8 refuses
+both ends of this for arrays that are not SPMD over all processes; the handler that gets it
+there, and why, is in ``multimesh_flax.distributed._orbax``. The files are those a single
+process writes: a checkpoint written by 2 processes restores in 1 onto any layout, and the
+reverse. ``restore()`` without a target places arrays as saved where the saving devices
+exist here; an array saved on devices this process does not have (ids of another job's
+processes) goes to the default device.
 
 Example:
   >>> import tempfile
@@ -58,7 +59,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from multimesh_flax import errors
-from multimesh_flax.distributed import host_values
+from multimesh_flax.distributed import _orbax
 
 __all__ = [
     "Checkpointer",
@@ -181,7 +182,10 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             enable_async_checkpointing=async_save,
         )
-        handlers = {_STATE: ocp.StandardCheckpointHandler(), _METADATA: ocp.JsonCheckpointHandler()}
+        # One process: orbax's standard handler. Several: each writes and reads its own shards.
+        self._multiprocess = jax.process_count() > 1
+        state = _orbax.state_handler() if self._multiprocess else ocp.StandardCheckpointHandler()
+        handlers = {_STATE: state, _METADATA: ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_handlers=handlers
         )
@@ -212,11 +216,12 @@ class Checkpointer:
         step = self._check_new_step(step)
         _check_state(state)
         metadata = _check_metadata(metadata)
-        if jax.process_count() > 1:  # see "Multi-process jobs" in the module docstring
-            state = host_values(state)
-        args = ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(state), _METADATA: ocp.args.JsonSave(metadata)}
-        )
+        if self._multiprocess:  # see "Multi-process jobs" in the module docstring
+            _orbax.check_savable(state)
+            save = ocp.args.PyTreeSave(state)
+        else:
+            save = ocp.args.StandardSave(state)
+        args = ocp.args.Composite(**{_STATE: save, _METADATA: ocp.args.JsonSave(metadata)})
         if not self._manager.save(step, args=args):
             raise errors.CheckpointStepError(
                 f"orbax declined to save step {step} in '{self.directory}' (its save policy "
@@ -246,26 +251,26 @@ class Checkpointer:
             target = jax.tree.map(_as_abstract, target)
             saved = self._manager.item_metadata(step)[_STATE]
             _check_target(saved.tree, target, f"step {step} in '{self.directory}'")
-        if target is not None and jax.process_count() > 1:
-            return self._restore_across_processes(step, target)
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
+        if self._multiprocess:
+            return self._restore_own_shards(step, target)
+        # Arrays saved on devices missing here (another job's) go to the default device.
+        fallback = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        read = ocp.args.StandardRestore(target, fallback_sharding=fallback)
+        args = ocp.args.Composite(**{_STATE: read})
         return _own_buffers(self._manager.restore(step, args=args)[_STATE])
 
-    def _restore_across_processes(self, step: int, target: Any) -> Any:
-        """Every process reads whole arrays onto one of its devices, then places them."""
-        local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        placed = lambda x: isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None  # noqa: E731
-        read = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=local) if placed(x) else x,
-            target,
-        )
-        args = ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(read)})
+    def _restore_own_shards(self, step: int, target: Any) -> Any:
+        """Each process reads the shards of its own devices; other leaves come back empty."""
+        if target is None:
+            raise errors.CheckpointArgumentError(
+                f"Expected a `target` to restore step {step} in this {jax.process_count()}-"
+                "process job, got None (each process reads only its own devices' shards, "
+                "so it needs their shardings). Pass the state `init_params`/"
+                "`parallelize_step` returned, or `jax.ShapeDtypeStruct`s with shardings."
+            )
+        args = ocp.args.Composite(**{_STATE: _orbax.restore_args(target)})
         restored = self._manager.restore(step, args=args)[_STATE]
-        return jax.tree.map(
-            lambda r, x: jax.device_put(np.asarray(r), x.sharding) if placed(x) else r,
-            restored,
-            target,
-        )
+        return _orbax.fill_absent(_own_buffers(restored), target)
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
         """Returns the JSON metadata saved with ``step`` (default: the latest)."""

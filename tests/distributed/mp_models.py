@@ -64,8 +64,8 @@ def run_parallel(
     """``STEPS`` steps through ``mm.parallelize``; losses and final parameters as numpy.
 
     With ``checkpoints=(read, write)``: also restores ``read`` (``{"p0", "p1"}``) onto the
-    parameters' shardings (``ckpt/*`` in the result) and saves the final parameters to
-    ``write``.
+    parameters' shardings (``ckpt/*`` in the result; ``ckpt/shards_read``: how many shards of
+    each this process holds after restoring) and saves the final parameters to ``write``.
     """
     from multimesh_flax.checkpoint import Checkpointer
     from multimesh_flax.distributed import host_values
@@ -79,8 +79,10 @@ def run_parallel(
         target = {"p0": params[0], "p1": params[1]}
         restored = Checkpointer(checkpoints[0], read_only=True).restore(target=target)
         same = [restored[k].sharding == target[k].sharding for k in ("p0", "p1")]
+        read_here = [len(restored[k].addressable_shards) for k in ("p0", "p1")]
         out.update({f"ckpt/{k}": v for k, v in host_values(restored).items()})
         out["ckpt/same_shardings"] = np.array(same)
+        out["ckpt/shards_read"] = np.array(read_here)
     losses = []
     for _ in range(STEPS):
         loss, params = sharded_step(params, x)

@@ -20,6 +20,7 @@ import jax
 import mp_models
 import numpy as np
 import pytest
+import tensorstore as ts
 
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.distributed import launch
@@ -88,6 +89,30 @@ def test_checkpoint_of_one_process_restores_in_two(mlp_job):
         assert seen[rank]["4/ckpt/same_shardings"].all()
         for name in ("p0", "p1"):
             np.testing.assert_array_equal(seen[rank][f"4/ckpt/{name}"], written[name])
+
+
+def test_each_process_reads_only_the_shards_of_its_own_devices(mlp_job):
+    seen, _, _ = mlp_job
+    # p0 lives on devices 0-3 (process 0), p1 on devices 4-7 (process 1): 4 shards each.
+    np.testing.assert_array_equal(seen[0]["4/ckpt/shards_read"], [4, 0])
+    np.testing.assert_array_equal(seen[1]["4/ckpt/shards_read"], [0, 4])
+
+
+def _keys(database: Path) -> set[str]:
+    kvstore = {"driver": "ocdbt", "base": f"file://{database}/"}
+    return {k.decode() for k in ts.KvStore.open(kvstore).result().list().result()}
+
+
+def test_each_process_writes_only_the_shards_of_its_own_devices(mlp_job):
+    _, _, out = mlp_job
+    state = out / "ckpt2" / "3" / "state"
+    written = [_keys(state / f"ocdbt.process_{rank}") for rank in range(2)]
+    chunks = [{k for k in keys if not k.endswith(".zarray")} for keys in written]
+    # One chunk per shard (the parameters' shardings): p0 split over rows, p1 over columns.
+    assert chunks[0] == {f"p0/{i}.0" for i in range(4)}
+    assert chunks[1] == {f"p1/0.{i}" for i in range(4)}
+    assert written[0] - chunks[0] == {"p0/.zarray", "p1/.zarray"}  # process 0: metadata
+    assert _keys(state) == written[0] | written[1]  # orbax merged them at commit
 
 
 def test_checkpoint_of_two_processes_restores_in_one(mlp_job):
