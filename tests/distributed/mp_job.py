@@ -3,7 +3,9 @@
 ``python mp_job.py OUT_DIR MODE [CKPT]``. MODE ``mlp``: the two-submesh MLP with a second
 stage of 4 devices, of 2 devices, and of 4 devices spanning both processes (``-4``); every
 process writes what it saw to ``OUT_DIR/rank{r}.npz``; with the 4-device stage it also
-restores CKPT (written by one process) and saves its final parameters to ``OUT_DIR/ckpt2``.
+restores CKPT (written by one process) and saves its final parameters to ``OUT_DIR/ckpt2``;
+with the stage spanning both processes it restores ``ckpt2`` onto that layout and saves its
+final parameters to ``OUT_DIR/ckpt3``.
 MODE ``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself
 before step 3, while process 0 may still be in step 2 (its last transfers) or enters step 3.
 """
@@ -27,7 +29,8 @@ if __name__ == "__main__":
     if mode == "mlp":
         results = {}
         for second in (4, 2, -4):
-            ckpts = (sys.argv[3], os.path.join(out_dir, "ckpt2")) if second == 4 else None
+            written = os.path.join(out_dir, "ckpt2"), os.path.join(out_dir, "ckpt3")
+            ckpts = {4: (sys.argv[3], written[0]), -4: written}.get(second)
             for name, value in mp_models.run_parallel(second, checkpoints=ckpts).items():
                 results[f"{second}/{name}"] = value
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)

@@ -58,6 +58,14 @@ def batch() -> np.ndarray:
     return np.asarray(jax.random.normal(jax.random.key(1), (8, 16)))
 
 
+def chunks_read() -> int:
+    """How many array chunks tensorstore (under orbax) has read in this process so far."""
+    import tensorstore as ts
+
+    metrics = ts.experimental_collect_matching_metrics("/tensorstore/cache/chunk_cache/reads")
+    return sum(v["value"] for m in metrics for v in m["values"])  # none before the first read
+
+
 def run_parallel(
     second: int, hidden: int = 16, checkpoints: tuple[str, str] | None = None
 ) -> dict[str, np.ndarray]:
@@ -65,7 +73,8 @@ def run_parallel(
 
     With ``checkpoints=(read, write)``: also restores ``read`` (``{"p0", "p1"}``) onto the
     parameters' shardings (``ckpt/*`` in the result; ``ckpt/shards_read``: how many shards of
-    each this process holds after restoring) and saves the final parameters to ``write``.
+    each this process holds after restoring, ``ckpt/chunks_read``: how many stored chunks it
+    read) and saves the final parameters to ``write``.
     """
     from multimesh_flax.checkpoint import Checkpointer
     from multimesh_flax.distributed import host_values
@@ -77,7 +86,9 @@ def run_parallel(
     out = {}
     if checkpoints is not None:
         target = {"p0": params[0], "p1": params[1]}
+        chunks_before = chunks_read()
         restored = Checkpointer(checkpoints[0], read_only=True).restore(target=target)
+        out["ckpt/chunks_read"] = np.array(chunks_read() - chunks_before)
         same = [restored[k].sharding == target[k].sharding for k in ("p0", "p1")]
         read_here = [len(restored[k].addressable_shards) for k in ("p0", "p1")]
         out.update({f"ckpt/{k}": v for k, v in host_values(restored).items()})

@@ -91,11 +91,26 @@ def test_checkpoint_of_one_process_restores_in_two(mlp_job):
             np.testing.assert_array_equal(seen[rank][f"4/ckpt/{name}"], written[name])
 
 
+def test_checkpoint_of_two_processes_restores_in_two_onto_another_layout(mlp_job):
+    seen, _, _ = mlp_job  # ckpt2 (second stage on devices 4-7) read onto devices 2-5
+    for rank in range(2):
+        assert seen[rank]["-4/ckpt/same_shardings"].all()
+        for name in ("p0", "p1"):
+            np.testing.assert_array_equal(seen[rank][f"-4/ckpt/{name}"], seen[0][f"4/{name}"])
+
+
 def test_each_process_reads_only_the_shards_of_its_own_devices(mlp_job):
     seen, _, _ = mlp_job
-    # p0 lives on devices 0-3 (process 0), p1 on devices 4-7 (process 1): 4 shards each.
+    # p0 lives on devices 0-3 (process 0); p1 on devices 4-7 (process 1), then on 2-5 (both).
     np.testing.assert_array_equal(seen[0]["4/ckpt/shards_read"], [4, 0])
     np.testing.assert_array_equal(seen[1]["4/ckpt/shards_read"], [0, 4])
+    np.testing.assert_array_equal(seen[0]["-4/ckpt/shards_read"], [4, 2])
+    np.testing.assert_array_equal(seen[1]["-4/ckpt/shards_read"], [0, 2])
+    # Chunk reads (one per stored chunk a local shard overlaps): ckpt1 holds each array as
+    # one chunk, ckpt2 as 4 (its writers' shards). Reading every array whole in every process
+    # would read each chunk once: 2 for ckpt1, 8 for ckpt2, in both processes.
+    assert [int(seen[r]["4/ckpt/chunks_read"]) for r in range(2)] == [4, 4]
+    assert [int(seen[r]["-4/ckpt/chunks_read"]) for r in range(2)] == [4 + 2, 2]
 
 
 def _keys(database: Path) -> set[str]:
@@ -113,6 +128,24 @@ def test_each_process_writes_only_the_shards_of_its_own_devices(mlp_job):
     assert chunks[1] == {f"p1/0.{i}" for i in range(4)}
     assert written[0] - chunks[0] == {"p0/.zarray", "p1/.zarray"}  # process 0: metadata
     assert _keys(state) == written[0] | written[1]  # orbax merged them at commit
+
+
+def test_a_stage_spanning_both_processes_is_written_by_both(mlp_job):
+    seen, _, out = mlp_job
+    state = out / "ckpt3" / "3" / "state"
+    chunks = [
+        {k for k in _keys(state / f"ocdbt.process_{rank}") if k.startswith("p1/")} - {"p1/.zarray"}
+        for rank in range(2)
+    ]
+    assert len(chunks[0]) == len(chunks[1]) == 2 and not chunks[0] & chunks[1]
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {
+        k: jax.ShapeDtypeStruct(seen[0][f"-4/{k}"].shape, np.float32, sharding=one_device)
+        for k in ("p0", "p1")
+    }
+    restored = Checkpointer(out / "ckpt3", read_only=True).restore(target=target)
+    for name in ("p0", "p1"):
+        np.testing.assert_array_equal(np.asarray(restored[name]), seen[0][f"-4/{name}"])
 
 
 def test_checkpoint_of_two_processes_restores_in_one(mlp_job):
