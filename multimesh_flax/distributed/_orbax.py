@@ -29,13 +29,24 @@ database (``ocdbt.process_<i>``), process 0 writes the metadata and the sharding
 orbax merges the databases at commit. Restoring passes orbax's ``PLACEHOLDER`` for every leaf
 whose target sharding has no device here (orbax skips it) and fills it afterwards with an
 empty global array of the target's shape and sharding; every other leaf is read by orbax
-shard by shard for this process's devices only. The files are those a single process writes.
+shard by shard for this process's devices only.
 
-Measured on this host (2 processes x 4 CPU devices, the two-submesh MLP): process 1's OCDBT
-database holds exactly the chunks of the stage on its devices, process 0's those of its own
-stage plus the metadata of both; a 1-process restore onto one device reproduces the values
-bit for bit. Not supported: PRNG key leaves held by one process (orbax converts keys with
-``jax.random.key_data`` on the view); ``save`` refuses them with a typed error.
+The files are those orbax's standard handler writes in one process (same OCDBT keys,
+``_METADATA`` and ``_sharding``), with one difference that readers do not see: on CPU that
+handler splits the writing of a replicated array among its replicas (one chunk per replica),
+while this one writes it from replica 0 as one chunk per shard. Replica-parallel writing is
+off here because every process must size an array's chunks alike, including the primary
+process when it holds no shard of the array.
+
+Checked with 2 processes x 4 CPU devices (the two-submesh MLP, ``tests/distributed``):
+process 1's OCDBT database holds exactly the chunks of the stage on its devices, process 0's
+those of its own stage plus the metadata of both, and a stage on devices of both processes is
+written half by each; on restore each process reads only the chunks its own devices overlap
+(tensorstore's chunk-read counter: 6 and 2 for a checkpoint whose 8 chunks every process
+would read whole under the earlier host-copy scheme); 2-process checkpoints restore in one
+process, and the reverse, bit for bit. Not supported: PRNG key leaves held by one process
+(orbax converts keys with ``jax.random.key_data`` on the view); ``save`` refuses them with a
+typed error.
 """
 
 from __future__ import annotations
