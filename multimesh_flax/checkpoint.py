@@ -22,9 +22,10 @@ the target's sharding, as the multi-controller runtime returns it). Orbax 0.12.8
 both ends of this for arrays that are not SPMD over all processes; the handler that gets it
 there, and why, is in ``multimesh_flax.distributed._orbax``. The files are those a single
 process writes: a checkpoint written by 2 processes restores in 1 onto any layout, and the
-reverse. ``restore()`` without a target places arrays as saved where the saving devices
-exist here; an array saved on devices this process does not have (ids of another job's
-processes) goes to the default device.
+reverse. In such a job ``restore`` needs a ``target`` (the shardings say which shards each
+process reads). In one process, ``restore()`` without a target places arrays as saved where
+the saving devices exist here; an array saved on devices this process does not have (the
+ids of another job's processes) goes to the default device.
 
 Example:
   >>> import tempfile
@@ -194,7 +195,8 @@ class Checkpointer:
         """Saves ``state`` and JSON ``metadata`` as checkpoint ``step``.
 
         Every array is written through its own sharding, so leaves may live on different
-        submeshes. With ``async_save`` this returns once the arrays are copied to host.
+        submeshes. With ``async_save`` this returns once the arrays are copied to host. In a
+        multi-process job every process calls it and writes the shards of its own devices.
 
         Args:
           step: a non-negative integer greater than every saved step.
@@ -206,7 +208,8 @@ class Checkpointer:
           CheckpointMetadataError: ``metadata`` is not a JSON-serializable dict.
           CheckpointReadOnlyError: this checkpointer was opened with ``read_only=True``.
           CheckpointArgumentError: ``state`` is ``None``, holds no leaves, or has a leaf that
-            is not an array or a Python number.
+            is not an array or a Python number; in a multi-process job, also a PRNG key
+            array held by one process.
         """
         if self.read_only:
             raise errors.CheckpointReadOnlyError(
@@ -240,11 +243,14 @@ class Checkpointer:
             ``sharding`` is used, their values are not), ``jax.ShapeDtypeStruct`` with a
             ``sharding`` (without one, orbax places it on the default device), numpy arrays
             or Python scalars. The result has ``target``'s tree type. ``None`` returns the
-            raw tree (dicts and lists) placed as saved, which needs the saving devices.
+            raw tree (dicts and lists) placed as saved, or on the default device where the
+            saving devices are missing. In a multi-process job, a leaf placed on no device
+            of this process is not read: it comes back as an empty global array.
 
         Raises:
           CheckpointNotFoundError: no checkpoint, or none for ``step``.
           CheckpointMismatchError: ``target``'s paths, shapes or dtypes differ from the saved.
+          CheckpointArgumentError: ``target`` is ``None`` in a multi-process job.
         """
         step = self._resolve_step(step)
         if target is not None:

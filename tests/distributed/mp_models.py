@@ -74,8 +74,10 @@ def run_parallel(
     With ``checkpoints=(read, write)``: also restores ``read`` (``{"p0", "p1"}``) onto the
     parameters' shardings (``ckpt/*`` in the result; ``ckpt/shards_read``: how many shards of
     each this process holds after restoring, ``ckpt/chunks_read``: how many stored chunks it
-    read) and saves the final parameters to ``write``.
+    read, ``ckpt/untargeted_refused``: whether ``restore()`` without a target raised) and
+    saves the final parameters to ``write``.
     """
+    from multimesh_flax import errors
     from multimesh_flax.checkpoint import Checkpointer
     from multimesh_flax.distributed import host_values
 
@@ -94,6 +96,11 @@ def run_parallel(
         out.update({f"ckpt/{k}": v for k, v in host_values(restored).items()})
         out["ckpt/same_shardings"] = np.array(same)
         out["ckpt/shards_read"] = np.array(read_here)
+        try:  # no target: refused in a multi-process job, before any collective
+            Checkpointer(checkpoints[0], read_only=True).restore()
+            out["ckpt/untargeted_refused"] = np.array(False)
+        except errors.CheckpointArgumentError:
+            out["ckpt/untargeted_refused"] = np.array(True)
     losses = []
     for _ in range(STEPS):
         loss, params = sharded_step(params, x)

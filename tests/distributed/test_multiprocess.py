@@ -87,6 +87,7 @@ def test_checkpoint_of_one_process_restores_in_two(mlp_job):
     seen, written, _ = mlp_job
     for rank in range(2):
         assert seen[rank]["4/ckpt/same_shardings"].all()
+        assert seen[rank]["4/ckpt/untargeted_refused"]
         for name in ("p0", "p1"):
             np.testing.assert_array_equal(seen[rank][f"4/ckpt/{name}"], written[name])
 
