@@ -101,16 +101,34 @@ def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
     return jaxpr, []
 
 
-class _Inliner:
-    """Rebuilds a jaxpr with call primitives inlined and full name stacks kept."""
+@dataclasses.dataclass
+class _Template:
+    """A call's body inlined once, over placeholder variables, for replay at every call.
 
-    def __init__(self) -> None:
+    The ``m`` microbatches of a body traced once call the same jaxpr ``m`` times (forward
+    and backward); each call is a replay: fresh variables, the call's name stack prefixed.
+    """
+
+    invars: list[Any]  # placeholders for the body's inputs
+    consts: list[tuple[Any, Any]]  # (placeholder, value): each call gets fresh const vars
+    eqns: list[Any]  # over placeholders
+    suffixes: list[str]  # name stack of each equation below the call's own
+    outvars: list[Any]
+
+
+class _Inliner:
+    """Rebuilds a jaxpr with call primitives inlined and full name stacks kept.
+
+    Each distinct call body is inlined once into a :class:`_Template` and replayed per call,
+    so the cost per call is a rename of its equations, not a walk of nested bodies.
+    """
+
+    def __init__(self, templates: dict[int, tuple[Any, _Template]] | None = None) -> None:
         self.eqns: list[Any] = []
         self.stacks: list[str] = []
         self.consts: dict[Any, Any] = {}
-        # Parameters already checked for nested tasks, by id (the value pins the id): the
-        # microbatches of a body traced once share their equations' parameters.
-        self.checked: dict[int, Any] = {}
+        # Templates by id of the call parameter holding the body (the value pins the id).
+        self.templates: dict[int, tuple[Any, _Template]] = {} if templates is None else templates
 
     def run(
         self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: str
@@ -126,19 +144,43 @@ class _Inliner:
             invars = [read(a) for a in eqn.invars]
             key = _INLINE_PARAM.get(eqn.primitive.name)
             if key is not None and key in eqn.params:
-                inner, inner_consts = _open(eqn.params[key])
-                const_vars = [self._const(c) for c in inner_consts]
-                outs = self.run(inner, const_vars, invars, stack)
+                outs = self._replay(self._template(eqn.params[key]), invars, stack)
                 env.update(zip(eqn.outvars, outs, strict=True))
                 continue
-            if id(eqn.params) not in self.checked:
-                _check_no_inner_tasks(eqn)
-                self.checked[id(eqn.params)] = eqn.params
+            _check_no_inner_tasks(eqn)
             outvars = [jex.Var(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outvars, strict=True))
             self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
             self.stacks.append(stack)
         return [read(a) for a in jaxpr.outvars]
+
+    def _template(self, body: Any) -> _Template:
+        """The template of a call body (a ``Jaxpr`` or ``ClosedJaxpr``), built on first use."""
+        hit = self.templates.get(id(body))
+        if hit is not None:
+            return hit[1]
+        inner, values = _open(body)
+        sub = _Inliner(self.templates)
+        const_vars = [jex.Var(jax.typeof(c)) for c in values]
+        in_vars = [jex.Var(v.aval) for v in inner.invars]
+        outs = sub.run(inner, const_vars, in_vars, "")
+        consts = [*zip(const_vars, values, strict=True), *sub.consts.items()]
+        template = _Template(in_vars, consts, sub.eqns, sub.stacks, outs)
+        self.templates[id(body)] = (body, template)
+        return template
+
+    def _replay(self, template: _Template, args: Sequence[Any], prefix: str) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(template.invars, args, strict=True))
+        for var, value in template.consts:
+            env[var] = self._const(value)
+        append_eqn, append_stack = self.eqns.append, self.stacks.append
+        for eqn, suffix in zip(template.eqns, template.suffixes, strict=True):
+            invars = [a if isinstance(a, jex.Literal) else env[a] for a in eqn.invars]
+            outvars = [jex.Var(v.aval) for v in eqn.outvars]
+            env.update(zip(eqn.outvars, outvars, strict=True))
+            append_eqn(eqn.replace(invars=invars, outvars=outvars))
+            append_stack(_join(prefix, suffix))
+        return [a if isinstance(a, jex.Literal) else env[a] for a in template.outvars]
 
     def _const(self, value: Any) -> Any:
         var = jex.Var(jax.typeof(value))
@@ -162,6 +204,17 @@ def _check_no_inner_tasks(eqn: Any) -> None:
                 "conditional runs as one unit on one submesh, so it cannot contain a task "
                 "boundary. Unroll the loop in Python, or make the whole loop one task."
             )
+
+
+def _marker_labels(stacks: Sequence[str], tasks: dict[int, Any]) -> list[Any]:
+    """``marker_label`` of every name stack, computed once per distinct stack."""
+    memo: dict[str, Any] = {}
+    labels = []
+    for stack in stacks:
+        if stack not in memo:
+            memo[stack] = _colour.marker_label(stack, tasks)
+        labels.append(memo[stack])
+    return labels
 
 
 def trace_program(
@@ -189,7 +242,7 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-    labels = [_colour.marker_label(s, session.tasks) for s in inliner.stacks]
+    labels = _marker_labels(inliner.stacks, session.tasks)
     # Registered tasks (named scopes, backward callbacks) where they are innermost.
     labels = _colour.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
     eqns = _colour.concretise_constraints(inliner.eqns, labels, session)
