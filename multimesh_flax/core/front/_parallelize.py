@@ -31,8 +31,9 @@ def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: An
     """Where each leaf of ``args`` should arrive for ``fun``: traced and placed, not compiled
     and not kept (``tabulate``); a compiled function reads them from its own program with
     ``MpmdJit.input_shardings``."""
-    traced = _trace.trace_program(fun, args, devices)
-    part = _partition.partition(traced, devices)
+    with _jit.collector_paused():
+        traced = _trace.trace_program(fun, args, devices)
+        part = _partition.partition(traced, devices)
     shardings = [_inputs.input_sharding(part, v) for v in traced.jaxpr.invars]
     fallback = jax.sharding.NamedSharding(
         part.place_meshes[part.default_place], jax.sharding.PartitionSpec()
