@@ -118,12 +118,12 @@ def _place_equations(
     traced: _trace.TracedProgram, default: Place, users: dict[Any, list[int]]
 ) -> list[Place]:
     eqns = traced.jaxpr.eqns
+    of_task = {uid: place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
     places: list[Place | None] = [
-        None if label is None else place_of(traced.tasks[label.task].mesh)
-        for label in traced.labels
+        None if label is None else of_task[label.task] for label in traced.labels
     ]
     producer = traced.producer
-    task_places = {place_of(resolved.mesh) for resolved in traced.tasks.values()}
+    task_places = set(of_task.values())
     for i, eqn in enumerate(eqns):  # glue: where most produced input bytes live
         if places[i] is not None:
             continue
@@ -263,10 +263,15 @@ class _Cutter:
         if self.free >> f & 1:
             updates = [*updates, _Key(_Group.FREE, place)]
         for key in updates:
-            under = self.latest.setdefault(key, [])
-            at = bisect.bisect_left(under, f)
-            if at == len(under) or under[at] != f:
-                under.insert(at, f)
+            under = self.latest.get(key)
+            if under is None:
+                self.latest[key] = [f]
+            elif under[-1] < f:  # the common case: the newest fragment under the key
+                under.append(f)
+            elif under[-1] != f:
+                at = bisect.bisect_left(under, f)
+                if under[at] != f:
+                    under.insert(at, f)
         frag = self.fragments[f]
         frag.eqns.append(eqn)
         for v in eqn.outvars:
@@ -280,11 +285,15 @@ def _fragment(
     cutter = _Cutter(strict=plan is not None and plan.scheduled, pool_free=plan is not None)
     eqns = traced.jaxpr.eqns
     order = range(len(eqns)) if plan is None else _pipeline.equation_order(traced, plan)
+    keys: dict[Any, tuple[list[_Lookup], list[_Key]]] = {}  # the few distinct _keys results
     for i in order:
         eqn, label, place = eqns[i], traced.labels[i], places[i]
         if plan is not None and plan.equations[i].mixed:
             label = None  # mixes microbatches: glue
-        lookups, updates = _keys(i, place, label, plan)
+        facts = (place, label, None if plan is None else plan.equations[i])
+        if facts not in keys:
+            keys[facts] = _keys(i, place, label, plan)
+        lookups, updates = keys[facts]
         frag = cutter.add(eqn, label, place, lookups, updates)
         if plan is None:
             continue
