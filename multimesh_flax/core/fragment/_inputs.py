@@ -61,7 +61,7 @@ def input_sharding(part: _partition.Partition, var: Any) -> Any:
     place = part.input_place.get(var)
     if place is None:
         return None
-    first = next(f for f in part.fragments if var in f.invars and f.place == place)
+    first = part.first_reader(var, place)
     constraint = _first_constraint(first, var)
     if constraint is not None and _same_place(constraint, place):
         return canonical_sharding(constraint)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -71,6 +72,18 @@ class Partition:
     place_meshes: dict[Place, jax.sharding.Mesh]  # a mesh per place for default shardings
     default_place: Place
     plan: _pipeline.PipelinePlan | None = None  # microbatches, stages, schedules
+
+    @functools.cached_property
+    def _first_readers(self) -> dict[tuple[Any, Place], Fragment]:
+        first: dict[tuple[Any, Place], Fragment] = {}
+        for frag in self.fragments:
+            for v in frag.invars:
+                first.setdefault((v, frag.place), frag)
+        return first
+
+    def first_reader(self, var: Any, place: Place) -> Fragment:
+        """The first fragment on ``place`` that takes ``var`` as an input (index built once)."""
+        return self._first_readers[(var, place)]
 
 
 def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[int]]:

@@ -216,7 +216,7 @@ class MpmdExecutable:
             place = part.input_place.get(var)
             if want is None or place is None:
                 continue
-            first = next(f for f in part.fragments if var in f.invars and f.place == place)
+            first = part.first_reader(var, place)
             eqn = next(e for e in first.eqns if var in e.invars)
             if eqn.primitive.name != "sharding_constraint" or eqn.outvars[0] in outputs:
                 continue

@@ -75,19 +75,26 @@ def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Hash
         (True, False)
     """
     number: dict[Any, int] = {}
+    aval_keys: dict[int, Hashable] = {}  # by id: the jaxpr's variables pin their avals
 
     def ref(v: Any) -> Hashable:
         return _literal_key(v) if isinstance(v, jex.Literal) else number[v]
 
+    def aval_key(aval: Any) -> Hashable:
+        key = aval_keys.get(id(aval))
+        if key is None:
+            key = aval_keys[id(aval)] = _aval_key(aval)
+        return key
+
     for v in [*jaxpr.constvars, *jaxpr.invars]:
         number[v] = len(number)
-    parts: list[Hashable] = [tuple(_aval_key(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))]
+    parts: list[Hashable] = [tuple(aval_key(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))]
     for eqn in jaxpr.eqns:
-        ins = tuple(ref(v) for v in eqn.invars)
+        ins = tuple([ref(v) for v in eqn.invars])
         for v in eqn.outvars:
             number[v] = len(number)
         params = _params_key(eqn.params, memo)
-        outs = tuple(_aval_key(v.aval) for v in eqn.outvars)
+        outs = tuple([aval_key(v.aval) for v in eqn.outvars])
         parts.append((eqn.primitive, ins, outs, params))
     parts.append(tuple(ref(v) for v in jaxpr.outvars))
     return tuple(parts)
