@@ -7,6 +7,7 @@ JAX's compile events, and checks values against the unparallelized computation.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -22,6 +24,7 @@ from flax import linen as nn
 
 import multimesh_flax as mm
 from multimesh_flax.core.run import _structure
+from multimesh_flax.core.trace import _trace
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 ROOT = Path(__file__).resolve().parents[2]
@@ -154,6 +157,57 @@ def test_input_shardings_match_where_the_program_puts_its_inputs():
     assert sorted(d.id for d in x_sh.device_set) == [0, 1]
     seconds = jitted.build_seconds(ws, x)
     assert set(seconds) == {"trace", "partition"} and all(v >= 0 for v in seconds.values())
+
+
+def test_inlined_calls_of_one_body_are_renamed_copies_with_their_own_name_stacks():
+    table = jnp.arange(6.0).reshape(2, 3)  # closed over: a constant of the body
+
+    @jax.jit
+    def body(h):
+        inner = jax.jit(lambda z: jnp.tanh(z) * 2.0)  # a nested call inside the body
+        return inner(h @ table.T) + table.sum()
+
+    def fun(x):
+        with jax.named_scope("first"):
+            a = body(x)
+        h = a[:, :1] * jnp.ones((1, 3))
+        with jax.named_scope("second"):
+            b = body(h)
+        return a, b
+
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
+    traced = _trace.trace_program(fun, (x,))
+    eqns, stacks = traced.jaxpr.eqns, traced.stacks
+    firsts = [i for i, s in enumerate(stacks) if s.startswith("first")]
+    seconds = [i for i, s in enumerate(stacks) if s.startswith("second")]
+    assert len(firsts) == len(seconds) > 3  # one copy of the body (and its call) each
+    assert [eqns[i].primitive for i in firsts] == [eqns[i].primitive for i in seconds]
+    assert [stacks[i][len("first") :] for i in firsts] == [
+        stacks[i][len("second") :] for i in seconds
+    ]
+    produced = [v for e in eqns for v in e.outvars]
+    assert len(produced) == len(set(produced))  # every copy writes fresh variables
+    run = jex.jaxpr_as_fun(jex.ClosedJaxpr(traced.jaxpr, traced.consts))
+    _close(run(x), jax.tree.leaves(jax.jit(fun)(x)))
+
+
+def test_a_build_pauses_the_garbage_collector_and_restores_it():
+    seen = []
+
+    def layer(w, h):
+        seen.append(gc.isenabled())  # runs while the program is traced
+        return h @ w
+
+    f = mm.jit(mm.task(layer, name="layer", mesh=mm.TaskMesh(devices=[1])))
+    assert gc.isenabled()
+    f(jnp.ones((2, 2)), jnp.ones((3, 2)))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()  # a caller's own pause is left as it is
+    try:
+        f(jnp.ones((2, 2)), jnp.ones((5, 2)))
+        assert seen == [False, False] and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_structural_key_ignores_names_but_not_values_or_shapes():
