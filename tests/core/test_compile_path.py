@@ -23,7 +23,7 @@ import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
-from multimesh_flax.core.run import _structure
+from multimesh_flax.core.run import _dispatch, _structure
 from multimesh_flax.core.trace import _trace
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -191,17 +191,25 @@ def test_inlined_calls_of_one_body_are_renamed_copies_with_their_own_name_stacks
     _close(run(x), jax.tree.leaves(jax.jit(fun)(x)))
 
 
-def test_a_build_pauses_the_garbage_collector_and_restores_it():
-    seen = []
+def test_a_build_and_first_call_pause_the_garbage_collector_and_restore_it(monkeypatch):
+    seen, calls = [], []
 
     def layer(w, h):
         seen.append(gc.isenabled())  # runs while the program is traced
         return h @ w
 
+    run = _dispatch.MpmdExecutable.__call__
+
+    def recording(self, args):
+        calls.append(gc.isenabled())
+        return run(self, args)
+
+    monkeypatch.setattr(_dispatch.MpmdExecutable, "__call__", recording)
     f = mm.jit(mm.task(layer, name="layer", mesh=mm.TaskMesh(devices=[1])))
     assert gc.isenabled()
     f(jnp.ones((2, 2)), jnp.ones((3, 2)))
-    assert seen == [False] and gc.isenabled()
+    f(jnp.ones((2, 2)), jnp.ones((3, 2)))
+    assert seen == [False] and calls == [False, True] and gc.isenabled()
     gc.disable()  # a caller's own pause is left as it is
     try:
         f(jnp.ones((2, 2)), jnp.ones((5, 2)))
