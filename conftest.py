@@ -7,18 +7,40 @@ Every test (and every doctest) sees ``jax.devices()`` as 8 CPU devices, so meshe
 by ``jax.jit``) raises ``StrictModeError``; tests of those warnings open ``strict=False``.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-# The CLI and notebooks keep compiled programs in a persistent cache (~/.cache by default);
-# tests do not write there: the cache's own test passes a temporary directory.
-os.environ.setdefault("MMFLAX_COMPILATION_CACHE", "off")
+
+# XLA compilation is most of the suite's time (about two thirds of the in-process test time,
+# measured with jax.monitoring's compile events), and the suite compiles the same small
+# programs in many tests. Two settings, for every process the suite starts (the variables are
+# inherited: xdist workers, notebooks, the CLI, jax.distributed jobs):
+# * LLVM at optimisation level 0 compiles CPU programs in about half the time; tests run tiny
+#   models, so the slower code costs little. Parallel and reference programs are compiled
+#   alike. The benchmarks' smoke run and real runs (`dev.py run`) use XLA's defaults.
+# * One persistent compilation cache per suite run (a temporary directory, removed at the
+#   end; never ~/.cache), so a program another test already compiled is loaded instead.
+#   A caller's own MMFLAX_COMPILATION_CACHE (a directory, or "off") is kept.
+TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+if "MMFLAX_COMPILATION_CACHE" not in os.environ:  # the first process of the run makes it
+    _suite_cache = tempfile.mkdtemp(prefix="mmflax-suite-xla-")
+    atexit.register(shutil.rmtree, _suite_cache, ignore_errors=True)
+    os.environ["MMFLAX_COMPILATION_CACHE"] = _suite_cache
 
 import jax  # noqa: E402
 
 jax.config.update("jax_platforms", "cpu")
 jax.config.update("jax_num_cpu_devices", 8)
+
+import multimesh_flax as mm  # noqa: E402
+
+mm.enable_compilation_cache()  # before the first compilation; see above
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -33,7 +55,6 @@ def _doctest_namespace(doctest_namespace):
 
 @pytest.fixture(autouse=True)
 def _strict_placement():
-    import multimesh_flax as mm
     from multimesh_flax.core.declare import _registry
 
     with mm.context(strict=True):

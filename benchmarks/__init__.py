@@ -21,7 +21,9 @@ Sections (one module each, each writing ``<out>/<section>.json``):
 
 ``main(["--quick", "--out", DIR])`` runs it (``python -m benchmarks`` on the command line) and
 writes ``<out>/report.md``, a markdown table of every metric with its target and whether it
-was met. ``--quick`` measures the tiny model only, with fewer configurations and steps.
+was met. ``--quick`` measures the tiny model only, with fewer configurations and steps;
+``--smoke`` (the test suite's run) runs every section's code once, with one small pipeline
+configuration and a few rounds: its numbers are not measurements.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+SMOKE_VAR = "MMFLAX_BENCH_SMOKE"  # set by --smoke; read by _common (and by child processes)
 SECTIONS = {
     "B0": "b0_calibration",
     "B1": "b1_step_time",
@@ -63,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, fewer configs/steps")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every section once at its smallest (implies --quick; numbers are not measurements)",
+    )
     parser.add_argument("--out", default=str(RESULTS), help="directory for JSON and report.md")
     parser.add_argument(
         "--sections",
@@ -94,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown section(s) {unknown}; choose from {[*SECTIONS, 'GPU']}", file=sys.stderr)
         return 2
+    if args.smoke:  # before _common is imported: it reads the variable (so do child processes)
+        os.environ[SMOKE_VAR] = "1"
+        args.quick = True
     configure_devices()
     from benchmarks import _common, report
 
@@ -110,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             data = importlib.import_module(f"benchmarks.{SECTIONS[name]}").run(args.quick)
             data["host"] = _common.host()
             data["quick"] = args.quick
+            data["smoke"] = args.smoke
         data["seconds"] = time.perf_counter() - section_start
         results[name] = data
         (out / f"{SECTIONS.get(name, 'gpu')}.json").write_text(
@@ -118,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in data.get("rows", []):
             print("   ", report.format_row(r), flush=True)
     total = time.perf_counter() - started
-    command = "python -m benchmarks" + (" --quick" if args.quick else "")
+    command = "python -m benchmarks" + report.flag(args.smoke, args.quick)
     (out / "report.md").write_text(report.render(results, total, command))
     print(f"[{total:7.1f}s] wrote {out}/report.md", flush=True)
     return 0

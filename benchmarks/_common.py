@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import gc
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -37,10 +38,18 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
+from benchmarks import SMOKE_VAR
 from models import GPT, Llama, cross_entropy_loss, get_config
 from models.pipeline import LOGICAL_RULES, make_multimesh
 
 DEVICES = 8
+
+# ``python -m benchmarks --smoke`` (the test suite's run): every section's code once, with one
+# small pipeline configuration and few rounds; its numbers are not measurements. An
+# environment variable, so that the sections' child processes (B3's cold starts, B8's
+# processes) see it too.
+SMOKE = os.environ.get(SMOKE_VAR) == "1"
+SMOKE_CONFIG = (2, 2, "1f1b")  # (stages, microbatches, schedule) every smoke section uses
 
 
 # --- workloads ------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ def kept_or_built(
 
 def grid(workload: _common.Workload, quick: bool) -> list[tuple[int, int, str]]:
     """``(stages, microbatches, schedule)`` configurations measured for ``workload``."""
+    if _common.SMOKE:
+        return [_common.SMOKE_CONFIG]
     if quick:  # the test suite's run: 2 stages with 1 and with 4 microbatches
         return [(2, 1, "gpipe"), (2, 4, "1f1b")]
     if workload.preset == "gpt-small":  # a minute of compilation each on this host
@@ -60,6 +62,8 @@ def grid(workload: _common.Workload, quick: bool) -> list[tuple[int, int, str]]:
 def rounds_for(workload: _common.Workload, quick: bool) -> int:
     if workload.preset == "gpt-small":
         return 3
+    if _common.SMOKE:
+        return 2
     return 5 if quick else 15
 
 

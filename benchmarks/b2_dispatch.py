@@ -143,9 +143,11 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
 
 
 def run(quick: bool) -> dict[str, Any]:
-    rounds = 15 if quick else 100
+    rounds = 3 if _common.SMOKE else 15 if quick else 100
     configs = (
-        [(2, 1, "gpipe"), (2, 4, "1f1b")]
+        [_common.SMOKE_CONFIG]
+        if _common.SMOKE
+        else [(2, 1, "gpipe"), (2, 4, "1f1b")]
         if quick
         else [
             (2, 1, "gpipe"),

@@ -242,7 +242,7 @@ def sweep_child(layers: int, m: int, scan_first: bool) -> dict[str, Any]:
 
 def sweep(quick: bool) -> list[dict[str, Any]]:
     """The sweep points, each in a fresh process (``--quick``: m in 1, 4 at 4 blocks)."""
-    points = [(4, m) for m in ((1, 4) if quick else SWEEP_M)]
+    points = [(4, m) for m in ((2,) if _common.SMOKE else (1, 4) if quick else SWEEP_M)]
     if not quick:
         points += [(layers, 8) for layers in SWEEP_LAYERS if layers != 4]
     return [
@@ -323,13 +323,14 @@ def _sweep_rows(points: list[dict[str, Any]], cache: dict[str, Any] | None) -> l
 
 
 def run(quick: bool) -> dict[str, Any]:
-    colds = [cold_in_child(_common.TINY.preset, 2, 4, "1f1b", 1 if quick else 2)]
-    steps = 20 if quick else 50
+    stages, m, schedule = _common.SMOKE_CONFIG if _common.SMOKE else (2, 4, "1f1b")
+    colds = [cold_in_child(_common.TINY.preset, stages, m, schedule, 1 if quick else 2)]
+    steps = 4 if _common.SMOKE else 20 if quick else 50
     from benchmarks import b1_step_time
 
     runners = list(b1_step_time.KEPT.values())
     if not runners:
-        runners = [_common.build_mpmd(_common.TINY, 2, 4, "1f1b")]
+        runners = [_common.build_mpmd(_common.TINY, stages, m, schedule)]
         _common.warm(runners[0])
     # The longest run on the most fragmented program; every other kept program gets 5 steps.
     runners.sort(key=lambda r: -_common.fragment_count(r.executable))

@@ -228,7 +228,9 @@ def _rows(r: dict[str, Any], preset: str) -> list[dict[str, Any]]:
 
 def run(quick: bool) -> dict[str, Any]:
     configs = [(_common.TINY, 2, 4, "1f1b"), (LLAMA, 2, 4, "1f1b")]
-    if not quick:
+    if _common.SMOKE:
+        configs = [(_common.TINY, *_common.SMOKE_CONFIG)]
+    elif not quick:
         configs += [
             (_common.TINY, 2, 4, "gpipe"),
             (_common.TINY, 4, 4, "gpipe"),

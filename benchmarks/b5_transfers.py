@@ -96,7 +96,9 @@ def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> d
 
 def run(quick: bool) -> dict[str, Any]:
     configs = [(2, 1, "gpipe"), (2, 4, "1f1b")]  # --quick: the configs B1 built
-    if not quick:
+    if _common.SMOKE:
+        configs = [_common.SMOKE_CONFIG]
+    elif not quick:
         configs += [(4, 4, "1f1b"), (2, 4, "gpipe"), (4, 8, "gpipe")]
     results, rows = [], []
     for s, m, sched in configs:

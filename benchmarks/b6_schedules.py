@@ -83,6 +83,8 @@ def run(quick: bool) -> dict[str, Any]:
     schedules = ["1f1b"] if quick else bench_schedules.SCHEDULES
     results = [mlp(s, m, calls) for s in schedules]
     gpt_configs = [(4, 4, "1f1b")] if quick else [(4, 8, "gpipe"), (4, 8, "1f1b")]
+    if _common.SMOKE:
+        calls, gpt_configs = 2, [_common.SMOKE_CONFIG]
     results += [gpt(s, mb, sched, calls) for s, mb, sched in gpt_configs]
     rows = []
     for r in results:

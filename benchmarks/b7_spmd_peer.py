@@ -44,6 +44,8 @@ COLD_REPETITIONS = 1  # 3 fresh processes per configuration; the host has 2 core
 
 def grid(quick: bool) -> list[tuple[int, int]]:
     """``(stages, microbatches)`` measured."""
+    if _common.SMOKE:
+        return [_common.SMOKE_CONFIG[:2]]
     return [(2, 4)] if quick else [(2, 4), (2, 8), (4, 4), (4, 8)]
 
 
@@ -216,6 +218,8 @@ def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
 
 def run(quick: bool) -> dict[str, Any]:
     rounds, schedules = (5, ("1f1b",)) if quick else (15, SCHEDULES)
+    if _common.SMOKE:
+        rounds = 2
     configs, rows = [], []
     for stages, m in grid(quick):
         result = measure(stages, m, rounds, schedules)

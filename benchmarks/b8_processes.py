@@ -137,7 +137,7 @@ def _two_processes(steps: int) -> dict[str, Any]:
 def run(quick: bool) -> dict[str, Any]:
     from benchmarks import b5_transfers
 
-    steps = 3 if quick else 10
+    steps = 2 if _common.SMOKE else 3 if quick else 10
     workload = _common.TINY
     one = _measure_step(workload, steps)
     one["transfer_latency_s"] = _local_latency(workload)

@@ -327,6 +327,9 @@ def table(rows: list[dict]) -> list[str]:
 def render(results: dict[str, dict[str, Any]], seconds: float, command: str) -> str:
     """The report for ``results`` (section name -> section JSON)."""
     lines = ["# Benchmark report", "", f"`{command}` -- {seconds / 60:.1f} minutes.", ""]
+    if "--smoke" in command:
+        lines += ["A smoke run: every section's code ran once; the numbers are not measurements."]
+        lines += [""]
     host = next((d["host"] for d in results.values() if "host" in d), None)
     if host:
         lines += [
@@ -354,10 +357,16 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():
             results[name] = json.loads(path.read_text())
     quick = any(d.get("quick") for d in results.values())
+    smoke = any(d.get("smoke") for d in results.values())
     seconds = sum(d.get("seconds", 0.0) for d in results.values())
-    command = "python -m benchmarks" + (" --quick" if quick else "")
+    command = "python -m benchmarks" + flag(smoke, quick)
     (out / "report.md").write_text(render(results, seconds, command))
     return 0
+
+
+def flag(smoke: bool, quick: bool) -> str:
+    """The command-line flag of a run's size, as the report quotes its command."""
+    return " --smoke" if smoke else " --quick" if quick else ""
 
 
 if __name__ == "__main__":
