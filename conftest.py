@@ -5,6 +5,8 @@ Every test (and every doctest) sees ``jax.devices()`` as 8 CPU devices, so meshe
 ``np`` and ``P`` in their namespace. Every test runs under ``context(strict=True)``: a
 ``PlacementWarning`` (a pattern matching nothing, a logical name without a rule, a task traced
 by ``jax.jit``) raises ``StrictModeError``; tests of those warnings open ``strict=False``.
+For speed, the suite compiles with LLVM at optimisation level 0 and shares one persistent
+compilation cache per run (see the comment below).
 """
 
 import atexit
