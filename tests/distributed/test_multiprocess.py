@@ -52,6 +52,17 @@ def _one_process_checkpoint(path: Path) -> dict[str, np.ndarray]:
     return values
 
 
+def _restore_on(device, folder: Path, seen: dict, layout: str) -> dict:
+    """The job's checkpoint in ``folder`` restored in this process onto one ``device``;
+    shapes from what the job saw of its ``layout`` run."""
+    one_device = jax.sharding.SingleDeviceSharding(device)
+    target = {
+        k: jax.ShapeDtypeStruct(seen[f"{layout}/{k}"].shape, np.float32, sharding=one_device)
+        for k in ("p0", "p1")
+    }
+    return Checkpointer(folder, read_only=True).restore(target=target)
+
+
 @pytest.fixture(scope="module")
 def mlp_job(tmp_path_factory):
     """What each process saw, what this process wrote for them, and the job's folder."""
@@ -141,26 +152,16 @@ def test_a_stage_spanning_both_processes_is_written_by_both(mlp_job):
         for rank in range(2)
     ]
     assert len(chunks[0]) == len(chunks[1]) == 2 and not chunks[0] & chunks[1]
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {
-        k: jax.ShapeDtypeStruct(seen[0][f"-4/{k}"].shape, np.float32, sharding=one_device)
-        for k in ("p0", "p1")
-    }
-    restored = Checkpointer(out / "ckpt3", read_only=True).restore(target=target)
+    restored = _restore_on(jax.devices()[0], out / "ckpt3", seen[0], "-4")
     for name in ("p0", "p1"):
         np.testing.assert_array_equal(np.asarray(restored[name]), seen[0][f"-4/{name}"])
 
 
 def test_checkpoint_of_two_processes_restores_in_one(mlp_job):
     seen, _, out = mlp_job
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[5])
-    target = {
-        k: jax.ShapeDtypeStruct(seen[0][f"4/{k}"].shape, np.float32, sharding=one_device)
-        for k in ("p0", "p1")
-    }
-    restored = Checkpointer(out / "ckpt2", read_only=True).restore(target=target)
+    restored = _restore_on(jax.devices()[5], out / "ckpt2", seen[0], "4")
     for name in ("p0", "p1"):
-        assert restored[name].sharding == one_device
+        assert restored[name].sharding == jax.sharding.SingleDeviceSharding(jax.devices()[5])
         np.testing.assert_array_equal(np.asarray(restored[name]), seen[0][f"4/{name}"])
 
 
