@@ -126,17 +126,6 @@ def microbatch_of(stack: str, calls: Mapping[int, Any]) -> Microbatch | None:
     return next((found for found in _microbatch_scopes(stack) if found[0] in calls), None)
 
 
-def _microbatches_of(stacks: Sequence[str], calls: Mapping[int, Any]) -> list[Microbatch | None]:
-    """``microbatch_of`` of every name stack, computed once per distinct stack."""
-    memo: dict[str, Microbatch | None] = {}
-    out = []
-    for stack in stacks:
-        if stack not in memo:
-            memo[stack] = microbatch_of(stack, calls)
-        out.append(memo[stack])
-    return out
-
-
 # The "microbatch" of a value computed from several microbatches.
 _MIXED = Sentinel("several microbatches")
 
@@ -266,7 +255,7 @@ def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
     """
     if not traced.stacks:
         return None
-    mbs = _microbatches_of(traced.stacks, traced.microbatch_calls)
+    mbs = _trace.each_distinct(lambda s: microbatch_of(s, traced.microbatch_calls), traced.stacks)
     if not any(mbs):
         return None
     mixed = _drop_mixing(traced.jaxpr, mbs)

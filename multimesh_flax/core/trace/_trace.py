@@ -206,15 +206,15 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
-def _marker_labels(stacks: Sequence[str], tasks: dict[int, Any]) -> list[Any]:
-    """``marker_label`` of every name stack, computed once per distinct stack."""
+def each_distinct(fn: Callable[[str], Any], stacks: Sequence[str]) -> list[Any]:
+    """``[fn(s) for s in stacks]``, calling ``fn`` once per distinct name stack (the m
+    microbatches of a program repeat the same few thousand stacks over all its equations).
+
+    >>> each_distinct(len, ["a/b", "a", "a/b"])
+    [3, 1, 3]
+    """
     memo: dict[str, Any] = {}
-    labels = []
-    for stack in stacks:
-        if stack not in memo:
-            memo[stack] = _colour.marker_label(stack, tasks)
-        labels.append(memo[stack])
-    return labels
+    return [memo[s] if s in memo else memo.setdefault(s, fn(s)) for s in stacks]
 
 
 def trace_program(
@@ -242,7 +242,7 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-    labels = _marker_labels(inliner.stacks, session.tasks)
+    labels = each_distinct(lambda s: _colour.marker_label(s, session.tasks), inliner.stacks)
     # Registered tasks (named scopes, backward callbacks) where they are innermost.
     labels = _colour.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
     eqns = _colour.concretise_constraints(inliner.eqns, labels, session)
