@@ -7,9 +7,9 @@ from multimesh_flax.core.trace._constraints import (
 )
 from multimesh_flax.layers._initializers import shard_axes as shard_axes
 from multimesh_flax.layers._nnx_jit import jit as jit
+from multimesh_flax.layers._placement_report import Placement as Placement
 from multimesh_flax.layers._step import TrainState as TrainState
 from multimesh_flax.layers._step import parallelize_step as parallelize_step
-from multimesh_flax.layers._tabulate import Placement as Placement
 from multimesh_flax.layers._tabulate import get_placement as get_placement
 from multimesh_flax.layers._tabulate import tabulate as tabulate
 from multimesh_flax.layers._task import task as task

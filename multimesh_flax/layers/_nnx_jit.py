@@ -31,6 +31,7 @@ from flax import nnx
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config
 from multimesh_flax.core.front import _jit as _core_jit
+from multimesh_flax.core.trace import _microbatch
 from multimesh_flax.layers import _nnx_task
 
 
@@ -225,8 +226,6 @@ def microbatch(
         >>> grads["kernel"].get_value().shape
         (3, 1)
     """
-    from multimesh_flax.core.trace import _microbatch
-
     if "trace_once" in options:
         return _microbatch.microbatch(fun, dim, size, argnum, **options)
     once = _microbatch.microbatch(fun, dim, size, argnum, **options)

@@ -23,8 +23,7 @@ from multimesh_flax import errors
 from multimesh_flax.core.declare import _registry
 from multimesh_flax.core.front import _parallelize
 from multimesh_flax.core.trace import _colour
-from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement
-from multimesh_flax.layers import _tabulate as _linen_tabulate
+from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement, _placement_report
 
 # Keyword arguments of ``nnx.tabulate`` (everything else goes to the model's call).
 _NNX_TABULATE_OPTIONS = frozenset(
@@ -72,7 +71,7 @@ def _is_array_variable(variable: Any) -> bool:
     return dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _linen_tabulate.Placement:
+def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_report.Placement:
     """Traces ``model(*args, **kwargs)`` and reports where each variable lives.
 
     Args:
@@ -119,7 +118,7 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _linen_tabula
                 sharding=sharding,
             )
         )
-    return _linen_tabulate.Placement(params=tuple(rows))
+    return _placement_report.Placement(params=tuple(rows))
 
 
 def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
@@ -149,7 +148,7 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
     if not isinstance(model, nnx.Module):
         raise errors.TaskTypeError(
             f"Expected `model` to be an NNX module instance such as `Block(cfg, rngs=rngs)`, "
-            f"got {_linen_tabulate._describe(model)}. Construct the model first."
+            f"got {_placement_report.describe_value(model)}. Construct the model first."
         )
     options = {k: v for k, v in kwargs.items() if k in _NNX_TABULATE_OPTIONS}
     call_kwargs = {k: v for k, v in kwargs.items() if k not in _NNX_TABULATE_OPTIONS}

@@ -367,10 +367,8 @@ def task(
         (2, 4)
     """
     _check_block(block)
-    from multimesh_flax.layers._task import _check_rules_have_mesh
-
     if task is None:
-        _check_rules_have_mesh(kwargs)
+        _task.check_rules_have_mesh(kwargs)
     return _make_task_class(block, _task.make_task(name, task, kwargs))
 
 

@@ -12,22 +12,18 @@ program first uses them -- exactly what ``parallelize_step`` will do.
 
 from __future__ import annotations
 
-import dataclasses
-import io
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-import rich.console
-import rich.table
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core.fragment import _inputs
 from multimesh_flax.core.front import _parallelize
 from multimesh_flax.core.trace import _session
-from multimesh_flax.layers import _placement
+from multimesh_flax.layers import _nnx_tabulate, _placement, _placement_report
+from multimesh_flax.layers._placement_report import Placement
 
 # Keyword arguments of ``flax.linen.Module.tabulate`` (everything else goes to the model).
 _FLAX_TABULATE_OPTIONS = frozenset(
@@ -42,36 +38,6 @@ _FLAX_TABULATE_OPTIONS = frozenset(
         "compute_vjp_flops",
     }
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where every parameter of a model lives."""
-
-    params: tuple[_placement.ParamPlacement, ...]
-
-    def bytes_per_device(self) -> dict[int, int]:
-        """``{device id: parameter bytes on it}``, every device that holds a parameter."""
-        totals: dict[int, int] = {}
-        for p in self.params:
-            for d in p.device_ids:
-                totals[d] = totals.get(d, 0) + p.bytes_per_device
-        return dict(sorted(totals.items()))
-
-    def per_task(self) -> dict[str, dict[str, Any]]:
-        """``{task: {"params": count, "bytes": total, "devices": ids}}`` (``"-"``: no task)."""
-        out: dict[str, dict[str, Any]] = {}
-        for p in self.params:
-            row = out.setdefault(p.task or "-", {"params": 0, "bytes": 0, "devices": set()})
-            row["params"] += int(np.prod(p.shape, dtype=np.int64))
-            row["bytes"] += int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
-            row["devices"].update(p.device_ids)
-        for row in out.values():
-            row["devices"] = tuple(sorted(row["devices"]))
-        return out
-
-    def __str__(self) -> str:
-        return _render(self)
 
 
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -106,8 +72,6 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
         [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
     """
     if _is_nnx(model):  # an NNX model takes no rngs: ``rngs`` is its first input
-        from multimesh_flax.layers import _nnx_tabulate
-
         return _nnx_tabulate.get_placement(model, rngs, *args, **kwargs)
     boxed, owners, registered = _placement.trace_variables(model.init, rngs, *args, **kwargs)
     boxed_params = boxed.get("params", {})
@@ -150,65 +114,12 @@ def _box_at(tree: Any, path: Sequence[Any]) -> Any:
     return tree
 
 
-def _spec_text(spec: Any) -> str:
-    return "-" if spec is None else str(_inputs.canonical_spec(spec))  # P(None,) reads P()
-
-
-def _ids_text(ids: Sequence[int]) -> str:
-    ids = list(ids)
-    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
-        return f"{ids[0]}-{ids[-1]}"
-    return ",".join(str(i) for i in ids)
-
-
-def _render(placement: Placement) -> str:
-    params = rich.table.Table(title="Parameter placement")
-    for column in ("path", "shape", "logical", "mesh spec", "task", "devices", "bytes/device"):
-        params.add_column(column)
-    for p in placement.params:
-        params.add_row(
-            p.path,
-            f"{p.dtype.name}{list(p.shape)}",
-            _spec_text(p.logical),
-            _spec_text(p.mesh_spec) + (" !" if p.problem else ""),
-            p.task or "-",
-            _ids_text(p.device_ids),
-            f"{p.bytes_per_device:,}",
-        )
-    tasks = rich.table.Table(title="Per task")
-    for column in ("task", "devices", "params", "bytes"):
-        tasks.add_column(column)
-    for name, row in placement.per_task().items():
-        tasks.add_row(name, _ids_text(row["devices"]), f"{row['params']:,}", f"{row['bytes']:,}")
-    devices = rich.table.Table(title="Per device")
-    devices.add_column("device")
-    devices.add_column("parameter bytes")
-    for device, total in placement.bytes_per_device().items():
-        devices.add_row(str(device), f"{total:,}")
-    notes = [f"{p.path}: {p.problem}" for p in placement.params if p.problem]
-    out = io.StringIO()
-    console = rich.console.Console(
-        file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
-    )
-    for table in (params, tasks, devices):
-        console.print(table)
-    for note in notes:
-        console.print(f"! {note}")
-    return out.getvalue()
-
-
 def _is_nnx(model: Any) -> bool:
     """An NNX module instance or class (``tabulate`` takes the NNX form for both)."""
     from flax import nnx
 
     cls = model if isinstance(model, type) else type(model)
     return issubclass(cls, nnx.Module)
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, type):
-        return f"the class {value.__name__}"
-    return f"{type(value).__name__}: {value!r}"
 
 
 def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
@@ -238,13 +149,11 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         True
     """
     if _is_nnx(model):  # ``tabulate(nnx_model, *inputs)``: ``rngs`` is the first input
-        from multimesh_flax.layers import _nnx_tabulate
-
         return _nnx_tabulate.tabulate(model, rngs, *args, **kwargs)
     if not isinstance(model, nn.Module):
         raise errors.TaskTypeError(
             f"Expected `model` to be a Flax module instance such as `MLP(features=16)`, got "
-            f"{_describe(model)}. Instantiate the class first."
+            f"{_placement_report.describe_value(model)}. Instantiate the class first."
         )
     flax_options, model_kwargs = _split_kwargs(kwargs)
     flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})

@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _task
 from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
 ModulePath = tuple[str, ...]
 
@@ -218,20 +219,6 @@ def _check_model(model: Any) -> None:
         )
 
 
-def _check_rules_have_mesh(kwargs: dict[str, Any]) -> None:
-    has_axes = (
-        kwargs.get("mesh") is not None
-        or kwargs.get("mesh_slice") is not None
-        or kwargs.get("device_axes") is not None
-    )
-    if kwargs.get("logical_axes") is not None and not has_axes:
-        raise errors.InvalidTaskError(
-            f"Got `logical_axes`={kwargs['logical_axes']!r} but no mesh axes to map them onto. "
-            "Give `mesh` (a TaskMesh or jax.sharding.Mesh), `mesh_slice`, or `devices` with "
-            "`device_axes`."
-        )
-
-
 def task(
     model: type[nn.Module],
     name: str | None = None,
@@ -273,13 +260,11 @@ def task(
         >>> params["kernel"].value.shape
         (9, 16)
     """
-    from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
-
     if _nnx_task.is_nnx_class(model):
         return _nnx_task.task(model, name, task=task, **kwargs)
     _check_model(model)
     if task is None:
-        _check_rules_have_mesh(kwargs)
+        _task.check_rules_have_mesh(kwargs)
     return _make_task_class(model, _task.make_task(name, task, kwargs))
 
 

@@ -1,5 +1,7 @@
 """The core's import graph: stages in pipeline order, no cycles, no imports hidden in functions.
 
+The Flax layer (``multimesh_flax/layers``) is held to the last two rules as well.
+
 ``multimesh_flax/core`` is laid out as the pipeline it implements (see its README):
 declare -> trace -> plan -> fragment -> run -> front. A module may import modules of its own
 stage or of earlier stages only, so the graph is a DAG by construction; this file checks it
@@ -13,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-CORE = Path(__file__).resolve().parents[2] / "multimesh_flax" / "core"
+PACKAGE = Path(__file__).resolve().parents[2] / "multimesh_flax"
+CORE = PACKAGE / "core"
+LAYERS = PACKAGE / "layers"
 STAGES = ("declare", "trace", "plan", "fragment", "run", "front")
 
 
@@ -86,8 +90,7 @@ def test_imports_point_to_the_same_or_an_earlier_stage(name: str) -> None:
     assert not later, f"{name} (stage {STAGES[stage]}) imports later stages: {later}"
 
 
-def test_import_graph_is_acyclic() -> None:
-    graph = {name: _imports(path)[0] & _modules().keys() for name, path in _modules().items()}
+def _assert_acyclic(graph: dict[str, set[str]]) -> None:
     done: set[str] = set()
 
     def visit(name: str, path: tuple[str, ...]) -> None:
@@ -100,6 +103,45 @@ def test_import_graph_is_acyclic() -> None:
 
     for name in sorted(graph):
         visit(name, ())
+
+
+def test_import_graph_is_acyclic() -> None:
+    _assert_acyclic(
+        {name: _imports(path)[0] & _modules().keys() for name, path in _modules().items()}
+    )
+
+
+# --- the Flax layer -------------------------------------------------------------------------
+
+
+def _layer_modules() -> dict[str, Path]:
+    return {path.stem: path for path in sorted(LAYERS.glob("_*.py")) if path.stem != "__init__"}
+
+
+def _layer_imports(path: Path) -> set[str]:
+    """The ``multimesh_flax.layers`` modules a module imports at module level."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        module = node.module or ""
+        if module == "multimesh_flax.layers":
+            found.update(alias.name for alias in node.names)
+        elif module.startswith("multimesh_flax.layers."):
+            found.add(module.removeprefix("multimesh_flax.layers."))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(_layer_modules()))
+def test_no_layer_module_imports_inside_a_function(name: str) -> None:
+    _, nested = _imports(_layer_modules()[name])
+    assert not nested, f"layers.{name} imports inside functions at lines {nested}"
+
+
+def test_layer_import_graph_is_acyclic() -> None:
+    modules = _layer_modules()
+    assert len(modules) >= 8
+    _assert_acyclic({name: _layer_imports(path) & modules.keys() for name, path in modules.items()})
 
 
 def test_the_checker_sees_a_cycle_and_a_backward_import(tmp_path: Path) -> None:

@@ -119,6 +119,21 @@ def _mesh_from_devices(devices: Any, device_axes: Sequence[str] | None) -> Mesh 
     return _devices.make_auto_mesh(_devices.as_device_array(grid, "devices"), names)
 
 
+def check_rules_have_mesh(kwargs: dict[str, Any]) -> None:
+    """Refuses task options that name logical axes but no mesh axes to map them onto."""
+    has_axes = (
+        kwargs.get("mesh") is not None
+        or kwargs.get("mesh_slice") is not None
+        or kwargs.get("device_axes") is not None
+    )
+    if kwargs.get("logical_axes") is not None and not has_axes:
+        raise errors.InvalidTaskError(
+            f"Got `logical_axes`={kwargs['logical_axes']!r} but no mesh axes to map them onto. "
+            "Give `mesh` (a TaskMesh or jax.sharding.Mesh), `mesh_slice`, or `devices` with "
+            "`device_axes`."
+        )
+
+
 def make_task(name: str | None, task: Task | None, kwargs: dict[str, Any]) -> Task:
     """Builds the ``Task`` described by ``task(...)``'s arguments.
 
