@@ -7,14 +7,26 @@ heartbeat; a daemon thread started by :func:`~multimesh_flax.distributed.initial
 for the live processes every ``POLL_S`` seconds and, once one is missing, logs a
 ``ProcessLostError`` naming it and ends this process with status ``EXIT_LOST``. The bound on
 noticing is therefore ``heartbeat_timeout + POLL_S`` (plus the time the service takes to
-answer). The watchdog stops when the interpreter exits, before jax shuts the job down.
-jaxlib's own error polling may end the process first with its fatal message ("Task 1
+answer). jaxlib's own error polling may end the process first with its fatal message ("Task 1
 heartbeat timeout"); both name the lost process.
+
+DESIGN. The live-process query is a rendezvous: it returns once every live process in it has
+asked too (``jax.experimental.multihost_utils.live_devices`` documents the same barrier). So
+when one process stops polling, the other's poll waits inside jaxlib until the first process
+leaves the job. Two consequences, both handled by hooking jax's shutdown (the one
+``jax.distributed.shutdown()`` and jax's exit handler both call):
+
+* an orderly shutdown, explicit or at exit, is not a lost process: the hook stops the watchdog
+  *before* the shutdown, whose barrier no process passes until all have entered it, so no
+  process can see another leave before its own watchdog has stopped;
+* no poll may still be waiting in jaxlib when the interpreter finalizes: a thread that comes
+  back from C++ then is ended by Python with a forced unwind that aborts the process
+  ("terminate called after throwing an instance of ''", B8's exit -6 in 3 of 6 runs). The hook
+  waits for the watchdog's thread *after* the shutdown, which is what releases its last poll.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
@@ -37,10 +49,10 @@ def _lost(client: Any, count: int) -> list[int]:
     return sorted(set(range(count)) - set(live))
 
 
-def _watch(client: Any, rank: int, count: int, heartbeat_timeout: int) -> None:
-    while not _EXITING.is_set():
+def _watch(client: Any, rank: int, count: int, heartbeat_timeout: int, stop: Any) -> None:
+    while not stop.is_set():
         lost = _lost(client, count)
-        if lost and not _EXITING.is_set():
+        if lost and not stop.is_set():
             names = ", ".join(f"process {p}" for p in lost)
             error = errors.ProcessLostError(
                 f"Lost {names} of this {count}-process job (no heartbeat for "
@@ -50,13 +62,52 @@ def _watch(client: Any, rank: int, count: int, heartbeat_timeout: int) -> None:
             )
             logger.critical("%s: %s", type(error).__name__, error)
             os._exit(EXIT_LOST)
-        time.sleep(POLL_S)
+        stop.wait(POLL_S)
 
 
-_STARTED: dict[str, int] = {}  # "heartbeat_timeout" once the watchdog runs
-# Set when the interpreter exits: jax's own exit handler then shuts the job down (the
-# coordinator of process 0 goes away), which is not a lost process.
-_EXITING = threading.Event()
+JOIN_S = 10.0  # seconds the shutdown waits for the watchdog's last poll to come back
+_STARTED: dict[str, Any] = {}  # "heartbeat_timeout", "stop" and "thread" of the running one
+
+
+def _stop() -> threading.Thread | None:
+    """Stops the watchdog from reporting; returns its thread (``None``: none runs)."""
+    stop, thread = _STARTED.pop("stop", None), _STARTED.pop("thread", None)
+    if stop is not None:
+        stop.set()
+    return thread
+
+
+def _join(thread: threading.Thread | None) -> None:
+    if thread is None or thread is threading.current_thread():
+        return
+    thread.join(JOIN_S)
+    if thread.is_alive():
+        logger.warning(
+            "the watchdog's last poll did not return within %.0f s of the shutdown; the "
+            "process may abort when the interpreter exits",
+            JOIN_S,
+        )
+
+
+def _hook_shutdown() -> None:
+    """Makes jax's shutdown stop the watchdog before it and wait for its thread after it."""
+    from jax._src import distributed  # jax.distributed.shutdown() and jax's exit handler
+    # both call global_state.shutdown(); there is no public shutdown callback in jax 0.10
+
+    state = distributed.global_state
+    if getattr(state.shutdown, "_mmflax_watchdog", False):
+        return
+    original = state.shutdown
+
+    def shutdown() -> None:
+        thread = _stop()
+        try:
+            original()
+        finally:
+            _join(thread)
+
+    shutdown._mmflax_watchdog = True  # type: ignore[attr-defined]
+    state.shutdown = shutdown
 
 
 def await_loss() -> None:
@@ -72,15 +123,19 @@ def await_loss() -> None:
 
 
 def start(client: Any, rank: int, count: int, heartbeat_timeout: int) -> threading.Thread:
-    """Starts the daemon thread that ends this process when another one is lost."""
+    """Starts the daemon thread that ends this process when another one is lost.
+
+    It runs until jax shuts the job down (``jax.distributed.shutdown()`` or interpreter exit).
+    """
+    _join(_stop())  # a watchdog of an earlier job in this process
+    _hook_shutdown()
+    stop = threading.Event()
     thread = threading.Thread(
         target=_watch,
-        args=(client, rank, count, heartbeat_timeout),
+        args=(client, rank, count, heartbeat_timeout, stop),
         name="mmflax-watchdog",
         daemon=True,
     )
-    # atexit runs handlers last-registered first: this one before jax's shutdown.
-    atexit.register(_EXITING.set)
+    _STARTED.update(heartbeat_timeout=heartbeat_timeout, stop=stop, thread=thread)
     thread.start()
-    _STARTED["heartbeat_timeout"] = heartbeat_timeout
     return thread
