@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import jax
@@ -23,6 +24,7 @@ import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
+from multimesh_flax.core.front import _jit
 from multimesh_flax.core.run import _dispatch, _structure
 from multimesh_flax.core.trace import _trace
 
@@ -216,6 +218,27 @@ def test_a_build_and_first_call_pause_the_garbage_collector_and_restore_it(monke
         assert seen == [False, False] and not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_overlapping_builds_in_two_threads_keep_the_collector_paused_until_the_last_ends():
+    """Thread A's build ends while thread B's is still running: the collector stays paused
+    for B, and runs again once B ends."""
+    b_inside, a_done, observed = threading.Event(), threading.Event(), []
+
+    def build_b() -> None:
+        with _jit.collector_paused():
+            b_inside.set()
+            assert a_done.wait(timeout=30)
+            observed.append(gc.isenabled())  # A has ended; B is still building
+
+    thread = threading.Thread(target=build_b)
+    with _jit.collector_paused():
+        thread.start()
+        assert b_inside.wait(timeout=30)
+    a_done.set()
+    thread.join(timeout=30)
+    assert observed == [False]
+    assert gc.isenabled()
 
 
 def test_structural_key_ignores_names_but_not_values_or_shapes():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 import time
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Sequence
@@ -86,6 +87,36 @@ def _any_deleted(leaves: Sequence[Any], indices: tuple[int, ...]) -> bool:
     return False
 
 
+class _CollectorPause:
+    """Counts the builds under way in this process; the collector runs again after the last.
+
+    The collector is process-wide, so a per-thread pause would let the first build to finish
+    re-enable it under another thread's build. Only a collector that was running when the
+    first build began is restarted (a caller's own ``gc.disable()`` is left alone).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._builds = 0
+        self._restart = False
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._builds == 0:
+                self._restart = gc.isenabled()
+                gc.disable()
+            self._builds += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._builds -= 1
+            if self._builds == 0 and self._restart:
+                gc.enable()
+
+
+_COLLECTOR = _CollectorPause()
+
+
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Pauses Python's cyclic garbage collector while a program is built and first called.
@@ -94,17 +125,23 @@ def collector_paused() -> Iterator[None]:
     stacks) that all live until it ends; every full collection during the build re-scans
     them, which made up about half of trace + partition time at 32 microbatches. The first
     call traces and lowers every fragment (about a sixth of its time went to collections).
-    Cycles that become garbage meanwhile are collected once the collector runs again.
-    Already paused (a nested build, or by the caller): left as it is.
+    Cycles that become garbage meanwhile are collected once the collector runs again. Builds
+    may nest and overlap across threads: the collector runs again when the last one ends,
+    if it was running when the first began.
+
+    Example:
+        >>> import gc
+        >>> with collector_paused():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
     """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    _COLLECTOR.enter()
     try:
         yield
     finally:
-        gc.enable()
+        _COLLECTOR.exit()
 
 
 class _FastPath:
