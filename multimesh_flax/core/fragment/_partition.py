@@ -38,6 +38,7 @@ import numpy as np
 
 from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.declare._devices import Place, place_of
+from multimesh_flax.core.fragment import _fuse
 from multimesh_flax.core.plan import _accumulate, _pipeline
 from multimesh_flax.core.trace import _session, _trace
 
@@ -59,6 +60,7 @@ class Fragment:
     outvars: list[Any] = dataclasses.field(default_factory=list)
     unit: _pipeline.Unit | None = None  # (region, stage, microbatch, phase) when pipelined
     microbatch: int | None = None
+    parts: tuple[Fragment, ...] = ()  # the fragments fused into this one (``_fuse``), if any
 
 
 @dataclasses.dataclass
@@ -441,7 +443,9 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
     5. ``_pipeline.dispatch_order`` + ``_merge_glue`` (scheduled only): the schedule's
        order, with glue folded into earlier glue on its place where that changes no order.
-    6. ``_homes``: where every value is produced and every program input must arrive.
+    6. ``_fuse.fuse_adjacent`` (scheduled only): a fragment and the next one on its place
+       run as one where that delays nothing and adds no executable (its contract there).
+    7. ``_homes``: where every value is produced and every program input must arrive.
     """
     plan = _pipeline.analyze(traced)
     if plan is not None and plan.scheduled:
@@ -452,6 +456,8 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     fragments = _fragment(traced, places, plan)
     if plan is not None and plan.scheduled:
         fragments = _merge_glue(traced, _pipeline.dispatch_order(fragments, plan))
+        outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+        fragments = _fuse.fuse_adjacent(fragments, outputs)
     home, input_place = _homes(traced, fragments, places, users)
     by_id = {d.id: d for d in jax.devices()}
     for place in set(places):

@@ -59,8 +59,12 @@ class TimelineEvent:
 
     ``stage``, ``microbatch`` and ``phase`` (``"F"``, ``"B"`` or ``"W"``) say which pipeline
     unit a ``"run"`` executed (``None`` for glue and transfers; ``microbatch`` is also set for
-    glue of one microbatch). ``index`` is the op's position in its program, ``deps`` the
-    positions of the ops whose outputs it reads, and ``call`` counts the program calls
+    glue of one microbatch). ``units`` lists ``(stage, microbatch, phase)`` of every unit the
+    op ran, in order: one for a unit's fragment, more when ``fused`` (adjacent fragments on
+    one submesh fused into one op, such as the last stage's forward and backward of a
+    microbatch; ``stage``/``microbatch``/``phase`` are then its first unit's, and the
+    duration covers all its parts). ``index`` is the op's position in its program, ``deps``
+    the positions of the ops whose outputs it reads, and ``call`` counts the program calls
     recorded into the same timeline.
     """
 
@@ -75,6 +79,8 @@ class TimelineEvent:
     index: int = -1
     deps: tuple[int, ...] = ()
     call: int = 0
+    units: tuple[tuple[int, int, str], ...] = ()
+    fused: bool = False
 
 
 @dataclasses.dataclass
@@ -126,6 +132,8 @@ def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
         index=index,
         deps=op.deps,
         call=call,
+        units=op.units,
+        fused=op.fused,
     )
 
 
@@ -144,6 +152,8 @@ class _Op:
     shardings: list[Any] | None = None  # PUT targets, fixed on first execution
     hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
     unit: _OpUnit = _OpUnit(None, None, None)  # RUN: what a timeline records of it
+    units: tuple[_OpUnit, ...] = ()  # RUN: every unit it runs (several when fused)
+    fused: bool = False  # RUN: several fragments fused into one (``_fuse``)
     deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
 
 
@@ -233,6 +243,8 @@ class MpmdExecutable:
         return self.partition.place_meshes[frag.place]
 
     def _fragment_name(self, frag: _partition.Fragment) -> str:
+        if frag.parts:  # fused: ``stage.fwd[0]#9+head.bwd[0]#10``
+            return "+".join(self._fragment_name(part) for part in frag.parts)
         mb = "" if frag.microbatch is None else f"[{frag.microbatch}]"
         if frag.label is None:
             return f"glue{mb}#{frag.index}"
@@ -283,11 +295,26 @@ class MpmdExecutable:
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
             fn = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
-            unit = _OpUnit(None, frag.microbatch, None)
-            if frag.unit is not None:
-                unit = _OpUnit(frag.unit.stage, frag.unit.microbatch, frag.unit.phase.value)
+            units = tuple(
+                _OpUnit(p.unit.stage, p.unit.microbatch, p.unit.phase.value)
+                for p in frag.parts or (frag,)
+                if p.unit is not None
+            )
+            unit = units[0] if units else _OpUnit(None, frag.microbatch, None)
             name = self._fragment_name(frag)
-            runs.append(_Op(RUN, fn, ins, outs, place=frag.place, name=name, unit=unit))
+            runs.append(
+                _Op(
+                    RUN,
+                    fn,
+                    ins,
+                    outs,
+                    place=frag.place,
+                    name=name,
+                    unit=unit,
+                    units=units,
+                    fused=bool(frag.parts),
+                )
+            )
         ops = self._puts(transfers.get(-1, {}))
         for frag, run in zip(self.fragments, runs, strict=True):
             ops.append(run)

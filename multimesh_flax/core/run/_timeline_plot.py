@@ -128,7 +128,10 @@ def measured_costs(timeline: Timeline, call: int = -1) -> dict[str, float]:
 
     ``"transfer"`` is the median transfer time. When the backward was not split, the whole
     backward's median is ``"B"`` and ``"W"`` is 0 (the simulator charges an unsplit
-    backward ``B + W``).
+    backward ``B + W``). Fused ops (``TimelineEvent.fused``: a unit run together with the
+    next unit or glue on its submesh) count only for a phase that never ran alone, each
+    with its duration shared equally among its units (an approximation: it includes any
+    glue fused in).
 
     Example:
         >>> from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
@@ -138,8 +141,15 @@ def measured_costs(timeline: Timeline, call: int = -1) -> dict[str, float]:
     """
     events = _call_events(timeline, call)
     costs = {}
+    runs = [e for e in events if e.kind == "run"]
     for phase in ("F", "B", "W"):
-        durations = [e.end - e.start for e in events if e.kind == "run" and e.phase == phase]
+        durations = [e.end - e.start for e in runs if not e.fused and e.phase == phase]
+        if not durations:  # the phase ran only fused with other work
+            durations = [
+                (e.end - e.start) / len(e.units)
+                for e in runs
+                if e.fused and any(u[2] == phase for u in e.units)
+            ]
         costs[phase] = statistics.median(durations) if durations else 0.0
     moves = [e.end - e.start for e in events if e.kind == "transfer"]
     costs["transfer"] = statistics.median(moves) if moves else 0.0
@@ -151,6 +161,13 @@ def measured_costs(timeline: Timeline, call: int = -1) -> dict[str, float]:
 
 def _bar_label(stage: Any, microbatch: Any, phase: Any) -> str:
     return "" if phase is None else f"{phase}{stage}.{microbatch}"
+
+
+def _event_label(e: TimelineEvent) -> str:
+    """``F1.0``; a fused op names each of its units: ``F1.0+B1.0``."""
+    if e.fused and e.units:
+        return "+".join(_bar_label(*unit) for unit in e.units)
+    return _bar_label(e.stage, e.microbatch, e.phase)
 
 
 def _draw(axes: Any, rows: list[Any], bars: list[tuple[int, float, float, Any, str]]) -> None:
@@ -174,7 +191,7 @@ def _recorded_bars(events: Sequence[TimelineEvent]) -> tuple[list[Any], list[Any
             e.start * scale,
             e.end * scale,
             e.phase,
-            _bar_label(e.stage, e.microbatch, e.phase),
+            _event_label(e),
         )
         for e in events
         if e.kind == "run"
@@ -204,7 +221,8 @@ def plot_timeline(
     """Draws a recorded pipeline step as a Gantt chart, with the simulator's prediction.
 
     The top panel shows :func:`replay_timeline` of the recorded call (one lane per submesh,
-    milliseconds; F blue, B orange, W green, glue grey) and its :func:`recorded_bubble`. With
+    milliseconds; F blue, B orange, W green, glue grey; a fused op in its first unit's
+    colour, labelled with all its units) and its :func:`recorded_bubble`. With
     ``schedule``, a second panel shows ``simulate(schedule, costs=costs)`` and its bubble.
 
     Args:

@@ -1,0 +1,220 @@
+"""Fusing a fragment into a later one on its submesh, once the dispatch order is fixed.
+
+Each fragment is one ``jax.jit``: one dispatch per step, its results materialised as
+buffers, no XLA fusion across its boundary. In a pipelined step a submesh often runs two
+fragments back to back that could be one program -- the last stage's forward and backward
+of a microbatch (the forward's residuals are read only by that backward), or the first
+stage's last backward and the optimizer update that follows it. :func:`fuse_adjacent` runs
+such pairs as one fragment, when that changes neither a value, nor any submesh's order, nor
+when anything else can start, and does not add an executable to compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+ENABLED = True  # internal switch: False leaves the fragments as partitioned (tests compare)
+_MAX_ROUNDS = 4  # a fused fragment may fuse again (F + B, then + W); each round is linear
+
+
+@dataclasses.dataclass
+class _Index:
+    """Who produces and reads what, by position in the dispatch order (built once a round)."""
+
+    order: Sequence[Any]
+    made_at: dict[Any, int]  # var -> position of the fragment producing it
+    readers: dict[Any, set[int]]  # var -> positions of the fragments reading it
+    ancestors: list[int]  # per position, the bit set of positions it depends on
+    effects: list[bool]  # per position, whether an equation has effects
+
+    @classmethod
+    def build(cls, order: Sequence[Any]) -> _Index:
+        made_at: dict[Any, int] = {}
+        readers: dict[Any, set[int]] = {}
+        ancestors: list[int] = []
+        for p, frag in enumerate(order):
+            bits = 0
+            for v in frag.invars:
+                readers.setdefault(v, set()).add(p)
+                q = made_at.get(v)
+                if q is not None:
+                    bits |= ancestors[q] | (1 << q)
+            ancestors.append(bits)
+            made_at.update((v, p) for v in frag.outvars)
+        effects = [any(e.effects for e in frag.eqns) for frag in order]
+        return cls(order, made_at, readers, ancestors, effects)
+
+    def waits_for(self, reader: int, p: int) -> bool:
+        return bool(self.ancestors[reader] >> p & 1)
+
+    def others_wait_for(self, p: int, b: int) -> bool:
+        """Whether every reader of ``p``'s outputs on another place already waits for ``b``."""
+        place = self.order[p].place
+        return all(
+            r == b or self.order[r].place == place or self.waits_for(r, b)
+            for v in self.order[p].outvars
+            for r in self.readers.get(v, ())
+        )
+
+
+def _may_fuse(index: _Index, a: int, b: int, skipped: Sequence[int]) -> bool:
+    """Whether running ``b`` right after ``a``, as one fragment, delays nothing (module doc)."""
+    order, place = index.order, index.order[a].place
+    if any(index.effects[p] for p in (a, b, *skipped)):
+        return False
+    for v in order[b].invars:  # every input of b is ready when a starts
+        q = index.made_at.get(v)
+        if q is None or q == a:
+            continue
+        if (order[q].place == place and q > a) or (
+            order[q].place != place and not index.waits_for(a, q)
+        ):
+            return False
+    # a's results reach other places only once b is done: fine if they wait for b anyway;
+    # the same holds for same-place glue that b overtakes.
+    return all(index.others_wait_for(p, b) for p in (a, *skipped))
+
+
+def _candidates(index: _Index, queue: list[int]) -> list[tuple[int, int, tuple[int, ...]]]:
+    """``(a, b, skipped)``: each fragment with the next on its place, and a pipeline unit
+    with the next unit past the glue between them (that glue, ``skipped``, runs after)."""
+    order, pairs = index.order, []
+    for i, a in enumerate(queue[:-1]):
+        pairs.append((a, queue[i + 1], ()))
+        if order[a].unit is None:
+            continue
+        j = i + 1
+        while j < len(queue) and order[queue[j]].unit is None:
+            j += 1
+        if i + 1 < j < len(queue):
+            pairs.append((a, queue[j], tuple(queue[i + 1 : j])))
+    return pairs
+
+
+def _signature(frag: Any) -> Hashable:
+    """A cheap stand-in for a fragment's executable: equal for the copies of one stage's
+    unit (or of one glue pattern) on one place. Collisions only mis-count executables."""
+    return (
+        frag.place,
+        tuple(e.primitive for e in frag.eqns),
+        tuple((v.aval.shape, v.aval.dtype) for v in frag.invars),
+        len(frag.outvars),
+    )
+
+
+def _wiring(index: _Index, a: int, b: int, outputs: set[Any]) -> Hashable:
+    """How ``b`` reads ``a`` and what of ``a`` is still needed outside: the pair's shape."""
+    first, second = index.order[a], index.order[b]
+    out_at = {v: i for i, v in enumerate(first.outvars)}
+    in_at = {v: i for i, v in enumerate(first.invars)}
+    reads = tuple(
+        ("out", out_at[v]) if v in out_at else ("in", in_at.get(v)) for v in second.invars
+    )
+    kept = tuple(_needed_outside(index, v, (a, b), outputs) for v in first.outvars)
+    return reads, kept
+
+
+def _needed_outside(index: _Index, var: Any, pair: tuple[int, int], outputs: set[Any]) -> bool:
+    return var in outputs or any(r not in pair for r in index.readers.get(var, ()))
+
+
+def _fused(index: _Index, a: int, b: int, outputs: set[Any]) -> Any:
+    first, second = index.order[a], index.order[b]
+    made = set(first.outvars)
+    seen = set(first.invars)
+    invars = [*first.invars, *(v for v in second.invars if v not in made and v not in seen)]
+    kept = [v for v in first.outvars if _needed_outside(index, v, (a, b), outputs)]
+    same_mb = first.microbatch == second.microbatch
+    return dataclasses.replace(
+        first,
+        label=first.label if first.label is not None else second.label,
+        unit=first.unit if first.unit is not None else second.unit,
+        microbatch=first.microbatch if same_mb else None,
+        eqns=[*first.eqns, *second.eqns],
+        invars=invars,
+        outvars=[*kept, *second.outvars],
+        parts=(*(first.parts or (first,)), *(second.parts or (second,))),
+    )
+
+
+def _accepted(index: _Index, outputs: set[Any]) -> list[tuple[int, int]]:
+    """The pairs to fuse: every pair of one shape, and only if that fuses *all* fragments of
+    both its classes (so each accepted shape turns two executables into one)."""
+    queues: dict[Any, list[int]] = {}
+    for p, frag in enumerate(index.order):
+        queues.setdefault(frag.place, []).append(p)
+    shapes: dict[Hashable, list[tuple[int, int]]] = {}
+    sig: dict[int, Hashable] = {}
+    for queue in queues.values():
+        for a, b, skipped in _candidates(index, queue):
+            if _may_fuse(index, a, b, skipped):
+                sig.setdefault(a, _signature(index.order[a]))
+                sig.setdefault(b, _signature(index.order[b]))
+                shape = (sig[a], sig[b], _wiring(index, a, b, outputs))
+                shapes.setdefault(shape, []).append((a, b))
+    if not shapes:
+        return []
+    count: dict[Hashable, int] = {}
+    for p, frag in enumerate(index.order):
+        key = sig[p] if p in sig else _signature(frag)
+        count[key] = count.get(key, 0) + 1
+    taken: set[int] = set()
+    accepted = []
+    for (first, second, _), pairs in shapes.items():
+        members = {p for pair in pairs for p in pair}
+        whole = len(pairs) == count[first] == count[second] and first != second
+        if whole and len(members) == 2 * len(pairs) and not members & taken:
+            taken |= members
+            accepted.extend(pairs)
+    return accepted
+
+
+def fuse_adjacent(order: Sequence[Any], outputs: set[Any]) -> list[Any]:
+    """Fuses fragment ``b`` into an earlier fragment ``a`` on the same place, at ``a``'s
+    position in the dispatch order, wherever that is exactly equivalent and not costlier.
+
+    Contract (``order``: fragments in dispatch order, ``outputs``: the program's outputs):
+
+    * **Candidates.** ``b`` is the next fragment on ``a``'s place; or, when ``a`` is a
+      pipeline unit, the next unit on the place, past glue that then runs after ``b`` (the
+      last stage's loss sums sit between its ``F_k`` and ``B_k``).
+    * **Nothing waits longer.** Every input of ``b`` is ready when ``a`` starts: a program
+      input, made by ``a``, made earlier on the same place, or made on another place by a
+      fragment ``a`` depends on. So the fused fragment starts when ``a`` would, and ``b``
+      starts when ``a`` ends, as before. Results of ``a`` (and of skipped glue) delayed by
+      ``b`` go only to the same place or to fragments that wait for ``b`` anyway. No fragment
+      with effects moves. Each place runs the same fragments' equations in the same order,
+      so values, every place's order (the schedule's rows) and every cross-place dependency
+      are unchanged; only ``b``'s dispatch moves earlier.
+    * **Not more executables.** Pairs are grouped by shape (the two fragments' signatures
+      and how ``b`` reads ``a``): a shape fuses only if its pairs cover every fragment of
+      both signatures (last-stage ``F_k`` + ``B_k`` for every ``k`` under 1F1B; under
+      GPipe only the last microbatch's pair is adjacent, so nothing fuses). With one
+      microbatch each fragment runs once, so every allowed pair fuses.
+    * **No residual buffers.** A value only ``b`` read stops being an output; the fused
+      fragment records its ``parts`` (for names and timelines).
+
+    Rounds repeat (a fused fragment may fuse again) until none fuses, at most a few times.
+    Each round is linear in the fragments' equations and boundary values (plus a bit set
+    per fragment).
+
+    Example:
+        >>> fuse_adjacent([], set())
+        []
+    """
+    order = list(order)
+    for _ in range(_MAX_ROUNDS if ENABLED else 0):
+        index = _Index.build(order)
+        pairs = _accepted(index, outputs)
+        if not pairs:
+            break
+        into = dict(pairs)
+        dropped = set(into.values())
+        order = [
+            _fused(index, p, into[p], outputs) if p in into else frag
+            for p, frag in enumerate(order)
+            if p not in dropped
+        ]
+    return order
