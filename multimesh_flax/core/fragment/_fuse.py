@@ -27,7 +27,6 @@ class _Index:
     made_at: dict[Any, int]  # var -> position of the fragment producing it
     readers: dict[Any, set[int]]  # var -> positions of the fragments reading it
     ancestors: list[int]  # per position, the bit set of positions it depends on
-    effects: list[bool]  # per position, whether an equation has effects
 
     @classmethod
     def build(cls, order: Sequence[Any]) -> _Index:
@@ -35,16 +34,24 @@ class _Index:
         readers: dict[Any, set[int]] = {}
         ancestors: list[int] = []
         for p, frag in enumerate(order):
-            bits = 0
+            producers = set()
             for v in frag.invars:
                 readers.setdefault(v, set()).add(p)
-                q = made_at.get(v)
-                if q is not None:
-                    bits |= ancestors[q] | (1 << q)
+                producers.add(made_at.get(v))
+            producers.discard(None)
+            bits = 0
+            for q in producers:
+                bits |= ancestors[q] | (1 << q)
             ancestors.append(bits)
             made_at.update((v, p) for v in frag.outvars)
-        effects = [any(e.effects for e in frag.eqns) for frag in order]
-        return cls(order, made_at, readers, ancestors, effects)
+        return cls(order, made_at, readers, ancestors)
+
+    def has_effects(self, p: int, memo: dict[int, tuple[Any, bool]]) -> bool:
+        """Whether an equation of fragment ``p`` has effects (``memo``: across rounds)."""
+        frag = self.order[p]
+        if id(frag) not in memo:
+            memo[id(frag)] = (frag, any(e.effects for e in frag.eqns))  # pins the id
+        return memo[id(frag)][1]
 
     def waits_for(self, reader: int, p: int) -> bool:
         return bool(self.ancestors[reader] >> p & 1)
@@ -59,10 +66,10 @@ class _Index:
         )
 
 
-def _may_fuse(index: _Index, a: int, b: int, skipped: Sequence[int]) -> bool:
+def _may_fuse(index: _Index, a: int, b: int, skipped: Sequence[int], memo: _Memo) -> bool:
     """Whether running ``b`` right after ``a``, as one fragment, delays nothing (module doc)."""
     order, place = index.order, index.order[a].place
-    if any(index.effects[p] for p in (a, b, *skipped)):
+    if any(index.has_effects(p, memo.effects) for p in (a, b, *skipped)):
         return False
     for v in order[b].invars:  # every input of b is ready when a starts
         q = index.made_at.get(v)
@@ -93,15 +100,33 @@ def _candidates(index: _Index, queue: list[int]) -> list[tuple[int, int, tuple[i
     return pairs
 
 
-def _signature(frag: Any) -> Hashable:
+def _size(frag: Any) -> Hashable:
+    """What fragments of one signature share, cheaply: compared first."""
+    return frag.place, len(frag.eqns), len(frag.invars), len(frag.outvars)
+
+
+@dataclasses.dataclass
+class _Memo:
+    """What is known of each fragment by identity, kept across rounds (each entry holds the
+    fragment, which pins its id)."""
+
+    signatures: dict[int, tuple[Any, Hashable]] = dataclasses.field(default_factory=dict)
+    effects: dict[int, tuple[Any, bool]] = dataclasses.field(default_factory=dict)
+
+
+def _signature(frag: Any, memo: dict[int, tuple[Any, Hashable]]) -> Hashable:
     """A cheap stand-in for a fragment's executable: equal for the copies of one stage's
-    unit (or of one glue pattern) on one place. Collisions only mis-count executables."""
-    return (
-        frag.place,
+    unit (or of one glue pattern) on one place. Collisions only mis-count executables.
+    ``memo`` keeps each fragment's signature across rounds (by identity)."""
+    if id(frag) in memo:
+        return memo[id(frag)][1]
+    key = (
+        _size(frag),
         tuple(e.primitive for e in frag.eqns),
         tuple((v.aval.shape, v.aval.dtype) for v in frag.invars),
-        len(frag.outvars),
     )
+    memo[id(frag)] = (frag, key)  # the fragment itself pins its id while memo lives
+    return key
 
 
 def _wiring(index: _Index, a: int, b: int, outputs: set[Any]) -> Hashable:
@@ -117,7 +142,10 @@ def _wiring(index: _Index, a: int, b: int, outputs: set[Any]) -> Hashable:
 
 
 def _needed_outside(index: _Index, var: Any, pair: tuple[int, int], outputs: set[Any]) -> bool:
-    return var in outputs or any(r not in pair for r in index.readers.get(var, ()))
+    """Whether a result of ``pair[0]`` is read by anything but ``pair[1]`` (which it cannot
+    be: a fragment does not read its own results)."""
+    readers = index.readers.get(var, ())
+    return var in outputs or len(readers) > (pair[1] in readers)
 
 
 def _fused(index: _Index, a: int, b: int, outputs: set[Any]) -> Any:
@@ -139,7 +167,7 @@ def _fused(index: _Index, a: int, b: int, outputs: set[Any]) -> Any:
     )
 
 
-def _accepted(index: _Index, outputs: set[Any]) -> list[tuple[int, int]]:
+def _accepted(index: _Index, outputs: set[Any], memo: _Memo) -> list[tuple[int, int]]:
     """The pairs to fuse: every pair of one shape, and only if that fuses *all* fragments of
     both its classes (so each accepted shape turns two executables into one)."""
     queues: dict[Any, list[int]] = {}
@@ -149,17 +177,19 @@ def _accepted(index: _Index, outputs: set[Any]) -> list[tuple[int, int]]:
     sig: dict[int, Hashable] = {}
     for queue in queues.values():
         for a, b, skipped in _candidates(index, queue):
-            if _may_fuse(index, a, b, skipped):
-                sig.setdefault(a, _signature(index.order[a]))
-                sig.setdefault(b, _signature(index.order[b]))
+            if _may_fuse(index, a, b, skipped, memo):
+                sig.setdefault(a, _signature(index.order[a], memo.signatures))
+                sig.setdefault(b, _signature(index.order[b], memo.signatures))
                 shape = (sig[a], sig[b], _wiring(index, a, b, outputs))
                 shapes.setdefault(shape, []).append((a, b))
     if not shapes:
         return []
+    sizes = {_size(index.order[p]) for p in sig}
     count: dict[Hashable, int] = {}
     for p, frag in enumerate(index.order):
-        key = sig[p] if p in sig else _signature(frag)
-        count[key] = count.get(key, 0) + 1
+        if p in sig or _size(frag) in sizes:  # others cannot share a candidate's signature
+            key = sig[p] if p in sig else _signature(frag, memo.signatures)
+            count[key] = count.get(key, 0) + 1
     taken: set[int] = set()
     accepted = []
     for (first, second, _), pairs in shapes.items():
@@ -205,9 +235,10 @@ def fuse_adjacent(order: Sequence[Any], outputs: set[Any]) -> list[Any]:
         []
     """
     order = list(order)
+    memo = _Memo()
     for _ in range(_MAX_ROUNDS if ENABLED else 0):
         index = _Index.build(order)
-        pairs = _accepted(index, outputs)
+        pairs = _accepted(index, outputs, memo)
         if not pairs:
             break
         into = dict(pairs)
