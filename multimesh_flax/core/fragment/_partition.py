@@ -21,6 +21,8 @@ the latest fragments of that microbatch on its place, and glue outside every mic
 other such glue. Under a schedule, sums over microbatches are first re-associated into the
 schedule's order (``_accumulate``), and ``_pipeline.dispatch_order`` finally reorders the
 fragments, so glue merges only where that adds no ordering constraint (see ``_Cutter``).
+Last, ``_fuse`` runs a fragment and the next one on its place as one fragment where that
+changes no value or order and adds no executable (the last stage's ``F_k`` and ``B_k``).
 """
 
 from __future__ import annotations
