@@ -187,3 +187,36 @@ def test_fusing_keeps_donation_and_frees(m, monkeypatch):
     # From the second step on, both momentum buffers arrive in place and are consumed (the
     # parameters are read by several fragments, so they are not donated).
     assert consumed[True][1] == [False, False, True, True]
+
+
+def test_measured_costs_count_fused_ops_only_for_phases_never_run_alone():
+    def event(duration, units, fused=False):
+        stage, microbatch, phase = units[0]
+        return _dispatch.TimelineEvent(
+            (stage,),
+            "run",
+            "x",
+            0.0,
+            duration,
+            stage=stage,
+            microbatch=microbatch,
+            phase=phase,
+            units=units,
+            fused=fused,
+        )
+
+    timeline = _dispatch.Timeline(
+        [
+            event(1.0, ((0, 0, "F"),)),
+            event(3.0, ((0, 1, "F"),)),
+            event(5.0, ((1, 0, "F"), (1, 0, "B")), fused=True),
+            event(7.0, ((1, 1, "F"), (1, 1, "B")), fused=True),
+        ]
+    )
+    costs = mm.measured_costs(timeline)
+    assert costs["F"] == 2.0  # the unfused forwards only
+    assert costs["B"] == 3.0  # backwards ran only fused: each op's time shared by its units
+    assert costs["W"] == 0.0
+    figure = mm.plot_timeline(timeline)
+    labels = {text.get_text() for text in figure.axes[0].texts}
+    assert {"F0.0", "F1.0+B1.0", "F1.1+B1.1"} <= labels
