@@ -3,8 +3,8 @@
 Each fragment is one ``jax.jit``: one dispatch per step, its results materialised as
 buffers, no XLA fusion across its boundary. In a pipelined step a submesh often runs two
 fragments back to back that could be one program -- the last stage's forward and backward
-of a microbatch (the forward's residuals are read only by that backward), or the first
-stage's last backward and the optimizer update that follows it. :func:`fuse_adjacent` runs
+of a microbatch (the forward's residuals are read only by that backward), or, with one
+microbatch, the first stage's backward and the optimizer update after it. :func:`fuse_adjacent` runs
 such pairs as one fragment, when that changes neither a value, nor any submesh's order, nor
 when anything else can start, and does not add an executable to compile.
 """
@@ -67,7 +67,8 @@ class _Index:
 
 
 def _may_fuse(index: _Index, a: int, b: int, skipped: Sequence[int], memo: _Memo) -> bool:
-    """Whether running ``b`` right after ``a``, as one fragment, delays nothing (module doc)."""
+    """Whether running ``b`` right after ``a``, as one fragment, delays nothing (see
+    :func:`fuse_adjacent`)."""
     order, place = index.order, index.order[a].place
     if any(index.has_effects(p, memo.effects) for p in (a, b, *skipped)):
         return False
@@ -212,12 +213,14 @@ def fuse_adjacent(order: Sequence[Any], outputs: set[Any]) -> list[Any]:
       last stage's loss sums sit between its ``F_k`` and ``B_k``).
     * **Nothing waits longer.** Every input of ``b`` is ready when ``a`` starts: a program
       input, made by ``a``, made earlier on the same place, or made on another place by a
-      fragment ``a`` depends on. So the fused fragment starts when ``a`` would, and ``b``
-      starts when ``a`` ends, as before. Results of ``a`` (and of skipped glue) delayed by
+      fragment ``a`` depends on (only that value's own transfer, dispatched right after its
+      producer, may still be in flight). So the fused fragment starts when ``a`` would, and
+      ``b`` starts when ``a`` ends, as before. Results of ``a`` (and of skipped glue) delayed by
       ``b`` go only to the same place or to fragments that wait for ``b`` anyway. No fragment
-      with effects moves. Each place runs the same fragments' equations in the same order,
-      so values, every place's order (the schedule's rows) and every cross-place dependency
-      are unchanged; only ``b``'s dispatch moves earlier.
+      with effects moves. Each place runs the same equations in the same order (but for
+      skipped glue, now after ``b``), so values, every place's order of units (the
+      schedule's rows) and every cross-place dependency are unchanged; only ``b``'s
+      dispatch moves earlier.
     * **Not more executables.** Pairs are grouped by shape (the two fragments' signatures
       and how ``b`` reads ``a``): a shape fuses only if its pairs cover every fragment of
       both signatures (last-stage ``F_k`` + ``B_k`` for every ``k`` under 1F1B; under
@@ -228,11 +231,7 @@ def fuse_adjacent(order: Sequence[Any], outputs: set[Any]) -> list[Any]:
 
     Rounds repeat (a fused fragment may fuse again) until none fuses, at most a few times.
     Each round is linear in the fragments' equations and boundary values (plus a bit set
-    per fragment).
-
-    Example:
-        >>> fuse_adjacent([], set())
-        []
+    per fragment). ``tests/core/test_fuse.py`` shows the rule on pipelined training steps.
     """
     order = list(order)
     memo = _Memo()
