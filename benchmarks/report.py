@@ -149,7 +149,8 @@ def _b3(data: dict[str, Any]) -> list[dict]:
 
 
 def _b3_sweep(data: dict[str, Any]) -> list[dict]:
-    """The sweep's cold ratios in one row, the trace + partition growth, the cache runs."""
+    """The sweep's cold ratios in one row, its step ratios, the trace + partition growth, the
+    cache runs."""
     points = data.get("sweep", [])
     if not points:
         return []
@@ -176,7 +177,9 @@ def _b3_sweep(data: dict[str, Any]) -> list[dict]:
     rows += [
         r
         for r in data["rows"]
-        if r["metric"].startswith(("trace + partition", "persistent compilation cache"))
+        if r["metric"].startswith(
+            ("sweep gpt-tiny S=2 1f1b: step time", "trace + partition", "persistent compilation")
+        )
     ]
     return rows
 
