@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import multimesh_flax as mm
 import numpy as np
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 jax.devices()
 
 # %% [markdown]

@@ -47,7 +47,7 @@ import optax
 from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 # %% [markdown]
 # ## A plain Flax block with logical names

@@ -47,7 +47,7 @@ import numpy as np
 import optax
 from flax import linen as nn
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 # %% [markdown]
 # ## An ordinary Flax model

@@ -64,7 +64,7 @@ from models import (
 )
 from models.pipeline import make_multimesh
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 # %% [markdown]
 # ## Data

@@ -53,7 +53,7 @@ from models import ByteTokenizer, cross_entropy_loss, get_config, iterate_batche
 from models.llama_nnx import NNX_LOGICAL_RULES, LlamaNNX
 from models.pipeline import make_multimesh
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 # %% [markdown]
 # ## Born on the stages

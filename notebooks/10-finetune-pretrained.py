@@ -56,7 +56,7 @@ from models.pipeline import make_multimesh
 
 CHECKPOINT = Path(os.environ.get("MMFLAX_HF_CHECKPOINT", "../tests/fixtures/hf/gpt2"))
 
-mm.enable_compilation_cache()  # a re-run loads compiled programs from ~/.cache instead
+cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 # %% [markdown]
 # ## Import
