@@ -17,10 +17,10 @@
   first call -- over that of ``jax.jit`` with a ``lax.scan`` over the same microbatches
   (its sharded initialisation plus first call), then the warm step time of both (interleaved
   rounds). Targets: cold at most 1.3; trace + partition at ``m = 32`` at most 1.5 times that
-  at ``m = 1``; step at most 1.2 at ``m = 1`` and 1.1 for ``m >= 2``.
-
-Both sides' cold times leave out generating the example batch (random tokens): its programs
-belong to neither side, and are compiled before either measurement starts.
+  at ``m = 1``; step at most 1.2 at ``m = 1`` and 1.1 for ``m >= 2``. Both sides' cold
+  times leave out generating the example batch (random tokens): its programs belong to
+  neither side, and are compiled before either measurement starts (also in the cold
+  compile above).
 * **Persistent compilation cache.** The same cold first step in two fresh processes sharing a
   new cache directory (``mm.enable_compilation_cache``): the second loads what the first
   compiled.
