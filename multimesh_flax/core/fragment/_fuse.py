@@ -46,13 +46,6 @@ class _Index:
             made_at.update((v, p) for v in frag.outvars)
         return cls(order, made_at, readers, ancestors)
 
-    def has_effects(self, p: int, memo: dict[int, tuple[Any, bool]]) -> bool:
-        """Whether an equation of fragment ``p`` has effects (``memo``: across rounds)."""
-        frag = self.order[p]
-        if id(frag) not in memo:
-            memo[id(frag)] = (frag, any(e.effects for e in frag.eqns))  # pins the id
-        return memo[id(frag)][1]
-
     def waits_for(self, reader: int, p: int) -> bool:
         return bool(self.ancestors[reader] >> p & 1)
 
@@ -70,7 +63,7 @@ def _may_fuse(index: _Index, a: int, b: int, skipped: Sequence[int], memo: _Memo
     """Whether running ``b`` right after ``a``, as one fragment, delays nothing (see
     :func:`fuse_adjacent`)."""
     order, place = index.order, index.order[a].place
-    if any(index.has_effects(p, memo.effects) for p in (a, b, *skipped)):
+    if any(memo.has_effects(order[p]) for p in (a, b, *skipped)):
         return False
     for v in order[b].invars:  # every input of b is ready when a starts
         q = index.made_at.get(v)
@@ -106,28 +99,31 @@ def _size(frag: Any) -> Hashable:
     return frag.place, len(frag.eqns), len(frag.invars), len(frag.outvars)
 
 
-@dataclasses.dataclass
 class _Memo:
-    """What is known of each fragment by identity, kept across rounds (each entry holds the
-    fragment, which pins its id)."""
+    """What is known of each fragment, kept across rounds: its signature and whether it has
+    effects, each computed on first use. Keyed by identity (fragments are not hashable);
+    each entry holds its fragment, which pins the id while the memo lives."""
 
-    signatures: dict[int, tuple[Any, Hashable]] = dataclasses.field(default_factory=dict)
-    effects: dict[int, tuple[Any, bool]] = dataclasses.field(default_factory=dict)
+    def __init__(self) -> None:
+        self._signatures: dict[int, tuple[Any, Hashable]] = {}
+        self._effects: dict[int, tuple[Any, bool]] = {}
 
+    def signature(self, frag: Any) -> Hashable:
+        """A cheap stand-in for a fragment's executable: equal for the copies of one stage's
+        unit (or of one glue pattern) on one place. Collisions only mis-count executables."""
+        if id(frag) not in self._signatures:
+            key = (
+                _size(frag),
+                tuple(e.primitive for e in frag.eqns),
+                tuple((v.aval.shape, v.aval.dtype) for v in frag.invars),
+            )
+            self._signatures[id(frag)] = (frag, key)
+        return self._signatures[id(frag)][1]
 
-def _signature(frag: Any, memo: dict[int, tuple[Any, Hashable]]) -> Hashable:
-    """A cheap stand-in for a fragment's executable: equal for the copies of one stage's
-    unit (or of one glue pattern) on one place. Collisions only mis-count executables.
-    ``memo`` keeps each fragment's signature across rounds (by identity)."""
-    if id(frag) in memo:
-        return memo[id(frag)][1]
-    key = (
-        _size(frag),
-        tuple(e.primitive for e in frag.eqns),
-        tuple((v.aval.shape, v.aval.dtype) for v in frag.invars),
-    )
-    memo[id(frag)] = (frag, key)  # the fragment itself pins its id while memo lives
-    return key
+    def has_effects(self, frag: Any) -> bool:
+        if id(frag) not in self._effects:
+            self._effects[id(frag)] = (frag, any(e.effects for e in frag.eqns))
+        return self._effects[id(frag)][1]
 
 
 def _wiring(index: _Index, a: int, b: int, outputs: set[Any]) -> Hashable:
@@ -179,8 +175,8 @@ def _accepted(index: _Index, outputs: set[Any], memo: _Memo) -> list[tuple[int, 
     for queue in queues.values():
         for a, b, skipped in _candidates(index, queue):
             if _may_fuse(index, a, b, skipped, memo):
-                sig.setdefault(a, _signature(index.order[a], memo.signatures))
-                sig.setdefault(b, _signature(index.order[b], memo.signatures))
+                sig.setdefault(a, memo.signature(index.order[a]))
+                sig.setdefault(b, memo.signature(index.order[b]))
                 shape = (sig[a], sig[b], _wiring(index, a, b, outputs))
                 shapes.setdefault(shape, []).append((a, b))
     if not shapes:
@@ -189,7 +185,7 @@ def _accepted(index: _Index, outputs: set[Any], memo: _Memo) -> list[tuple[int, 
     count: dict[Hashable, int] = {}
     for p, frag in enumerate(index.order):
         if p in sig or _size(frag) in sizes:  # others cannot share a candidate's signature
-            key = sig[p] if p in sig else _signature(frag, memo.signatures)
+            key = sig[p] if p in sig else memo.signature(frag)
             count[key] = count.get(key, 0) + 1
     taken: set[int] = set()
     accepted = []
