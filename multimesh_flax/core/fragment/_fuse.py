@@ -114,7 +114,7 @@ class _Memo:
         if id(frag) not in self._signatures:
             key = (
                 _size(frag),
-                tuple(e.primitive for e in frag.eqns),
+                tuple(_shape(e) for e in frag.eqns),
                 tuple((v.aval.shape, v.aval.dtype) for v in frag.invars),
             )
             self._signatures[id(frag)] = (frag, key)
@@ -124,6 +124,15 @@ class _Memo:
         if id(frag) not in self._effects:
             self._effects[id(frag)] = (frag, any(e.effects for e in frag.eqns))
         return self._effects[id(frag)][1]
+
+
+def _shape(eqn: Any) -> Hashable:
+    """An equation's primitive; for a block (a call of a run of equations), also the size of
+    its body, never its identity: the same block of two microbatch classes is one executable."""
+    body = eqn.params.get("call_jaxpr")
+    if body is None:
+        return eqn.primitive
+    return eqn.primitive, len(body.jaxpr.eqns), len(body.jaxpr.invars), len(body.jaxpr.outvars)
 
 
 def _wiring(index: _Index, a: int, b: int, outputs: set[Any]) -> Hashable:

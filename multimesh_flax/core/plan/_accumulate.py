@@ -26,9 +26,8 @@ import jax.extend.core as jex
 
 from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.trace import _blocks, _trace
 
-_SUMS = ("add", "add_any")
 _EARLY = (-1, float("-inf"))
 
 
@@ -44,14 +43,6 @@ def _ready_times(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> 
         for v in eqn.outvars:
             ready[v] = time
     return ready
-
-
-def _is_sum(eqn: Any) -> bool:
-    """An addition of two (non-literal) values of the result's type."""
-    if eqn.primitive.name not in _SUMS or len(eqn.invars) != 2:
-        return False
-    aval = eqn.outvars[0].aval
-    return all(not isinstance(v, jex.Literal) and v.aval == aval for v in eqn.invars)
 
 
 @dataclasses.dataclass
@@ -77,7 +68,7 @@ def _sum_trees(
         for v in e.invars:
             if not isinstance(v, jex.Literal):
                 uses[v] = uses.get(v, 0) + 1
-    sums = {i for i, e in enumerate(eqns) if _is_sum(e)}
+    sums = {i for i, e in enumerate(eqns) if _blocks.is_sum(e)}
     inner = {
         producer[v]
         for i in sums

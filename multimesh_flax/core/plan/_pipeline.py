@@ -44,7 +44,7 @@ from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.plan import _simulator
 from multimesh_flax.core.trace import _session, _trace
 
-MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")
+MICROBATCH_RE = _session.MICROBATCH_RE
 Microbatch = tuple[int, int]  # (region uid, k)
 
 

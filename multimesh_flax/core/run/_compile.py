@@ -9,6 +9,7 @@ compiled once per device set and input sharding.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -17,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.fragment import _partition
 from multimesh_flax.core.run import _structure
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.trace import _blocks, _trace
 
 # Compiled fragments by (structural key, donation, output shardings): shared by every
 # program of the process. Bounded: a program keeps the fragments it uses.
@@ -33,12 +34,31 @@ def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
     return fragment
 
 
+# The abstract-mesh parameters of each block body: one dict per body, so the copies of a
+# block keep sharing their parameters (``structural_key`` memoises them by identity).
+_ABSTRACT_BLOCKS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _abstract_block(eqn: Any) -> Any:
+    body = eqn.params["call_jaxpr"]
+    params = _ABSTRACT_BLOCKS.get(body)
+    if params is None:
+        inner = body.jaxpr
+        eqns = [_abstract_constraint(e) for e in inner.eqns]
+        jaxpr = inner.replace(eqns=eqns)
+        params = _ABSTRACT_BLOCKS[body] = {**eqn.params, "call_jaxpr": jex.ClosedJaxpr(jaxpr, [])}
+    return eqn.replace(params=params)
+
+
 def _abstract_constraint(eqn: Any) -> Any:
-    """The equation with a concrete-mesh sharding constraint rewritten onto the abstract mesh.
+    """The equation with a concrete-mesh sharding constraint rewritten onto the abstract mesh
+    (inside a block too).
 
     Identical stages on different submeshes then have identical fragment jaxprs, so they share
     one ``jax.jit``: traced and lowered once, compiled once per device set.
     """
+    if _blocks.is_block(eqn):
+        return _abstract_block(eqn)
     sharding = _trace.concrete_constraint(eqn)
     if sharding is None:
         return eqn

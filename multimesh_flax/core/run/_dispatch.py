@@ -285,7 +285,7 @@ class MpmdExecutable:
         for frag in self.fragments:
             for v in frag.invars:
                 if part.home[v] != frag.place:
-                    hint = _first_constraint(frag, v) or self._fragment_mesh(frag)
+                    hint = _first_constraint(frag.eqns, v) or self._fragment_mesh(frag)
                     source = self._alias.get(v, v)
                     group = transfers.setdefault(producer.get(source, -1), {})
                     entries = group.setdefault(frag.place, [])

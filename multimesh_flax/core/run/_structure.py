@@ -38,8 +38,12 @@ def _literal_key(lit: Any) -> Hashable:
 
 def _param_key(value: Any) -> Hashable:
     """A hashable stand-in for an equation parameter (equal values, equal keys)."""
-    if isinstance(value, (jex.Jaxpr, jex.ClosedJaxpr)):
-        return ("jaxpr", str(value))  # loop and branch bodies: rare, and printed only here
+    if isinstance(value, jex.ClosedJaxpr) and not value.consts:
+        value = value.jaxpr
+    if isinstance(value, jex.Jaxpr):
+        return ("jaxpr", structural_key(value))  # blocks, loop and branch bodies
+    if isinstance(value, jex.ClosedJaxpr):
+        return ("jaxpr", str(value))  # with constants: rare, and printed only here
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_param_key(x) for x in value))
     if isinstance(value, np.ndarray):

@@ -35,6 +35,7 @@ from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._task import Task
 
 MARKER_RE = re.compile(r"mmtask(\d+)_")
+MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")  # the scope of microbatch k of call uid
 
 
 class Label(NamedTuple):

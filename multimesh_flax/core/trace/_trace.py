@@ -22,7 +22,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.trace import _blocks, _colour, _session
+from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
 # differentiated after tracing, so dropping custom derivative rules is exact).
@@ -38,26 +39,6 @@ _INLINE_PARAM = {
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
 }
-
-
-def make_jaxpr_object(
-    constvars: list[Any], invars: list[Any], outvars: list[Any], eqns: list[Any], what: str
-) -> jex.Jaxpr:
-    """A ``Jaxpr`` with its effects and a ``DebugInfo`` naming what it is."""
-    debug = jex.DebugInfo(
-        "multimesh_flax",
-        what,
-        tuple(f"in{i}" for i in range(len(invars))),
-        tuple(f"out{i}" for i in range(len(outvars))),
-    )
-    return jex.Jaxpr(
-        constvars=constvars,
-        invars=invars,
-        outvars=outvars,
-        eqns=eqns,
-        effects=frozenset().union(*(e.effects for e in eqns)),
-        debug_info=debug,
-    )
 
 
 @dataclasses.dataclass
@@ -114,6 +95,7 @@ class _Template:
     eqns: list[Any]  # over placeholders
     suffixes: list[str]  # name stack of each equation below the call's own
     outvars: list[Any]
+    has_replays: bool = False  # whether its equations hold microbatch-call placeholders
 
 
 class _Inliner:
@@ -144,7 +126,15 @@ class _Inliner:
             invars = [read(a) for a in eqn.invars]
             key = _INLINE_PARAM.get(eqn.primitive.name)
             if key is not None and key in eqn.params:
-                outs = self._replay(self._template(eqn.params[key]), invars, stack)
+                template = self._template(eqn.params[key])
+                if _blocks.in_microbatch(stack) and not template.has_replays:
+                    # One microbatch's call of a body traced once: ``_blocks.expand``.
+                    replay = _blocks.placeholder(template, eqn, invars)
+                    env.update(zip(eqn.outvars, replay.outvars, strict=True))
+                    self.eqns.append(replay)
+                    self.stacks.append(stack)
+                    continue
+                outs = self._replay(template, invars, stack)
                 env.update(zip(eqn.outvars, outs, strict=True))
                 continue
             _check_no_inner_tasks(eqn)
@@ -165,7 +155,8 @@ class _Inliner:
         in_vars = [jex.Var(v.aval) for v in inner.invars]
         outs = sub.run(inner, const_vars, in_vars, "")
         consts = [*zip(const_vars, values, strict=True), *sub.consts.items()]
-        template = _Template(in_vars, consts, sub.eqns, sub.stacks, outs)
+        replays = any(e.primitive is _blocks.replay_p for e in sub.eqns)
+        template = _Template(in_vars, consts, sub.eqns, sub.stacks, outs, replays)
         self.templates[id(body)] = (body, template)
         return template
 
@@ -242,19 +233,25 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-    labels = each_distinct(lambda s: _colour.marker_label(s, session.tasks), inliner.stacks)
-    # Registered tasks (named scopes, backward callbacks) where they are innermost.
-    labels = _colour.label_equations(inliner.eqns, inliner.stacks, labels, session, devices)
-    eqns = _colour.concretise_constraints(inliner.eqns, labels, session)
+
+    def label(eqns: list[Any], stacks: list[str]) -> tuple[list[Any], list[Any]]:
+        labels = each_distinct(lambda s: _colour.marker_label(s, session.tasks), stacks)
+        # Registered tasks (named scopes, backward callbacks) where they are innermost.
+        labels = _colour.label_equations(eqns, stacks, labels, session, devices)
+        return labels, _colour.concretise_constraints(eqns, labels, session)
+
+    program = _blocks.expand(inliner.eqns, inliner.stacks, label, inliner._const, session)
+    eqns = _blocks.rename(program.eqns, program.renamed)
+    outs = [a if isinstance(a, jex.Literal) else program.renamed.get(a, a) for a in outs]
     const_items = list(inliner.consts.items())
     jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, eqns, "program")
     return TracedProgram(
         jaxpr=jaxpr,
         consts=[c for _, c in const_items],
-        labels=labels,
+        labels=program.labels,
         tasks=session.tasks,
         out_tree=jax.tree_util.tree_structure(out_shape),
-        stacks=inliner.stacks,
+        stacks=program.stacks,
         default_task=default,
         session=session,
     )
