@@ -30,7 +30,6 @@ import dataclasses
 import functools
 import heapq
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 

@@ -18,8 +18,9 @@ transformer) ``m`` times, and every later pass would walk all of them. Instead:
 
 A call then costs a few dozen equations, and identical blocks keep one body object, so later
 passes and the executable cache see them as the same program. Classes in a region whose
-schedule may split the backward into ``B`` and ``W`` (``zero-bubble-h2``, ``custom``) are
-inlined equation by equation: the split is decided per equation after tracing.
+schedule may split the backward into ``B`` and ``W`` (``zero-bubble-h2``, ``custom``) keep
+their backward equation by equation (only their forward is blocked): the split is decided
+per equation after tracing.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
+from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _session
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
 
@@ -143,7 +145,7 @@ def expand(
     for cls in classes.values():
         n = len(cls.template.eqns)
         body = _Labelled(labelled[at : at + n], labels[at : at + n], cls.template.suffixes)
-        _segment(cls, body, _may_block(cls.stack, session))
+        _segment(cls, body, _blockable(cls.stack, session))
         at += n
     return _emit(eqns, stacks, own, labelled, labels, classes, const)
 
@@ -155,41 +157,56 @@ class _Labelled:
     suffixes: list[str]
 
 
-def _may_block(stack: str, session: _session.TraceSession) -> bool:
-    """Whether the calls under ``stack`` may be cut into blocks: not when the innermost
-    microbatch region's schedule may split the backward per equation."""
+def _blockable(stack: str, session: _session.TraceSession) -> Callable[[Any], bool]:
+    """Which task labels of the calls under ``stack`` may be cut into blocks: all, except
+    backward labels when the innermost microbatch region's schedule may split the backward
+    into ``B`` and ``W`` (``plan/_pipeline`` splits it equation by equation)."""
     for found in reversed(_session.MICROBATCH_RE.findall(stack)):
         call = session.microbatch_calls.get(int(found[0]))
+        if call is not None and call.options.schedule in _SPLITTING_SCHEDULES:
+            return lambda label: label.phase is Phase.F
         if call is not None:
-            return call.options.schedule not in _SPLITTING_SCHEDULES
-    return True
+            break
+    return lambda label: True
 
 
-def _segment(cls: _Class, body: _Labelled, blocks: bool) -> None:
+def _segment(cls: _Class, body: _Labelled, blockable: Callable[[Any], bool]) -> None:
     """Fills ``cls.items``: the body's runs of one task label as blocks, glue as is.
 
-    A sum reading a value from outside its run stays a single equation too: it may add a
-    parameter's gradient shares from two tasks, which ``plan/_accumulate`` re-associates
-    across microbatches (summing each submesh's shares before they move).
+    Sums that only feed the body's outputs, directly or through such sums, stay single
+    equations too: they may add a parameter's gradient shares from two tasks, which
+    ``plan/_accumulate`` re-associates across microbatches (summing each submesh's shares
+    before they move).
     """
     last_use = _last_uses(body.eqns, cls.template.outvars)
+    single = _output_sums(body.eqns, cls.template.outvars)
     start = 0
     while start < len(body.eqns):
         end = start + 1
         task = body.labels[start]
-        if blocks and task is not None and not is_sum(body.eqns[start]):
-            defined = set(body.eqns[start].outvars)
-            while end < len(body.eqns) and body.labels[end] == task:
-                eqn = body.eqns[end]
-                if is_sum(eqn) and not defined.issuperset(eqn.invars):
-                    break
-                defined.update(eqn.outvars)
+        if task is not None and blockable(task) and start not in single:
+            while end < len(body.eqns) and body.labels[end] == task and end not in single:
                 end += 1
         run = body.eqns[start:end]
         cls.items.append(run[0] if len(run) == 1 else _block(run, end, last_use))
         cls.labels.append(task)
         cls.suffixes.append(body.suffixes[start])
         start = end
+
+
+def _output_sums(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[int]:
+    """The indices of sums whose one reader is the body's outputs or another such sum."""
+    readers: dict[Any, list[Any]] = {v: ["out"] for v in outvars if not isinstance(v, jex.Literal)}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                readers.setdefault(v, []).append(i)
+    found: set[int] = set()
+    for i in reversed(range(len(eqns))):
+        only = readers.get(eqns[i].outvars[0], []) if is_sum(eqns[i]) else []
+        if len(only) == 1 and (only[0] == "out" or only[0] in found):
+            found.add(i)
+    return found
 
 
 def is_sum(eqn: Any) -> bool:
@@ -290,9 +307,7 @@ def rename(eqns: list[Any], renamed: dict[Any, Any]) -> list[Any]:
     out = []
     for eqn in eqns:
         if any(not isinstance(v, jex.Literal) and v in renamed for v in eqn.invars):
-            invars = [
-                v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars
-            ]
+            invars = [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars]
             eqn = eqn.replace(invars=invars)
         out.append(eqn)
     return out

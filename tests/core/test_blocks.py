@@ -1,0 +1,141 @@
+"""Blocks (``trace/_blocks``): each microbatch's copy of a body traced once, as a few calls.
+
+A two-stage chain of residual ``tanh`` layers, each stage on four devices with its input and
+weight constrained inside the task, trained under a schedule over ``M`` microbatches. The
+program keeps one ``closed_call`` per run of a task label for every microbatch, all copies
+sharing one body; the results must equal the unparallelized step's (``ignore_transforms``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import multimesh_flax as mm
+from multimesh_flax.core.declare._schedules import Phase
+from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.trace import _blocks
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+BATCH, M = 16, 4
+RULES = (("batch", "x"), ("model", "x"))
+
+
+def _layer(w, h):
+    h = mm.with_sharding_constraint(h, P("batch", None))
+    w = mm.with_sharding_constraint(w, P(None, "model"))
+    return h + 0.5 * jnp.tanh(h @ w) * jnp.cos(h @ w)
+
+
+def _loss(stages=2):
+    size = 8 // stages
+    meshes = [
+        mm.TaskMesh(devices=list(range(size * s, size * s + size)), axis_names=("x",))
+        for s in range(stages)
+    ]
+    tasks = [
+        mm.task(_layer, name=f"layer{s}", mesh=meshes[s], logical_axes=RULES) for s in range(stages)
+    ]
+
+    def loss(params, batch):
+        x, y = batch
+        for layer, w in zip(tasks, params, strict=True):
+            x = layer(w, x)
+        return jnp.mean((x - y) ** 2)
+
+    return loss
+
+
+def _data(stages=2):
+    keys = jax.random.split(jax.random.key(11), stages + 2)
+    params = [jax.random.normal(k, (8, 8)) / 3 for k in keys[:stages]]
+    batch = (jax.random.normal(keys[-2], (BATCH, 8)), jax.random.normal(keys[-1], (BATCH, 8)))
+    return params, batch
+
+
+def _step(schedule, m=M, stages=2):
+    loss = _loss(stages)
+    mean = mm.microbatch(loss, 0, BATCH // m, argnum=1, schedule=schedule, reduce="mean")
+    return mm.jit(jax.value_and_grad(mean)), loss
+
+
+def _by_microbatch(traced):
+    """The program's task equations (glue and sums left out) grouped by microbatch index."""
+    groups: dict[int, list] = {}
+    for eqn, stack, label in zip(traced.jaxpr.eqns, traced.stacks, traced.labels, strict=True):
+        mb = _pipeline.microbatch_of(stack, traced.microbatch_calls)
+        if mb is not None and label is not None:
+            groups.setdefault(mb[1], []).append(eqn)
+    return groups
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h2"])
+def test_blocked_steps_compute_what_the_unparallelized_step_computes(schedule):
+    step, loss = _step(schedule)
+    params, batch = _data()
+    value, grads = step(params, batch)
+    with mm.ignore_transforms():
+        ref_value, ref_grads = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(value, ref_value, **TOL)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_each_microbatch_is_a_few_blocks_sharing_one_body_per_run():
+    step, _ = _step("1f1b")
+    params, batch = _data()
+    traced = step.executable(params, batch).partition.traced
+    groups = _by_microbatch(traced)
+    assert sorted(groups) == list(range(M))
+    # Forward and backward of each of the two tasks: one block per run.
+    assert all(_blocks.is_block(e) for e in groups[0]) and len(groups[0]) >= 4
+    bodies = {k: [_blocks.block_body(e) for e in eqns] for k, eqns in groups.items()}
+    for k in range(1, M):
+        assert len(bodies[k]) == len(bodies[0])
+        assert all(a is b for a, b in zip(bodies[k], bodies[0], strict=True))
+    assert sum(len(body.eqns) for body in bodies[0]) > 4 * len(bodies[0])
+
+
+def test_zero_bubble_keeps_backward_equations_single_so_the_backward_can_split():
+    step, _ = _step("zero-bubble-h2")
+    params, batch = _data()
+    exe = step.executable(params, batch)
+    traced = exe.partition.traced
+    phases = {
+        label.phase
+        for e, label in zip(traced.jaxpr.eqns, traced.labels, strict=True)
+        if _blocks.is_block(e)
+    }
+    assert phases == {Phase.F}
+    runs = [op for op in exe.ops if op.kind == _dispatch.RUN]
+    assert any(unit[2] == "W" for op in runs for unit in op.units)
+
+
+def test_a_constraint_inside_a_block_sets_where_the_parameter_arrives():
+    step, _ = _step("gpipe")
+    params, batch = _data()
+    (w_shardings, _), _ = step.input_shardings(params, batch)
+    for s, sharding in enumerate(w_shardings):
+        assert sorted(d.id for d in sharding.device_set) == list(range(4 * s, 4 * s + 4))
+        assert sharding.spec == P(None, "x")
+
+
+def test_identical_stages_and_microbatches_share_executables():
+    """The middle stages of four run the same blocks on different submeshes: one program,
+    with the constraints inside their blocks on the abstract mesh (``run/_compile``)."""
+    programs = {}
+    for m in (2, 4):
+        step, _ = _step("gpipe", m, stages=4)
+        params, batch = _data(stages=4)
+        exe = step.executable(params, batch)
+        runs = [op for op in exe.ops if op.kind == _dispatch.RUN and op.name.startswith("layer")]
+        programs[m] = {(op.name.split("[")[0], op.place): op.fn for op in runs}
+    assert programs[2].keys() == programs[4].keys()
+    middle = {name: fn for (name, _), fn in programs[4].items() if name[:6] in ("layer1", "layer2")}
+    assert set(middle) == {"layer1.fwd", "layer2.fwd", "layer1.bwd", "layer2.bwd"}
+    assert middle["layer1.fwd"] is middle["layer2.fwd"]
+    assert middle["layer1.bwd"] is middle["layer2.bwd"]
