@@ -31,6 +31,7 @@ import bisect
 import dataclasses
 import enum
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -46,8 +47,9 @@ from multimesh_flax.core.trace import _session, _trace
 
 
 def nbytes(var: Any) -> int:
+    """The bytes of a variable's value (Python integers: no overflow, no NumPy call)."""
     aval = var.aval
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
+    return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 @dataclasses.dataclass

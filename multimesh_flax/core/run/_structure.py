@@ -64,7 +64,28 @@ def _params_key(params: dict[str, Any], memo: dict[int, Any] | None) -> Hashable
     return key
 
 
-def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Hashable:
+class StructuralKey:
+    """A jaxpr's structure as a hashable value whose hash is computed once: the fragment
+    cache looks keys up by hash, and these tuples are large."""
+
+    __slots__ = ("_hash", "parts")
+
+    def __init__(self, parts: tuple[Hashable, ...]) -> None:
+        self.parts = parts
+        self._hash = hash(parts)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StructuralKey)
+            and self._hash == other._hash
+            and self.parts == other.parts
+        )
+
+
+def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> StructuralKey:
     """A key equal for jaxprs that differ only in their variables' names.
 
     ``memo`` (a dict kept across calls) remembers each equation parameter dict's key by
@@ -80,9 +101,7 @@ def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Hash
     """
     number: dict[Any, int] = {}
     aval_keys: dict[int, Hashable] = {}  # by id: the jaxpr's variables pin their avals
-
-    def ref(v: Any) -> Hashable:
-        return _literal_key(v) if isinstance(v, jex.Literal) else number[v]
+    literal = jex.Literal
 
     def aval_key(aval: Any) -> Hashable:
         key = aval_keys.get(id(aval))
@@ -94,14 +113,14 @@ def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Hash
         number[v] = len(number)
     parts: list[Hashable] = [tuple(aval_key(v.aval) for v in (*jaxpr.constvars, *jaxpr.invars))]
     for eqn in jaxpr.eqns:
-        ins = tuple([ref(v) for v in eqn.invars])
+        ins = tuple([_literal_key(v) if type(v) is literal else number[v] for v in eqn.invars])
         for v in eqn.outvars:
             number[v] = len(number)
         params = _params_key(eqn.params, memo)
         outs = tuple([aval_key(v.aval) for v in eqn.outvars])
         parts.append((eqn.primitive, ins, outs, params))
-    parts.append(tuple(ref(v) for v in jaxpr.outvars))
-    return tuple(parts)
+    parts.append(tuple(_literal_key(v) if type(v) is literal else number[v] for v in jaxpr.outvars))
+    return StructuralKey(tuple(parts))
 
 
 class BoundedCache:
