@@ -160,9 +160,10 @@ def _b3_sweep(data: dict[str, Any]) -> list[dict]:
     )
     built = ", ".join(
         f"L={p['layers']} m={p['microbatches']}: "
-        f"{p['ours']['trace_s'] + p['ours']['partition_s']:.1f}"
+        f"{p.get('trace_partition_median_s', p['ours']['trace_s'] + p['ours']['partition_s']):.2f}"
         for p in points
     )
+    medians = [p for p in points if "trace_partition_median_s" in p]
     rows = [
         _row(
             "B3",
@@ -172,7 +173,18 @@ def _b3_sweep(data: dict[str, Any]) -> list[dict]:
             "<= 1.3",
             met == len(points),
         ),
-        _row("B3", "gpt-tiny S=2 1f1b sweep: trace + partition seconds", built),
+        _row(
+            "B3",
+            "gpt-tiny S=2 1f1b sweep: trace + partition seconds"
+            + (
+                f" (medians of {len(medians[0]['trace_partition_samples'])} processes at "
+                + ", ".join(f"L={p['layers']} m={p['microbatches']}" for p in medians)
+                + ")"
+                if medians
+                else ""
+            ),
+            built,
+        ),
     ]
     rows += [
         r

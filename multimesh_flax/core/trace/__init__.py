@@ -2,6 +2,7 @@
 
 ``_trace.trace_program`` runs ``jax.make_jaxpr`` inside a trace session (``_session``: what one
 trace learns), inlines nested calls, and colours each equation with its task and phase
-(``_colour`` for name-registered tasks). While tracing, ``_constraints`` resolves logical
+(``_colour`` for name-registered tasks); ``_blocks`` keeps each microbatch's copy of a body
+traced once as a few call equations. While tracing, ``_constraints`` resolves logical
 sharding constraints and ``_microbatch`` unrolls microbatch loops.
 """

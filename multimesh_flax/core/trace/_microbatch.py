@@ -190,9 +190,10 @@ class _Body:
     Under ``jit`` the body is a ``jax.jit`` of ``fun`` over the chunk (the other arguments
     are closed over), so the chunks ``1..m-1`` reuse the program traced for chunk ``0``, and
     JAX's differentiation rules, which are cached per program, differentiate it once too:
-    tracing costs the same for 1 and for 32 microbatches. The partitioner inlines the ``m``
-    calls, each under its microbatch scope, into the same per-microbatch equations an
-    unrolled loop would give. Chunk ``0`` is traced under microbatch iteration ``0``; if a
+    tracing costs the same for 1 and for 32 microbatches. The tracer turns each of the ``m``
+    calls, under its microbatch scope, into a few blocks whose bodies all calls share
+    (``_blocks``): the same per-microbatch work an unrolled loop would give, without ``m``
+    copies of every equation. Chunk ``0`` is traced under microbatch iteration ``0``; if a
     task resolved its mesh from that index (``loop_dependent_mesh_slice``) the microbatches
     differ, and the remaining chunks are traced one by one instead.
     """

@@ -2,7 +2,8 @@
 
 ``trace_program`` runs ``jax.make_jaxpr`` inside a trace session (so each task call records
 its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
-boundaries become visible at the top level, and labels every equation with
+boundaries become visible at the top level -- except each microbatch's call of a body traced
+once, which ``_blocks`` turns into a few block equations -- and labels every equation with
 a ``Label(task uid, phase)`` -- phase ``F`` or ``B`` (the name stack shows ``transpose(``
 before the task's marker) -- or ``None`` for glue. Tasks registered by name
 (``register_task``) are entered around matching Flax modules while tracing and matched on name
