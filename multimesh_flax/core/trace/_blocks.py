@@ -210,7 +210,12 @@ def _output_sums(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[int]:
 
 
 def is_sum(eqn: Any) -> bool:
-    """An addition of two (non-literal) values of the result's type."""
+    """An addition of two (non-literal) values of the result's type.
+
+    >>> import jax
+    >>> [is_sum(e) for e in jax.make_jaxpr(lambda a, b: (a + b) + 1.0)(1.0, 2.0).eqns]
+    [True, False]
+    """
     if eqn.primitive.name not in ("add", "add_any") or len(eqn.invars) != 2:
         return False
     aval = eqn.outvars[0].aval
