@@ -217,6 +217,14 @@ MUTATIONS = (
         "blocks: a tied gradient's in-microbatch sum is hidden in a block (no per-submesh sums)",
     ),
     Mutation(
+        "blocks-backward-split",
+        "multimesh_flax/core/trace/_blocks.py",
+        "    activation = _activation_gradient(body) if split else set()",
+        "    activation: set[int] = set()",
+        ("tests/core/test_blocks.py",),
+        "blocks: under zero-bubble a backward block mixes activation and weight gradients",
+    ),
+    Mutation(
         "fast-path-autoshard",
         "multimesh_flax/core/trace/_trace.py",
         "        _config.autoshard(),\n        _session.trace_session() as session,",

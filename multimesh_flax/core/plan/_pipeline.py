@@ -41,7 +41,7 @@ from multimesh_flax.core.declare._devices import Place, place_of
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.plan import _simulator
-from multimesh_flax.core.trace import _session, _trace
+from multimesh_flax.core.trace import _blocks, _session, _trace
 
 MICROBATCH_RE = _session.MICROBATCH_RE
 Microbatch = tuple[int, int]  # (region uid, k)
@@ -342,11 +342,6 @@ def _stage_index(name: str, names: list[str]) -> int:
 # --- split backward -------------------------------------------------------------------------
 
 
-def _cap(items: set[Any]) -> set[Any]:
-    """At most two distinct items: enough to tell whether a set holds one other than x."""
-    return items if len(items) <= 2 else set(list(items)[:2])
-
-
 def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
     owners = []
     for label, (mb, _, mixed) in zip(traced.labels, plan.equations, strict=True):
@@ -355,26 +350,10 @@ def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
     return owners
 
 
-def _reaches_other_backward(traced: _trace.TracedProgram, owners: list[Any]) -> list[bool]:
-    """Per equation: does an output feed (transitively) the backward of another task call?"""
-    reach: dict[Any, set[Any]] = {}
-    critical = [False] * len(owners)
-    for i in reversed(range(len(owners))):
-        eqn = traced.jaxpr.eqns[i]
-        out: set[Any] = set()
-        for v in eqn.outvars:
-            out |= reach.get(v, set())
-        critical[i] = bool(out - {owners[i]})
-        mine = _cap(out | ({owners[i]} if owners[i] is not None else set()))
-        for v in eqn.invars:
-            if not isinstance(v, jex.Literal):
-                reach[v] = _cap(reach.get(v, set()) | mine)
-    return critical
-
-
 def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: set[int]) -> None:
     """Relabels the weight-gradient part of every backward unit in ``regions`` as ``"W"``."""
-    critical = _reaches_other_backward(traced, _bwd_owners(traced, plan))
+    # Per equation: does an output feed (transitively) the backward of another task call?
+    critical = _blocks.reaches_other_owner(traced.jaxpr.eqns, _bwd_owners(traced, plan))
     producer = traced.producer
     needed: set[int] = set()
     stack = [

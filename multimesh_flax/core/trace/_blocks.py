@@ -18,9 +18,9 @@ transformer) ``m`` times, and every later pass would walk all of them. Instead:
 
 A call then costs a few dozen equations, and identical blocks keep one body object, so later
 passes and the executable cache see them as the same program. Classes in a region whose
-schedule may split the backward into ``B`` and ``W`` (``zero-bubble-h2``, ``custom``) keep
-their backward equation by equation (only their forward is blocked): the split is decided
-per equation after tracing.
+schedule may split the backward into ``B`` and ``W`` (``zero-bubble-h2``, ``custom``) also
+cut each backward run where it passes between activation and weight gradient, so that the
+split ``plan/_pipeline`` makes after tracing never falls inside a block.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def expand(
     for cls in classes.values():
         n = len(cls.template.eqns)
         body = _Labelled(labelled[at : at + n], labels[at : at + n], cls.template.suffixes)
-        _segment(cls, body, _blockable(cls.stack, session))
+        _segment(cls, body, _splits_backward(cls.stack, session))
         at += n
     return _emit(eqns, stacks, own, labelled, labels, classes, const)
 
@@ -157,39 +157,87 @@ class _Labelled:
     suffixes: list[str]
 
 
-def _blockable(stack: str, session: _session.TraceSession) -> Callable[[Any], bool]:
-    """Which task labels of the calls under ``stack`` may be cut into blocks: all, except
-    backward labels when the innermost microbatch region's schedule may split the backward
-    into ``B`` and ``W`` (``plan/_pipeline`` splits it equation by equation)."""
+def _splits_backward(stack: str, session: _session.TraceSession) -> bool:
+    """Whether the innermost microbatch region of ``stack`` has a schedule that may split
+    the backward into ``B`` and ``W`` (``plan/_pipeline`` then splits it per equation)."""
     for found in reversed(_session.MICROBATCH_RE.findall(stack)):
         call = session.microbatch_calls.get(int(found[0]))
-        if call is not None and call.options.schedule in _SPLITTING_SCHEDULES:
-            return lambda label: label.phase is Phase.F
         if call is not None:
-            break
-    return lambda label: True
+            return call.options.schedule in _SPLITTING_SCHEDULES
+    return False
 
 
-def _segment(cls: _Class, body: _Labelled, blockable: Callable[[Any], bool]) -> None:
+def _cap(items: set[Any]) -> set[Any]:
+    """At most two distinct items: enough to tell whether a set holds one other than x."""
+    return items if len(items) <= 2 else set(list(items)[:2])
+
+
+def reaches_other_owner(eqns: Sequence[Any], owners: Sequence[Any]) -> list[bool]:
+    """Per equation: does an output feed (transitively) an equation of another owner?
+
+    ``owners`` gives each equation's owner, ``None`` for equations that own nothing (their
+    readers' owners still count through them).
+    """
+    reach: dict[Any, set[Any]] = {}
+    critical = [False] * len(owners)
+    for i in reversed(range(len(owners))):
+        out: set[Any] = set()
+        for v in eqns[i].outvars:
+            out |= reach.get(v, set())
+        critical[i] = bool(out - {owners[i]})
+        mine = _cap(out | ({owners[i]} if owners[i] is not None else set()))
+        for v in eqns[i].invars:
+            if not isinstance(v, jex.Literal):
+                reach[v] = _cap(reach.get(v, set()) | mine)
+    return critical
+
+
+def _activation_gradient(body: _Labelled) -> set[int]:
+    """The backward equations of a body that ``plan/_pipeline`` keeps in ``B`` when it splits
+    the backward: those feeding another task's backward, and their producers in their own
+    run of the label. The other backward equations become ``W``; blocks must not mix them."""
+    owners = [lab.task if lab is not None and lab.phase is Phase.B else None for lab in body.labels]
+    critical = reaches_other_owner(body.eqns, owners)
+    producer = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
+    stack = [i for i, owner in enumerate(owners) if owner is not None and critical[i]]
+    needed: set[int] = set()
+    while stack:
+        i = stack.pop()
+        if i in needed:
+            continue
+        needed.add(i)
+        for v in body.eqns[i].invars:
+            j = None if isinstance(v, jex.Literal) else producer.get(v)
+            if j is not None and body.labels[j] == body.labels[i]:
+                stack.append(j)
+    return needed
+
+
+def _segment(cls: _Class, body: _Labelled, split: bool) -> None:
     """Fills ``cls.items``: the body's runs of one task label as blocks, glue as is.
 
     Sums that only feed the body's outputs, directly or through such sums, stay single
     equations too: they may add a parameter's gradient shares from two tasks, which
     ``plan/_accumulate`` re-associates across microbatches (summing each submesh's shares
-    before they move).
+    before they move). With ``split`` (a schedule splitting the backward), a backward run
+    is also cut where it passes between activation and weight gradient.
     """
     last_use = _last_uses(body.eqns, cls.template.outvars)
     single = _output_sums(body.eqns, cls.template.outvars)
+    activation = _activation_gradient(body) if split else set()
+
+    def key(i: int) -> tuple[Any, bool]:
+        return body.labels[i], i in activation
+
     start = 0
     while start < len(body.eqns):
         end = start + 1
-        task = body.labels[start]
-        if task is not None and blockable(task) and start not in single:
-            while end < len(body.eqns) and body.labels[end] == task and end not in single:
+        if body.labels[start] is not None and start not in single:
+            while end < len(body.eqns) and key(end) == key(start) and end not in single:
                 end += 1
         run = body.eqns[start:end]
         cls.items.append(run[0] if len(run) == 1 else _block(run, end, last_use))
-        cls.labels.append(task)
+        cls.labels.append(body.labels[start])
         cls.suffixes.append(body.suffixes[start])
         start = end
 
