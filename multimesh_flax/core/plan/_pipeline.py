@@ -354,22 +354,13 @@ def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: s
     """Relabels the weight-gradient part of every backward unit in ``regions`` as ``"W"``."""
     # Per equation: does an output feed (transitively) the backward of another task call?
     critical = _blocks.reaches_other_owner(traced.jaxpr.eqns, _bwd_owners(traced, plan))
-    producer = traced.producer
-    needed: set[int] = set()
-    stack = [
+    seeds = [
         i
         for i, (_, u, _) in enumerate(plan.equations)
         if u is not None and u.phase is Phase.B and u.region in regions and critical[i]
     ]
-    while stack:
-        i = stack.pop()
-        if i in needed:
-            continue
-        needed.add(i)
-        for v in traced.jaxpr.eqns[i].invars:
-            j = producer.get(v) if not isinstance(v, jex.Literal) else None
-            if j is not None and plan.equations[j].unit == plan.equations[i].unit:
-                stack.append(j)
+    units = [facts.unit for facts in plan.equations]
+    needed = _blocks.with_producers(traced.jaxpr.eqns, traced.producer, seeds, units)
     for i, (_, unit, _) in enumerate(plan.equations):
         if (
             unit is not None

@@ -199,18 +199,26 @@ def _activation_gradient(body: _Labelled) -> set[int]:
     owners = [lab.task if lab is not None and lab.phase is Phase.B else None for lab in body.labels]
     critical = reaches_other_owner(body.eqns, owners)
     producer = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
-    stack = [i for i, owner in enumerate(owners) if owner is not None and critical[i]]
-    needed: set[int] = set()
+    seeds = [i for i, owner in enumerate(owners) if owner is not None and critical[i]]
+    return with_producers(body.eqns, producer, seeds, body.labels)
+
+
+def with_producers(
+    eqns: Sequence[Any], producer: dict[Any, int], seeds: Sequence[int], groups: Sequence[Any]
+) -> set[int]:
+    """``seeds`` and, transitively, the producers of their inputs in their own group
+    (``groups[i]``: equation ``i``'s label or pipeline unit)."""
+    stack, found = list(seeds), set()
     while stack:
         i = stack.pop()
-        if i in needed:
+        if i in found:
             continue
-        needed.add(i)
-        for v in body.eqns[i].invars:
+        found.add(i)
+        for v in eqns[i].invars:
             j = None if isinstance(v, jex.Literal) else producer.get(v)
-            if j is not None and body.labels[j] == body.labels[i]:
+            if j is not None and groups[j] == groups[i]:
                 stack.append(j)
-    return needed
+    return found
 
 
 def _segment(cls: _Class, body: _Labelled, split: bool) -> None:
