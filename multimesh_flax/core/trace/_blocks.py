@@ -266,7 +266,8 @@ def _output_sums(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[int]:
 
 
 def is_sum(eqn: Any) -> bool:
-    """An addition of two (non-literal) values of the result's type.
+    """An addition of two (non-literal) values of the result's shape and dtype (their
+    avals may name different meshes: a loop body's carry names none).
 
     >>> import jax
     >>> [is_sum(e) for e in jax.make_jaxpr(lambda a, b: (a + b) + 1.0)(1.0, 2.0).eqns]
@@ -274,8 +275,11 @@ def is_sum(eqn: Any) -> bool:
     """
     if eqn.primitive.name not in ("add", "add_any") or len(eqn.invars) != 2:
         return False
-    aval = eqn.outvars[0].aval
-    return all(not isinstance(v, jex.Literal) and v.aval == aval for v in eqn.invars)
+    shape, dtype = eqn.outvars[0].aval.shape, eqn.outvars[0].aval.dtype
+    return all(
+        not isinstance(v, jex.Literal) and v.aval.shape == shape and v.aval.dtype == dtype
+        for v in eqn.invars
+    )
 
 
 def _last_uses(eqns: Sequence[Any], outvars: Sequence[Any]) -> dict[Any, int]:

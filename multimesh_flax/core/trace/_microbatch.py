@@ -1,14 +1,17 @@
-"""``microbatch``: unroll a function over slices of its batch, optionally pipelined.
+"""``microbatch``: run a function over slices of its batch, optionally pipelined.
 
 ``microbatch(fun, dim, size)`` returns a function that splits one argument (a pytree) along
 ``dim`` into ``m = length // size`` chunks, calls ``fun`` on each chunk and reduces the
-outputs (sum or mean). The loop is unrolled at trace time: chunk ``k`` runs inside the
-reserved named scope ``mmmb<uid>_<k>``, which JAX keeps on every equation, also on the
-backward of a ``jax.grad`` taken outside (``transpose(jvp(mmmb<uid>_<k>))``). Under ``jit``
-the partitioner (``_pipeline``) reads these scopes to cut the program into one fragment per
-(stage, microbatch, phase) and to dispatch them in the order of the schedule registered
-here under ``uid``. Outside ``jit`` -- plain JAX, eager, ``ignore_transforms`` -- the loop
-computes the same values and the schedule plays no part.
+outputs (sum or mean). Under our ``jit`` the chunks reach JAX as one ``lax.scan`` whose body
+runs ``fun`` under the reserved named scope ``mmmb<uid>_loop``, so JAX traces, differentiates
+and transposes ``fun`` once for any ``m``; the tracer (``_trace``, ``_loops``) then unrolls
+the scan, putting chunk ``k``'s equations under the scope ``mmmb<uid>_<k>`` -- also those of
+a ``jax.grad`` taken outside. The partitioner (``_pipeline``) reads these scopes to cut the
+program into one fragment per (stage, microbatch, phase) and to dispatch them in the order of
+the schedule registered here under ``uid``. A task whose mesh depends on the microbatch index
+(``loop_dependent_mesh_slice``) makes the chunks differ: they are then traced one by one, as
+a Python loop, each under its own scope. Outside ``jit`` -- plain JAX, eager,
+``ignore_transforms`` -- the loop computes the same values and the schedule plays no part.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import numpy as np
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _schedules
-from multimesh_flax.core.trace import _constraints, _session
+from multimesh_flax.core.trace import _constraints, _loops, _session
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
 _REDUCTIONS = ("sum", "mean")
@@ -160,13 +163,6 @@ def _chunk(batch: Any, k: int, dim: int, size: int) -> Any:
     return jax.tree_util.tree_map(take, batch)
 
 
-def _reduce(outs: list[Any], reduce: str, m: int) -> Any:
-    total = jax.tree_util.tree_map(lambda *xs: functools.reduce(operator.add, xs), *outs)
-    if reduce == "mean":
-        total = jax.tree_util.tree_map(lambda x: _divided(x, m), total)
-    return total
-
-
 def _divided(x: Any, m: int) -> Any:
     """``x / m``; a float ``x`` is its own mean over one microbatch (no extra glue op)."""
     if m == 1 and jnp.issubdtype(jnp.result_type(x), jnp.inexact):
@@ -184,45 +180,92 @@ class _Split:
     trace_once: bool = True
 
 
-class _Body:
-    """``fun`` applied to one chunk, traced once and replayed for every microbatch.
+def _apply(
+    fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any], chunk: Any
+) -> Any:
+    """``fun`` on one chunk in place of the split argument."""
+    at = split.argnum
+    return fun(*args[:at], chunk, *args[at + 1 :], **kwargs)
 
-    Under ``jit`` the body is a ``jax.jit`` of ``fun`` over the chunk (the other arguments
-    are closed over), so the chunks ``1..m-1`` reuse the program traced for chunk ``0``, and
-    JAX's differentiation rules, which are cached per program, differentiate it once too:
-    tracing costs the same for 1 and for 32 microbatches. The tracer turns each of the ``m``
-    calls, under its microbatch scope, into a few blocks whose bodies all calls share
-    (``_blocks``): the same per-microbatch work an unrolled loop would give, without ``m``
-    copies of every equation. Chunk ``0`` is traced under microbatch iteration ``0``; if a
-    task resolved its mesh from that index (``loop_dependent_mesh_slice``) the microbatches
-    differ, and the remaining chunks are traced one by one instead.
+
+def _constrained(chunk: Any, split: _Split) -> Any:
+    if split.arg_shardings is None:
+        return chunk
+    return _constraints.with_sharding_constraint(chunk, split.arg_shardings)
+
+
+def _chunk_type(leaf: Any, split: _Split) -> jax.ShapeDtypeStruct:
+    aval = jax.typeof(leaf)
+    shape = list(aval.shape)
+    shape[split.dim % len(shape)] = split.size
+    return jax.ShapeDtypeStruct(tuple(shape), aval.dtype, weak_type=aval.weak_type)
+
+
+def _stacked_chunks(leaf: Any, split: _Split, m: int) -> Any:
+    """``leaf`` as ``m`` chunks stacked on a new leading axis."""
+    shape = jnp.shape(leaf)
+    axis = split.dim % len(shape)
+    chunks = jnp.reshape(leaf, (*shape[:axis], m, split.size, *shape[axis + 1 :]))
+    return jnp.moveaxis(chunks, axis, 0) if axis else chunks
+
+
+def _probe(
+    shared: Callable[..., Any], fun: Callable[..., Any], split: _Split,
+    args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
+) -> Any:
+    """The output type of ``shared`` (``fun`` on one chunk, under ``jax.jit``), or ``None``
+    when a task resolved its mesh from the microbatch index (the chunks then differ).
+
+    This is the body's one trace; the scan (or chunk 0 of the loop) reuses it from
+    ``jax.jit``'s cache.
     """
+    chunk = jax.tree_util.tree_map(lambda leaf: _chunk_type(leaf, split), args[split.argnum])
+    session = _session.current_session()
+    before, session.loop_dependent = session.loop_dependent, False
+    try:
+        with _session.microbatch_iteration(0), _explaining_split(fun, split, args, kwargs, m):
+            out = jax.eval_shape(shared, chunk)
+        dependent = session.loop_dependent
+    finally:
+        session.loop_dependent = before or session.loop_dependent
+    return None if dependent else out
 
-    def __init__(
-        self, fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        self.fun, self.split, self.args, self.kwargs = fun, split, args, kwargs
-        self.shared = jax.jit(self.apply) if split.trace_once else None
 
-    def apply(self, chunk: Any) -> Any:
-        at = self.split.argnum
-        return self.fun(*self.args[:at], chunk, *self.args[at + 1 :], **self.kwargs)
+def _scanned(
+    shared: Callable[..., Any], out: Any, split: _Split, batch: Any, m: int, uid: int
+) -> Any:
+    """The sum of ``shared`` over the ``m`` chunks of ``batch`` as one ``lax.scan``
+    (``_loops``): JAX traces, differentiates and transposes its body once for any ``m``."""
 
-    def __call__(self, k: int, chunk: Any) -> Any:
-        if self.shared is None:
-            return self.apply(chunk)
-        if k > 0:
-            return self.shared(chunk)
-        session = _session.current_session()
-        before, session.loop_dependent = session.loop_dependent, False
-        try:
-            out = self.shared(chunk)
-        finally:
-            dependent = session.loop_dependent
-            session.loop_dependent = before or dependent
-        if dependent:
-            self.shared = None
-        return out
+    def step(total: Any, chunk: Any) -> tuple[Any, None]:
+        with jax.named_scope(_loops.loop_scope(uid)):
+            out = shared(_constrained(chunk, split))
+        # The sum over microbatches is outside every microbatch, as after a Python loop.
+        return jax.tree_util.tree_map(operator.add, total, out), None
+
+    zeros = jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), out)
+    stacked = jax.tree_util.tree_map(lambda leaf: _stacked_chunks(leaf, split, m), batch)
+    total, _ = jax.lax.scan(step, zeros, stacked)
+    return total
+
+
+def _unrolled(
+    fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any],
+    m: int, uid: int, first: Callable[..., Any] | None = None,
+) -> Any:
+    """The sum of ``fun`` over the chunks, traced once per chunk (a Python loop); ``first``
+    (``fun`` on a chunk under ``jax.jit``, already traced) runs chunk 0."""
+    batch = args[split.argnum]
+    outs = []
+    for k in range(m):
+        with jax.named_scope(f"mmmb{uid}_{k}"), _session.microbatch_iteration(k):
+            chunk = _constrained(_chunk(batch, k, split.dim, split.size), split)
+            with _explaining_split(fun, split, args, kwargs, m):
+                if k == 0 and first is not None:
+                    outs.append(first(chunk))
+                else:
+                    outs.append(_apply(fun, split, args, kwargs, chunk))
+    return functools.reduce(lambda a, b: jax.tree_util.tree_map(operator.add, a, b), outs)
 
 
 def _run(
@@ -237,20 +280,20 @@ def _run(
             f"`argnum`={split.argnum} names the split argument, but the call has "
             f"{len(args)} positional argument(s). Pass the batch positionally."
         )
-    batch = args[split.argnum]
-    m = _num_microbatches(batch, split.dim, split.size)
+    m = _num_microbatches(args[split.argnum], split.dim, split.size)
     uid = _register(options, m)
-    # Outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop.
-    body = _Body(fun, split if uid else dataclasses.replace(split, trace_once=False), args, kwargs)
-    outs = []
-    for k in range(m):
-        with jax.named_scope(f"mmmb{uid}_{k}"), _session.microbatch_iteration(k):
-            chunk = _chunk(batch, k, split.dim, split.size)
-            if split.arg_shardings is not None:
-                chunk = _constraints.with_sharding_constraint(chunk, split.arg_shardings)
-            with _explaining_split(fun, split, args, kwargs, m):
-                outs.append(body(k, chunk))
-    return _reduce(outs, split.reduce, m)
+    if uid and split.trace_once:
+        shared = jax.jit(functools.partial(_apply, fun, split, args, kwargs))
+        out = _probe(shared, fun, split, args, kwargs, m)
+        if out is not None:
+            total = _scanned(shared, out, split, args[split.argnum], m, uid)
+        else:
+            total = _unrolled(fun, split, args, kwargs, m, uid, first=shared)
+    else:  # outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop
+        total = _unrolled(fun, split, args, kwargs, m, uid)
+    if split.reduce == "mean":
+        total = jax.tree_util.tree_map(lambda x: _divided(x, m), total)
+    return total
 
 
 @contextlib.contextmanager
@@ -336,10 +379,10 @@ def microbatch(
         arg_shardings: a logical ``PartitionSpec`` pytree (prefix) applied to each chunk
             with ``with_sharding_constraint``.
         reduce: ``"sum"`` or ``"mean"``.
-        trace_once: under :func:`jit`, trace ``fun`` once and replay its program for every
-            microbatch (as ``jax.lax.map`` does; tracing then costs the same for any
-            number of microbatches). ``fun`` must then not hand traced values out through
-            side effects (e.g. appending to a list it closes over): that raises JAX's
+        trace_once: under :func:`jit`, trace ``fun`` once and run the microbatches as one
+            ``jax.lax.scan`` (tracing and differentiating then cost the same for any number
+            of microbatches). ``fun`` must then not hand traced values out through side
+            effects (e.g. appending to a list it closes over): that raises JAX's
             ``UnexpectedTracerError``. ``False`` traces ``fun`` once per microbatch. Tasks
             with a ``loop_dependent_mesh_slice`` are traced per microbatch either way.
 

@@ -2,8 +2,10 @@
 
 ``trace_program`` runs ``jax.make_jaxpr`` inside a trace session (so each task call records
 its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
-boundaries become visible at the top level -- except each microbatch's call of a body traced
-once, which ``_blocks`` turns into a few block equations -- and labels every equation with
+boundaries become visible at the top level, unrolls each microbatch loop (a ``scan``, see
+``_loops``) into one run of its body per microbatch -- each microbatch's call of a body traced
+once becomes a placeholder that ``_blocks`` turns into a few block equations -- drops what
+no output needs, and labels every equation with
 a ``Label(task uid, phase)`` -- phase ``F`` or ``B`` (the name stack shows ``transpose(``
 before the task's marker) -- or ``None`` for glue. Tasks registered by name
 (``register_task``) are entered around matching Flax modules while tracing and matched on name
@@ -23,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices
-from multimesh_flax.core.trace import _blocks, _colour, _session
+from multimesh_flax.core.trace import _blocks, _colour, _loops, _session
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
@@ -112,10 +114,20 @@ class _Inliner:
         self.consts: dict[Any, Any] = {}
         # Templates by id of the call parameter holding the body (the value pins the id).
         self.templates: dict[int, tuple[Any, _Template]] = {} if templates is None else templates
+        self.batch_splits: dict[Any, Any] = {}  # stacked chunks -> the reshape that made them
+        self.slices: dict[tuple[Any, int], Any] = {}  # (loop input, k) -> iteration k's slice
+        self.zeros: set[Any] = set()  # variables that are arrays of zeros (broadcast literals)
 
     def run(
-        self, jaxpr: jex.Jaxpr, consts: Sequence[Any], args: Sequence[Any], prefix: str
+        self,
+        jaxpr: jex.Jaxpr,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        prefix: str,
+        loop: tuple[int, int] | None = None,
     ) -> list[Any]:
+        """Inlines ``jaxpr`` applied to ``args`` under name stack ``prefix``; returns its
+        outputs. ``loop=(uid, k)``: the body of microbatch loop ``uid`` in iteration ``k``."""
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
         env.update(zip(jaxpr.invars, args, strict=True))
 
@@ -124,26 +136,127 @@ class _Inliner:
 
         for eqn in jaxpr.eqns:
             stack = _join(prefix, str(eqn.source_info.name_stack))
-            invars = [read(a) for a in eqn.invars]
-            key = _INLINE_PARAM.get(eqn.primitive.name)
-            if key is not None and key in eqn.params:
-                template = self._template(eqn.params[key])
-                if _blocks.in_microbatch(stack) and not template.has_replays:
-                    # One microbatch's call of a body traced once: ``_blocks.expand``.
-                    replay = _blocks.placeholder(template, eqn, invars)
-                    env.update(zip(eqn.outvars, replay.outvars, strict=True))
-                    self.eqns.append(replay)
-                    self.stacks.append(stack)
-                    continue
-                outs = self._replay(template, invars, stack)
-                env.update(zip(eqn.outvars, outs, strict=True))
-                continue
-            _check_no_inner_tasks(eqn)
-            outvars = [jex.Var(v.aval) for v in eqn.outvars]
-            env.update(zip(eqn.outvars, outvars, strict=True))
-            self.eqns.append(eqn.replace(invars=invars, outvars=outvars))
-            self.stacks.append(stack)
-        return [read(a) for a in jaxpr.outvars]
+            if loop is not None:
+                stack = _loops.in_iteration(stack, *loop)
+            uid = _loops.loop_uid(eqn)
+            if uid is not None:
+                outs = self._unroll(eqn, [read(a) for a in eqn.invars], stack, uid)
+            elif "_loop" in stack and (hoisted := _loops.hoisted_uid(stack)) is not None:
+                source = _loops.Hoisted(eqn, [read(a) for a in eqn.invars], stack, hoisted)
+                outs = [_loops.HoistedOut(source, i) for i in range(len(eqn.outvars))]
+            elif (kept := _loops.plus_zero(eqn, [read(a) for a in eqn.invars])) is not None:
+                outs = [self._value(kept)]
+            else:
+                outs = self._emit(eqn, [self._value(read(a)) for a in eqn.invars], stack)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [self._value(read(a)) for a in jaxpr.outvars]
+
+    def _emit(self, eqn: Any, invars: list[Any], stack: str) -> list[Any]:
+        """Appends ``eqn`` over ``invars`` (a call: its body, or its microbatch placeholder)."""
+        key = _INLINE_PARAM.get(eqn.primitive.name)
+        if key is not None and key in eqn.params:
+            template = self._template(eqn.params[key])
+            if _blocks.in_microbatch(stack) and not template.has_replays:
+                # One microbatch's call of a body traced once: ``_blocks.expand``.
+                replay = _blocks.placeholder(template, eqn, invars)
+                self._append(replay, stack)
+                return list(replay.outvars)
+            return self._replay(template, invars, stack)
+        _check_no_inner_tasks(eqn)
+        outvars = [jex.Var(v.aval) for v in eqn.outvars]
+        new = eqn.replace(invars=invars, outvars=outvars)
+        self._append(new, stack)
+        if _loops.splits_leading_axis(new):
+            self.batch_splits[outvars[0]] = new
+        elif _loops.is_zeros(new):
+            self.zeros.add(outvars[0])
+        return outvars
+
+    def _append(self, eqn: Any, stack: str) -> None:
+        self.eqns.append(eqn)
+        self.stacks.append(stack)
+
+    # --- microbatch loops (``_loops``) ------------------------------------------------------
+
+    def _unroll(self, eqn: Any, values: list[Any], stack: str, uid: int) -> list[Any]:
+        """Microbatch loop ``uid`` (a ``scan``) as one run of its body per iteration."""
+        params = eqn.params
+        inner, body_consts = _open(params["jaxpr"])
+        const_vars = [self._const(c) for c in body_consts]
+        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        loop_consts, xs = values[:n_consts], values[n_consts + n_carry :]
+        carry = [self._carried(v) for v in values[n_consts : n_consts + n_carry]]
+        ys: list[list[Any]] = [[None] * length for _ in eqn.outvars[n_carry:]]
+        order = reversed(range(length)) if params["reverse"] else range(length)
+        for k in order:
+            here = _loops.in_iteration(_join(stack, _loops.loop_scope(uid)), uid, k)
+            args = [
+                *(self._at(c, uid, k) for c in loop_consts),
+                *carry,
+                *(self._slice(x, k, eqn, here) for x in xs),
+            ]
+            outs = self.run(inner, const_vars, args, stack, loop=(uid, k))
+            carry = outs[:n_carry]
+            for parts, y in zip(ys, outs[n_carry:], strict=True):
+                parts[k] = y
+        stacked = [
+            _loops.Stacked(parts, v.aval, stack, eqn)
+            for parts, v in zip(ys, eqn.outvars[n_carry:], strict=True)
+        ]
+        return [*carry, *stacked]
+
+    def _carried(self, value: Any) -> Any:
+        """A loop's initial carry; zeros (a sum's start) are marked, so the first iteration's
+        addition to them is no equation (``_loops.plus_zero``)."""
+        value = self._value(value)
+        zero = value in self.zeros if isinstance(value, jex.Var) else _loops.is_zero(value)
+        return _loops.Zero(value) if zero else value
+
+    def _value(self, value: Any) -> Any:
+        """A variable for ``value``: a loop's stacked output is concatenated, a hoisted
+        equation computed once, outside every iteration (readers other than the loops)."""
+        if isinstance(value, _loops.Stacked):
+            if value.whole is None:
+                parts = [self._value(p) for p in value.parts]
+                eqns = _loops.stack_of(parts, value.aval, value.loop)
+                for e in eqns:
+                    self._append(e, value.stack)
+                value.whole = eqns[-1].outvars[0]
+            return value.whole
+        if isinstance(value, _loops.HoistedOut):
+            source = value.source
+            if source.once is None:
+                invars = [self._value(a) for a in source.invars]
+                source.once = self._emit(source.eqn, invars, _loops.outside(source.stack, source.uid))
+            return source.once[value.index]
+        if isinstance(value, _loops.Zero):
+            return value.var
+        return value
+
+    def _at(self, value: Any, uid: int, k: int) -> Any:
+        """A constant of loop ``uid`` in iteration ``k``: what JAX hoisted out of the loop is
+        computed again in the iteration, as the body itself would (``_loops`` doc)."""
+        if not isinstance(value, _loops.HoistedOut) or value.source.uid != uid:
+            return self._value(value)
+        source = value.source
+        outs = source.per_iteration.get(k)
+        if outs is None:
+            invars = [self._at(a, uid, k) for a in source.invars]
+            outs = self._emit(source.eqn, invars, _loops.in_iteration(source.stack, uid, k))
+            source.per_iteration[k] = outs
+        return outs[value.index]
+
+    def _slice(self, value: Any, k: int, loop: Any, stack: str) -> Any:
+        """Iteration ``k``'s slice of a loop input (made once, shared by both loops)."""
+        if isinstance(value, _loops.Stacked):
+            return value.parts[k]
+        var = self._value(value)
+        if (var, k) not in self.slices:
+            eqns = _loops.slice_of(var, k, self.batch_splits.get(var), loop)
+            for e in eqns:
+                self._append(e, stack)
+            self.slices[var, k] = eqns[-1].outvars[0]
+        return self.slices[var, k]
 
     def _template(self, body: Any) -> _Template:
         """The template of a call body (a ``Jaxpr`` or ``ClosedJaxpr``), built on first use."""
@@ -198,6 +311,20 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
+def _live(eqns: list[Any], stacks: list[str], outs: Sequence[Any]) -> tuple[list[Any], list[str]]:
+    """The equations (and their stacks) that an output or an effect needs: unrolling a
+    microbatch loop leaves the batch's reshape into stacked chunks unread (``_loops``)."""
+    live = {v for v in outs if not isinstance(v, jex.Literal)}
+    keep = []
+    for i in reversed(range(len(eqns))):
+        eqn = eqns[i]
+        if eqn.effects or any(v in live for v in eqn.outvars):
+            keep.append(i)
+            live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
+    keep.reverse()
+    return [eqns[i] for i in keep], [stacks[i] for i in keep]
+
+
 def each_distinct(fn: Callable[[str], Any], stacks: Sequence[str]) -> list[Any]:
     """``[fn(s) for s in stacks]``, calling ``fn`` once per distinct name stack (the m
     microbatches of a program repeat the same few thousand stacks over all its equations).
@@ -241,7 +368,8 @@ def trace_program(
         labels = _colour.label_equations(eqns, stacks, labels, session, devices)
         return labels, _colour.concretise_constraints(eqns, labels, session)
 
-    program = _blocks.expand(inliner.eqns, inliner.stacks, label, inliner._const, session)
+    eqns, stacks = _live(inliner.eqns, inliner.stacks, outs)
+    program = _blocks.expand(eqns, stacks, label, inliner._const, session)
     eqns = _blocks.rename(program.eqns, program.renamed)
     outs = [a if isinstance(a, jex.Literal) else program.renamed.get(a, a) for a in outs]
     const_items = list(inliner.consts.items())

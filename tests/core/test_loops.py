@@ -1,0 +1,100 @@
+"""The microbatch loop (``trace/_loops``): JAX traces one ``lax.scan``, our trace unrolls it.
+
+The model is ``test_blocks``'s two-stage chain of residual layers, whose constraint on each
+weight is a computation on loop constants alone (JAX hoists it out of the scan). The values
+must equal the unparallelized step's (``ignore_transforms``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import multimesh_flax as mm
+from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.trace import _blocks, _session
+from tests.core import test_blocks
+
+TOL = test_blocks.TOL
+
+
+def _raw_program_size(m):
+    """Equations of the program JAX traces for the step (before our unrolling)."""
+    loss = test_blocks._loss()
+    mean = mm.microbatch(loss, 0, test_blocks.BATCH // m, argnum=1, schedule="1f1b")
+    params, batch = test_blocks._data()
+    with _session.trace_session():
+        closed = jax.make_jaxpr(jax.value_and_grad(mean))(params, batch)
+    return len(closed.jaxpr.eqns)
+
+
+def test_jax_traces_the_same_program_for_any_number_of_microbatches():
+    assert _raw_program_size(2) == _raw_program_size(8)
+
+
+def _microbatch_of_each(traced):
+    return [_pipeline.microbatch_of(s, traced.microbatch_calls) for s in traced.stacks]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h2"])
+def test_each_iteration_reads_its_own_microbatch_values(schedule):
+    """Every microbatch is the same program, and a task equation of microbatch ``k`` reads
+    values of microbatch ``k`` only: the backward's residuals are its own forward's, and what
+    JAX hoisted out of the loop is recomputed in each iteration (no task equation outside
+    every microbatch)."""
+    step, _ = test_blocks._step(schedule)
+    params, batch = test_blocks._data()
+    traced = step.executable(params, batch).partition.traced
+    mbs = _microbatch_of_each(traced)
+    producer = traced.producer
+    counts: dict[int, int] = {}
+    for i, (eqn, label, mb) in enumerate(zip(traced.jaxpr.eqns, traced.labels, mbs, strict=True)):
+        if label is not None:
+            assert mb is not None, f"task equation outside every microbatch: {eqn}"
+        if mb is None or _blocks.is_sum(eqn):  # a gradient sum starts at the last microbatch
+            continue
+        counts[mb[1]] = counts.get(mb[1], 0) + 1
+        if label is None:
+            continue
+        for v in eqn.invars:
+            j = producer.get(v)
+            if j is not None and mbs[j] is not None and traced.labels[j] is not None:
+                assert mbs[j] == mb, f"microbatch {mb[1]} reads microbatch {mbs[j][1]}'s value"
+    assert sorted(counts) == list(range(test_blocks.M))
+    assert len(set(counts.values())) == 1, counts
+
+
+def _outer_task_step(dim):
+    """A task before the loop produces the split activation: its gradient comes back from
+    every iteration as one stacked array (the loop's stacked output, concatenated)."""
+    pre = mm.task(
+        lambda w, x: jnp.tanh(x @ w), name="pre", mesh=mm.TaskMesh(devices=[0, 1, 2, 3])
+    )
+    loss = test_blocks._loss()
+
+    def step_loss(params, batch):
+        x, y = batch
+        h = pre(params[0], x)
+        if dim == 1:  # split the transposed activation along its columns
+            body = lambda p, b: loss(p, (b[0].T, b[1].T))  # noqa: E731
+            b = (h.T, y.T)
+        else:
+            body, b = loss, (h, y)
+        mean = mm.microbatch(body, dim, test_blocks.BATCH // 4, argnum=1, reduce="mean")
+        return mean(params[1:], b)
+
+    return step_loss
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_split_activation_gets_its_gradient_back_from_every_iteration(dim):
+    step_loss = _outer_task_step(dim)
+    params, batch = test_blocks._data(stages=3)
+    value, grads = mm.jit(jax.value_and_grad(step_loss))(params, batch)
+    with mm.ignore_transforms():
+        ref_value, ref_grads = jax.value_and_grad(step_loss)(params, batch)
+    np.testing.assert_allclose(value, ref_value, **TOL)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, **TOL)
