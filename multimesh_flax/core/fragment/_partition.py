@@ -394,12 +394,14 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
     """
     outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     from_units = {v for f in order if f.unit is not None for e in f.eqns for v in e.outvars}
-    readers: dict[Any, set[int]] = {}  # var -> positions of the fragments that read it
+    # var -> {position of a fragment reading it: how many of its equations do}
+    readers: dict[Any, dict[int, int]] = {}
     for pos, frag in enumerate(order):
         for eqn in frag.eqns:
             for v in eqn.invars:
                 if not isinstance(v, jex.Literal):
-                    readers.setdefault(v, set()).add(pos)
+                    at = readers.setdefault(v, {})
+                    at[pos] = at.get(pos, 0) + 1
     moved = False
     # Equations moved into a fragment, last first: every target lies after the fragment
     # moving into it, which the loop below visits first, so prepending can wait to the end.
@@ -410,7 +412,7 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
             continue
         keep: list[Any] = []
         for eqn in reversed(frag.eqns):
-            users = set().union(*(readers.get(v, set()) for v in eqn.outvars))
+            users = set().union(*(readers.get(v, {}).keys() for v in eqn.outvars))
             target = next(iter(users)) if len(users) == 1 else None
             if (
                 target is None
@@ -424,10 +426,13 @@ def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
                 keep.append(eqn)
                 continue
             prepended.setdefault(target, []).append(eqn)
-            for v in eqn.invars:
+            for v in eqn.invars:  # the fragment may still read v through other equations
                 if not isinstance(v, jex.Literal):
-                    readers[v].discard(pos)
-                    readers[v].add(target)
+                    at = readers[v]
+                    at[pos] -= 1
+                    if not at[pos]:
+                        del at[pos]
+                    at[target] = at.get(target, 0) + 1
             moved = True
         frag.eqns = keep[::-1]
     for target, eqns in prepended.items():
