@@ -19,6 +19,7 @@ from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.run import _dispatch
 from multimesh_flax.core.trace import _blocks
+from tests.core._chain import chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 BATCH, M = 16, 4
@@ -41,13 +42,7 @@ def _loss(stages=2):
         mm.task(_layer, name=f"layer{s}", mesh=meshes[s], logical_axes=RULES) for s in range(stages)
     ]
 
-    def loss(params, batch):
-        x, y = batch
-        for layer, w in zip(tasks, params, strict=True):
-            x = layer(w, x)
-        return jnp.mean((x - y) ** 2)
-
-    return loss
+    return chain_loss(tasks)
 
 
 def _data(stages=2):

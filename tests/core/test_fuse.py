@@ -20,6 +20,7 @@ import multimesh_flax as mm
 from multimesh_flax.core import ScheduleOp
 from multimesh_flax.core.fragment import _fuse
 from multimesh_flax.core.run import _dispatch
+from tests.core._chain import chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 BATCH = 16
@@ -33,13 +34,7 @@ def _layer(w, h):
 def _loss_fn():
     tasks = [mm.task(_layer, name=f"layer{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)]
 
-    def loss(params, batch):
-        x, y = batch
-        for layer, w in zip(tasks, params, strict=True):
-            x = layer(w, x)
-        return jnp.mean((x - y) ** 2)
-
-    return loss
+    return chain_loss(tasks)
 
 
 def _train_step(loss):

@@ -50,7 +50,7 @@ def test_each_iteration_reads_its_own_microbatch_values(schedule):
     mbs = _microbatch_of_each(traced)
     producer = traced.producer
     counts: dict[int, int] = {}
-    for i, (eqn, label, mb) in enumerate(zip(traced.jaxpr.eqns, traced.labels, mbs, strict=True)):
+    for eqn, label, mb in zip(traced.jaxpr.eqns, traced.labels, mbs, strict=True):
         if label is not None:
             assert mb is not None, f"task equation outside every microbatch: {eqn}"
         if mb is None or _blocks.is_sum(eqn):  # a gradient sum starts at the last microbatch
@@ -69,9 +69,7 @@ def test_each_iteration_reads_its_own_microbatch_values(schedule):
 def _outer_task_step(dim):
     """A task before the loop produces the split activation: its gradient comes back from
     every iteration as one stacked array (the loop's stacked output, concatenated)."""
-    pre = mm.task(
-        lambda w, x: jnp.tanh(x @ w), name="pre", mesh=mm.TaskMesh(devices=[0, 1, 2, 3])
-    )
+    pre = mm.task(lambda w, x: jnp.tanh(x @ w), name="pre", mesh=mm.TaskMesh(devices=[0, 1, 2, 3]))
     loss = test_blocks._loss()
 
     def step_loss(params, batch):

@@ -90,6 +90,7 @@ class Expanded:
     stacks: list[str]
     labels: list[Any]
     renamed: dict[Any, Any]  # placeholder outputs that are another variable or a literal
+    origins: list[int] = dataclasses.field(default_factory=list)  # index of the source eqn
 
 
 # (equations, stacks) -> (labels, equations with their constraints concretised)
@@ -330,12 +331,14 @@ def _emit(
             out.eqns.append(labelled[own_at[i]])
             out.stacks.append(stack)
             out.labels.append(labels[own_at[i]])
+            out.origins.append(i)
             continue
         cls = classes[_class_key(eqn, stack)]
         template = cls.template
         if id(template) not in consts:
             consts[id(template)] = [(v, const(value)) for v, value in template.consts]
         _instantiate(cls, eqn, stack, consts[id(template)], out)
+        out.origins.extend([i] * (len(out.eqns) - len(out.origins)))
     return out
 
 

@@ -190,3 +190,38 @@ def stack_of(parts: list[Any], aval: Any, like: Any) -> list[Any]:
         rows.append(eqns[-1].outvars[0])
     eqns.append(_eqn(lax.concatenate_p, rows, aval, {"dimension": 0}, like))
     return eqns
+
+
+def at_first_use(
+    eqns: list[Any], stacks: list[str], labels: list[Any], late: list[bool]
+) -> tuple[list[Any], list[str], list[Any]]:
+    """The program with each ``late`` equation moved to just before its first reader.
+
+    A hoisted value is recomputed in each iteration before that iteration's body, but the
+    body holds every stage: a later stage's parameter reshape would come before the first
+    stage's work, and stages are ordered by first forward use (``_pipeline``). At its
+    reader, it comes where the body's own call would have computed it.
+    """
+    pending: dict[Any, int] = {}  # output variable -> index of the late equation making it
+    order: list[int] = []
+
+    def release(i: int) -> None:
+        for v in eqns[i].outvars:
+            pending.pop(v, None)
+        for v in eqns[i].invars:
+            if not isinstance(v, jex.Literal) and v in pending:
+                release(pending[v])
+        order.append(i)
+
+    for i, eqn in enumerate(eqns):
+        if late[i]:
+            pending.update((v, i) for v in eqn.outvars)
+            continue
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal) and v in pending:
+                release(pending[v])
+        order.append(i)
+    for i in sorted(set(pending.values())):
+        if any(v in pending for v in eqns[i].outvars):
+            release(i)
+    return [eqns[i] for i in order], [stacks[i] for i in order], [labels[i] for i in order]

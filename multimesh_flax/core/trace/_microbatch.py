@@ -180,18 +180,32 @@ class _Split:
     trace_once: bool = True
 
 
-def _apply(
-    fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any], chunk: Any
-) -> Any:
-    """``fun`` on one chunk in place of the split argument."""
-    at = split.argnum
-    return fun(*args[:at], chunk, *args[at + 1 :], **kwargs)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity (``jax.jit`` of a method)
+class _Call:
+    """One call of a microbatched function: ``fun``, its arguments and the split."""
 
+    fun: Callable[..., Any]
+    split: _Split
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    m: int  # the number of microbatches
 
-def _constrained(chunk: Any, split: _Split) -> Any:
-    if split.arg_shardings is None:
-        return chunk
-    return _constraints.with_sharding_constraint(chunk, split.arg_shardings)
+    @property
+    def batch(self) -> Any:
+        return self.args[self.split.argnum]
+
+    def apply(self, chunk: Any) -> Any:
+        """``fun`` on one chunk in place of the split argument."""
+        at = self.split.argnum
+        return self.fun(*self.args[:at], chunk, *self.args[at + 1 :], **self.kwargs)
+
+    def constrained(self, chunk: Any) -> Any:
+        if self.split.arg_shardings is None:
+            return chunk
+        return _constraints.with_sharding_constraint(chunk, self.split.arg_shardings)
+
+    def explaining(self) -> contextlib.AbstractContextManager[None]:
+        return _explaining_split(self.fun, self.split, self.args, self.kwargs, self.m)
 
 
 def _chunk_type(leaf: Any, split: _Split) -> jax.ShapeDtypeStruct:
@@ -209,21 +223,18 @@ def _stacked_chunks(leaf: Any, split: _Split, m: int) -> Any:
     return jnp.moveaxis(chunks, axis, 0) if axis else chunks
 
 
-def _probe(
-    shared: Callable[..., Any], fun: Callable[..., Any], split: _Split,
-    args: tuple[Any, ...], kwargs: dict[str, Any], m: int,
-) -> Any:
-    """The output type of ``shared`` (``fun`` on one chunk, under ``jax.jit``), or ``None``
-    when a task resolved its mesh from the microbatch index (the chunks then differ).
+def _probe(call: _Call, shared: Callable[..., Any]) -> Any:
+    """The output type of ``shared`` (``call.apply`` under ``jax.jit``), or ``None`` when a
+    task resolved its mesh from the microbatch index (the chunks then differ).
 
     This is the body's one trace; the scan (or chunk 0 of the loop) reuses it from
     ``jax.jit``'s cache.
     """
-    chunk = jax.tree_util.tree_map(lambda leaf: _chunk_type(leaf, split), args[split.argnum])
+    chunk = jax.tree_util.tree_map(lambda leaf: _chunk_type(leaf, call.split), call.batch)
     session = _session.current_session()
     before, session.loop_dependent = session.loop_dependent, False
     try:
-        with _session.microbatch_iteration(0), _explaining_split(fun, split, args, kwargs, m):
+        with _session.microbatch_iteration(0), call.explaining():
             out = jax.eval_shape(shared, chunk)
         dependent = session.loop_dependent
     finally:
@@ -231,40 +242,33 @@ def _probe(
     return None if dependent else out
 
 
-def _scanned(
-    shared: Callable[..., Any], out: Any, split: _Split, batch: Any, m: int, uid: int
-) -> Any:
-    """The sum of ``shared`` over the ``m`` chunks of ``batch`` as one ``lax.scan``
-    (``_loops``): JAX traces, differentiates and transposes its body once for any ``m``."""
+def _scanned(call: _Call, shared: Callable[..., Any], out: Any, uid: int) -> Any:
+    """The sum of ``shared`` over the chunks as one ``lax.scan`` (``_loops``): JAX traces,
+    differentiates and transposes its body once for any number of microbatches."""
 
     def step(total: Any, chunk: Any) -> tuple[Any, None]:
         with jax.named_scope(_loops.loop_scope(uid)):
-            out = shared(_constrained(chunk, split))
+            out = shared(call.constrained(chunk))
         # The sum over microbatches is outside every microbatch, as after a Python loop.
         return jax.tree_util.tree_map(operator.add, total, out), None
 
     zeros = jax.tree_util.tree_map(lambda o: jnp.zeros(o.shape, o.dtype), out)
-    stacked = jax.tree_util.tree_map(lambda leaf: _stacked_chunks(leaf, split, m), batch)
+    stacked = jax.tree_util.tree_map(
+        lambda leaf: _stacked_chunks(leaf, call.split, call.m), call.batch
+    )
     total, _ = jax.lax.scan(step, zeros, stacked)
     return total
 
 
-def _unrolled(
-    fun: Callable[..., Any], split: _Split, args: tuple[Any, ...], kwargs: dict[str, Any],
-    m: int, uid: int, first: Callable[..., Any] | None = None,
-) -> Any:
-    """The sum of ``fun`` over the chunks, traced once per chunk (a Python loop); ``first``
-    (``fun`` on a chunk under ``jax.jit``, already traced) runs chunk 0."""
-    batch = args[split.argnum]
-    outs = []
-    for k in range(m):
+def _unrolled(call: _Call, uid: int, first: Callable[..., Any] | None = None) -> Any:
+    """The sum of ``call.apply`` over the chunks, traced once per chunk (a Python loop);
+    ``first`` (``call.apply`` under ``jax.jit``, already traced) runs chunk 0."""
+    split, outs = call.split, []
+    for k in range(call.m):
         with jax.named_scope(f"mmmb{uid}_{k}"), _session.microbatch_iteration(k):
-            chunk = _constrained(_chunk(batch, k, split.dim, split.size), split)
-            with _explaining_split(fun, split, args, kwargs, m):
-                if k == 0 and first is not None:
-                    outs.append(first(chunk))
-                else:
-                    outs.append(_apply(fun, split, args, kwargs, chunk))
+            chunk = call.constrained(_chunk(call.batch, k, split.dim, split.size))
+            with call.explaining():
+                outs.append(first(chunk) if k == 0 and first else call.apply(chunk))
     return functools.reduce(lambda a, b: jax.tree_util.tree_map(operator.add, a, b), outs)
 
 
@@ -281,16 +285,16 @@ def _run(
             f"{len(args)} positional argument(s). Pass the batch positionally."
         )
     m = _num_microbatches(args[split.argnum], split.dim, split.size)
+    call = _Call(fun, split, args, kwargs, m)
     uid = _register(options, m)
     if uid and split.trace_once:
-        shared = jax.jit(functools.partial(_apply, fun, split, args, kwargs))
-        out = _probe(shared, fun, split, args, kwargs, m)
-        if out is not None:
-            total = _scanned(shared, out, split, args[split.argnum], m, uid)
-        else:
-            total = _unrolled(fun, split, args, kwargs, m, uid, first=shared)
+        shared = jax.jit(call.apply)
+        out = _probe(call, shared)
+        total = (
+            _scanned(call, shared, out, uid) if out is not None else _unrolled(call, uid, shared)
+        )
     else:  # outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop
-        total = _unrolled(fun, split, args, kwargs, m, uid)
+        total = _unrolled(call, uid)
     if split.reduce == "mean":
         total = jax.tree_util.tree_map(lambda x: _divided(x, m), total)
     return total

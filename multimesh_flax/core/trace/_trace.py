@@ -117,6 +117,7 @@ class _Inliner:
         self.batch_splits: dict[Any, Any] = {}  # stacked chunks -> the reshape that made them
         self.slices: dict[tuple[Any, int], Any] = {}  # (loop input, k) -> iteration k's slice
         self.zeros: set[Any] = set()  # variables that are arrays of zeros (broadcast literals)
+        self.recomputed: set[int] = set()  # ids of the equations recomputing hoisted values
 
     def run(
         self,
@@ -138,16 +139,17 @@ class _Inliner:
             stack = _join(prefix, str(eqn.source_info.name_stack))
             if loop is not None:
                 stack = _loops.in_iteration(stack, *loop)
+            values = [read(a) for a in eqn.invars]
             uid = _loops.loop_uid(eqn)
             if uid is not None:
-                outs = self._unroll(eqn, [read(a) for a in eqn.invars], stack, uid)
+                outs = self._unroll(eqn, values, stack, uid)
             elif "_loop" in stack and (hoisted := _loops.hoisted_uid(stack)) is not None:
-                source = _loops.Hoisted(eqn, [read(a) for a in eqn.invars], stack, hoisted)
+                source = _loops.Hoisted(eqn, values, stack, hoisted)
                 outs = [_loops.HoistedOut(source, i) for i in range(len(eqn.outvars))]
-            elif (kept := _loops.plus_zero(eqn, [read(a) for a in eqn.invars])) is not None:
+            elif (kept := _loops.plus_zero(eqn, values)) is not None:
                 outs = [self._value(kept)]
             else:
-                outs = self._emit(eqn, [self._value(read(a)) for a in eqn.invars], stack)
+                outs = self._emit(eqn, [self._value(v) for v in values], stack)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [self._value(read(a)) for a in jaxpr.outvars]
 
@@ -227,7 +229,9 @@ class _Inliner:
             source = value.source
             if source.once is None:
                 invars = [self._value(a) for a in source.invars]
-                source.once = self._emit(source.eqn, invars, _loops.outside(source.stack, source.uid))
+                source.once = self._emit(
+                    source.eqn, invars, _loops.outside(source.stack, source.uid)
+                )
             return source.once[value.index]
         if isinstance(value, _loops.Zero):
             return value.var
@@ -242,7 +246,9 @@ class _Inliner:
         outs = source.per_iteration.get(k)
         if outs is None:
             invars = [self._at(a, uid, k) for a in source.invars]
+            start = len(self.eqns)
             outs = self._emit(source.eqn, invars, _loops.in_iteration(source.stack, uid, k))
+            self.recomputed.update(id(e) for e in self.eqns[start:])
             source.per_iteration[k] = outs
         return outs[value.index]
 
@@ -370,7 +376,11 @@ def trace_program(
 
     eqns, stacks = _live(inliner.eqns, inliner.stacks, outs)
     program = _blocks.expand(eqns, stacks, label, inliner._const, session)
+    late = [id(eqns[i]) in inliner.recomputed for i in program.origins]
     eqns = _blocks.rename(program.eqns, program.renamed)
+    eqns, program.stacks, program.labels = _loops.at_first_use(
+        eqns, program.stacks, program.labels, late
+    )
     outs = [a if isinstance(a, jex.Literal) else program.renamed.get(a, a) for a in outs]
     const_items = list(inliner.consts.items())
     jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, eqns, "program")
