@@ -241,6 +241,14 @@ MUTATIONS = (
         "loops: every backward iteration reads microbatch 0's residuals",
     ),
     Mutation(
+        "loops-first-use",
+        "multimesh_flax/core/trace/_trace.py",
+        "    late = [id(eqns[i]) in inliner.recomputed for i in program.origins]",
+        "    late = [False for i in program.origins]",
+        ("tests/core/test_loops.py",),
+        "loops: a hoisted value recomputed before the whole body puts its stage first",
+    ),
+    Mutation(
         "loops-sum-type",
         "multimesh_flax/core/trace/_blocks.py",
         "v.aval.shape == shape and v.aval.dtype == dtype",

@@ -16,6 +16,7 @@ import multimesh_flax as mm
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.trace import _blocks, _session
 from tests.core import test_blocks
+from tests.core._chain import chain_loss
 
 TOL = test_blocks.TOL
 
@@ -93,6 +94,26 @@ def test_a_split_activation_gets_its_gradient_back_from_every_iteration(dim):
     value, grads = mm.jit(jax.value_and_grad(step_loss))(params, batch)
     with mm.ignore_transforms():
         ref_value, ref_grads = jax.value_and_grad(step_loss)(params, batch)
+    np.testing.assert_allclose(value, ref_value, **TOL)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_a_later_stage_with_hoisted_work_stays_a_later_stage():
+    """Only the second stage computes something from its weight alone (``2 * w``, hoisted
+    out of the scan and recomputed per iteration): it must still come after the first
+    stage, which is the order of first forward use the schedule is built from."""
+    first = mm.task(lambda w, h: jnp.tanh(h @ w), name="first", mesh=mm.TaskMesh(devices=[0]))
+    second = mm.task(lambda w, h: h @ (2.0 * w), name="second", mesh=mm.TaskMesh(devices=[1]))
+    loss = chain_loss([first, second])
+    params, batch = test_blocks._data()
+    mean = mm.microbatch(loss, 0, test_blocks.BATCH // 4, argnum=1, schedule="1f1b", reduce="mean")
+    step = mm.jit(jax.value_and_grad(mean))
+    (region,) = step.executable(params, batch).partition.plan.regions.values()
+    assert [_pipeline.stage_name(t) for t in region.stage_tasks] == ["first", "second"]
+    value, grads = step(params, batch)
+    with mm.ignore_transforms():
+        ref_value, ref_grads = jax.value_and_grad(loss)(params, batch)
     np.testing.assert_allclose(value, ref_value, **TOL)
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, r, **TOL)
