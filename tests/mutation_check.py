@@ -225,6 +225,22 @@ MUTATIONS = (
         "blocks: under zero-bubble a backward block mixes activation and weight gradients",
     ),
     Mutation(
+        "sink-glue-readers",
+        "multimesh_flax/core/fragment/_partition.py",
+        "                    at[pos] -= 1\n                    if not at[pos]:\n                        del at[pos]",
+        "                    del at[pos]",
+        ("tests/core/test_sink_glue.py",),
+        "sink: moving one reader out of a fragment forgets the fragment's other readers",
+    ),
+    Mutation(
+        "loops-chunk",
+        "multimesh_flax/core/trace/_loops.py",
+        "_rows(source, source.aval, k * size, (k + 1) * size, chunk, like)",
+        "_rows(source, source.aval, 0, size, chunk, like)",
+        ("tests/core/test_microbatch.py", "tests/core/test_loops.py"),
+        "loops: every unrolled iteration reads the batch's first chunk",
+    ),
+    Mutation(
         "loops-hoisted-once",
         "multimesh_flax/core/trace/_trace.py",
         "        if not isinstance(value, _loops.HoistedOut) or value.source.uid != uid:",
