@@ -287,14 +287,11 @@ def _run(
     m = _num_microbatches(args[split.argnum], split.dim, split.size)
     call = _Call(fun, split, args, kwargs, m)
     uid = _register(options, m)
-    if uid and split.trace_once:
-        shared = jax.jit(call.apply)
-        out = _probe(call, shared)
-        total = (
-            _scanned(call, shared, out, uid) if out is not None else _unrolled(call, uid, shared)
-        )
-    else:  # outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop
-        total = _unrolled(call, uid)
+    # Outside our traces (eager, plain JAX) nothing reads the scopes: a plain loop. One
+    # microbatch is one call of the body (a loop of one would only add JAX's scan work).
+    shared = jax.jit(call.apply) if uid and split.trace_once else None
+    out = _probe(call, shared) if shared is not None and m > 1 else None
+    total = _scanned(call, shared, out, uid) if out is not None else _unrolled(call, uid, shared)
     if split.reduce == "mean":
         total = jax.tree_util.tree_map(lambda x: _divided(x, m), total)
     return total
