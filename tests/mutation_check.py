@@ -227,8 +227,8 @@ MUTATIONS = (
     Mutation(
         "sink-glue-readers",
         "multimesh_flax/core/fragment/_partition.py",
-        "                    at[pos] -= 1\n                    if not at[pos]:\n                        del at[pos]",
-        "                    del at[pos]",
+        "at[pos] -= 1",
+        "at[pos] = 0",
         ("tests/core/test_sink_glue.py",),
         "sink: moving one reader out of a fragment forgets the fragment's other readers",
     ),

@@ -1,11 +1,16 @@
-"""A training loss over a chain of tasks, shared by the pipeline tests of the core."""
+"""A training loss over a chain of tasks and its parity check, shared by the pipeline tests
+of the core."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+
+import multimesh_flax as mm
 
 
 def chain_loss(tasks: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
@@ -19,3 +24,17 @@ def chain_loss(tasks: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
         return jnp.mean((x - y) ** 2)
 
     return loss
+
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+
+
+def assert_matches_unparallelized(step, loss, params, batch, tol=TOL):
+    """``step(params, batch)`` (a ``(value, grads)`` step) equals ``jax.value_and_grad(loss)``
+    run unplaced (``ignore_transforms``), at ``tol``."""
+    value, grads = step(params, batch)
+    with mm.ignore_transforms():
+        ref_value, ref_grads = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(value, ref_value, **tol)
+    for g, r in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(g, r, **tol)

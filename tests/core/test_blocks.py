@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -19,7 +18,7 @@ from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.run import _dispatch
 from multimesh_flax.core.trace import _blocks
-from tests.core._chain import chain_loss
+from tests.core._chain import assert_matches_unparallelized, chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 BATCH, M = 16, 4
@@ -71,13 +70,7 @@ def _by_microbatch(traced):
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zero-bubble-h2"])
 def test_blocked_steps_compute_what_the_unparallelized_step_computes(schedule):
     step, loss = _step(schedule)
-    params, batch = _data()
-    value, grads = step(params, batch)
-    with mm.ignore_transforms():
-        ref_value, ref_grads = jax.value_and_grad(loss)(params, batch)
-    np.testing.assert_allclose(value, ref_value, **TOL)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **TOL)
+    assert_matches_unparallelized(step, loss, *_data(), TOL)
 
 
 def test_each_microbatch_is_a_few_blocks_sharing_one_body_per_run():

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import multimesh_flax as mm
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.trace import _blocks, _session
 from tests.core import test_blocks
-from tests.core._chain import chain_loss
+from tests.core._chain import assert_matches_unparallelized, chain_loss
 
 TOL = test_blocks.TOL
 
@@ -90,13 +89,8 @@ def _outer_task_step(dim):
 @pytest.mark.parametrize("dim", [0, 1])
 def test_a_split_activation_gets_its_gradient_back_from_every_iteration(dim):
     step_loss = _outer_task_step(dim)
-    params, batch = test_blocks._data(stages=3)
-    value, grads = mm.jit(jax.value_and_grad(step_loss))(params, batch)
-    with mm.ignore_transforms():
-        ref_value, ref_grads = jax.value_and_grad(step_loss)(params, batch)
-    np.testing.assert_allclose(value, ref_value, **TOL)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **TOL)
+    step = mm.jit(jax.value_and_grad(step_loss))
+    assert_matches_unparallelized(step, step_loss, *test_blocks._data(stages=3), TOL)
 
 
 def test_a_later_stage_with_hoisted_work_stays_a_later_stage():
@@ -111,9 +105,4 @@ def test_a_later_stage_with_hoisted_work_stays_a_later_stage():
     step = mm.jit(jax.value_and_grad(mean))
     (region,) = step.executable(params, batch).partition.plan.regions.values()
     assert [_pipeline.stage_name(t) for t in region.stage_tasks] == ["first", "second"]
-    value, grads = step(params, batch)
-    with mm.ignore_transforms():
-        ref_value, ref_grads = jax.value_and_grad(loss)(params, batch)
-    np.testing.assert_allclose(value, ref_value, **TOL)
-    for g, r in zip(grads, ref_grads, strict=True):
-        np.testing.assert_allclose(g, r, **TOL)
+    assert_matches_unparallelized(step, loss, params, batch, TOL)
