@@ -233,6 +233,22 @@ MUTATIONS = (
         "sink: moving one reader out of a fragment forgets the fragment's other readers",
     ),
     Mutation(
+        "accumulate-bundle-any",
+        "multimesh_flax/core/plan/_accumulate.py",
+        "        key = (group_of.get(sources[0], sources[0]), group_of.get(sources[1], sources[1]))",
+        "        key = (0, 0)",
+        ("tests/core/test_accumulate.py",),
+        "bundles: every sum over microbatches in one bundle, whatever made its operands",
+    ),
+    Mutation(
+        "accumulate-bundle-link",
+        "multimesh_flax/core/plan/_accumulate.py",
+        "        key = (group_of.get(sources[0], sources[0]), group_of.get(sources[1], sources[1]))",
+        "        key = (sources[0], sources[1])",
+        ("tests/core/test_accumulate.py",),
+        "bundles: a sum reading an earlier bundle's output is not bundled with its neighbours",
+    ),
+    Mutation(
         "loops-chunk",
         "multimesh_flax/core/trace/_loops.py",
         "_rows(source, source.aval, k * size, (k + 1) * size, chunk, like)",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import multimesh_flax as mm
+from multimesh_flax.core.plan import _accumulate
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -65,3 +66,46 @@ def test_tied_gradient_is_summed_per_submesh_before_it_moves(schedule):
 def _reference(loss, params, x):
     with mm.ignore_transforms():
         return jax.value_and_grad(loss)(params, x)
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
+
+
+def _two_stage_model():
+    """Two stages (devices 0 and 1) of three parameters each."""
+    stages = [
+        mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)
+    ]
+
+    def loss(params, x):
+        for stage, p in zip(stages, params, strict=True):
+            x = stage(p, x)
+        return jnp.mean(x**2)
+
+    keys = iter(jax.random.split(jax.random.key(1), 7))
+    params = [
+        {
+            "w1": jax.random.normal(next(keys), (6, 6)) / 3,
+            "b": jax.random.normal(next(keys), (6,)) / 3,
+            "w2": jax.random.normal(next(keys), (6, 6)) / 3,
+        }
+        for _ in range(2)
+    ]
+    return loss, params, jax.random.normal(next(keys), (16, 6))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_microbatch_sums_a_stage_gradients_in_one_bundle(schedule):
+    loss, params, x = _two_stage_model()
+    step = _step(loss, schedule)
+    _assert_close(step(params, x), _reference(loss, params, x))
+    part = step.executable(params, x).partition
+    placed = {v: f.place for f in part.fragments for e in f.eqns for v in e.outvars}
+    bundles = [(e, f.place) for f in part.fragments for e in f.eqns if _accumulate.is_bundle(e)]
+    # Per stage, M - 1 additions of its 3 gradients: one bundle each, not one sum each.
+    assert sorted(len(e.outvars) for e, _ in bundles) == [3] * (2 * (M - 1))
+    for eqn, place in bundles:  # a bundle runs where its gradients were made
+        assert {placed.get(v, place) for v in eqn.invars} == {place}
+    sums = [e for f in part.fragments for e in f.eqns if e.primitive.name == "add_any"]
+    assert len(sums) <= 2, sums  # the few left: none of them sums over microbatches

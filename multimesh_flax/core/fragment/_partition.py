@@ -459,6 +459,8 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     plan = _pipeline.analyze(traced)
     if plan is not None and plan.scheduled:
         traced, plan = _accumulate.reassociate_sums(traced, plan)
+    if plan is not None:
+        traced, plan = _accumulate.bundle_sums(traced, plan)
     meshes, default = _place_meshes(traced, devices)
     users = _consumers(traced.jaxpr)  # the one consumer index of this program
     places = _place_equations(traced, default, users)

@@ -60,7 +60,7 @@ class Body:
 
 def is_block(eqn: Any) -> bool:
     """Whether ``eqn`` is a block (after tracing, every ``closed_call`` is one: the inliner
-    inlines the program's own calls)."""
+    inlines the program's own calls; partitioning adds ``_accumulate``'s bundles of sums)."""
     return eqn.primitive is primitives.closed_call_p
 
 
