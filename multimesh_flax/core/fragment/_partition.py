@@ -448,6 +448,8 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
        schedule (simulated once, on first use).
     2. ``_accumulate.reassociate_sums`` (scheduled only): sums over microbatches become
        chains in predicted-ready order, summed per submesh first.
+       ``_accumulate.bundle_sums`` (microbatched): each microbatch's additions of one
+       block's gradients become one equation.
     3. ``_place_meshes`` / ``_place_equations``: one place per equation (module doc).
     4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
     5. ``_pipeline.dispatch_order`` + ``_merge_glue`` (scheduled only): the schedule's
