@@ -277,16 +277,17 @@ def _bundle(sums: list[Any]) -> Any:
         [e.invars[0] for e in sums] + [e.invars[1] for e in sums],
         [e.outvars[0] for e in sums],
         primitives.closed_call_p,
-        {"call_jaxpr": _bundle_body(signature)},
+        _bundle_params(signature),
         frozenset(),
         sums[0].source_info,
     )
 
 
 @functools.lru_cache(maxsize=256)
-def _bundle_body(signature: tuple[Any, ...]) -> jex.ClosedJaxpr:
-    """The body of a bundle of sums, one object per signature: bundles of the same
-    parameters' gradients (one per microbatch) then share it, as the blocks share theirs."""
+def _bundle_params(signature: tuple[Any, ...]) -> dict[str, Any]:
+    """The parameters of a bundle of sums (its body), one dict per signature: bundles of the
+    same parameters' gradients (one per microbatch) share it, as the copies of a block share
+    theirs, and later passes that remember a parameter dict by identity see them as one."""
     lefts = [jex.Var(ins[0]) for _, ins, _ in signature]
     rights = [jex.Var(ins[1]) for _, ins, _ in signature]
     outs = [jex.Var(out) for _, _, out in signature]
@@ -295,4 +296,4 @@ def _bundle_body(signature: tuple[Any, ...]) -> jex.ClosedJaxpr:
         for (prim, _, _), a, b, c in zip(signature, lefts, rights, outs, strict=True)
     ]
     body = _trace.make_jaxpr_object([], lefts + rights, outs, eqns, _BUNDLE)
-    return jex.ClosedJaxpr(body, [])
+    return {"call_jaxpr": jex.ClosedJaxpr(body, [])}

@@ -101,6 +101,9 @@ class _Template:
     has_replays: bool = False  # whether its equations hold microbatch-call placeholders
 
 
+_PLAIN = (jex.Var, jex.Literal)  # values that are their own variable (``_Inliner._value``)
+
+
 class _Inliner:
     """Rebuilds a jaxpr with call primitives inlined and full name stacks kept.
 
@@ -118,6 +121,7 @@ class _Inliner:
         self.slices: dict[tuple[Any, int], Any] = {}  # (loop input, k) -> iteration k's slice
         self.zeros: set[Any] = set()  # variables that are arrays of zeros (broadcast literals)
         self.recomputed: set[int] = set()  # ids of the equations recomputing hoisted values
+        self.stacks_of: dict[tuple[int, str], tuple[Any, list[str]]] = {}  # see _stacks
 
     def run(
         self,
@@ -135,8 +139,7 @@ class _Inliner:
         def read(a: Any) -> Any:
             return a if isinstance(a, jex.Literal) else env[a]
 
-        for eqn in jaxpr.eqns:
-            stack = _join(prefix, str(eqn.source_info.name_stack))
+        for eqn, stack in zip(jaxpr.eqns, self._stacks(jaxpr, prefix), strict=True):
             if loop is not None:
                 stack = _loops.in_iteration(stack, *loop)
             values = [read(a) for a in eqn.invars]
@@ -152,6 +155,16 @@ class _Inliner:
                 outs = self._emit(eqn, [self._value(v) for v in values], stack)
             env.update(zip(eqn.outvars, outs, strict=True))
         return [self._value(read(a)) for a in jaxpr.outvars]
+
+    def _stacks(self, jaxpr: jex.Jaxpr, prefix: str) -> list[str]:
+        """The name stack of each of ``jaxpr``'s equations under ``prefix`` (made once: a
+        loop body runs once per iteration)."""
+        key = (id(jaxpr), prefix)
+        hit = self.stacks_of.get(key)
+        if hit is None or hit[0] is not jaxpr:
+            stacks = [_join(prefix, str(e.source_info.name_stack)) for e in jaxpr.eqns]
+            hit = self.stacks_of[key] = (jaxpr, stacks)
+        return hit[1]
 
     def _emit(self, eqn: Any, invars: list[Any], stack: str) -> list[Any]:
         """Appends ``eqn`` over ``invars`` (a call: its body, or its microbatch placeholder)."""
@@ -217,6 +230,8 @@ class _Inliner:
     def _value(self, value: Any) -> Any:
         """A variable for ``value``: a loop's stacked output is concatenated, a hoisted
         equation computed once, outside every iteration (readers other than the loops)."""
+        if type(value) in _PLAIN:
+            return value
         if isinstance(value, _loops.Stacked):
             if value.whole is None:
                 parts = [self._value(p) for p in value.parts]
