@@ -953,8 +953,9 @@ def _scoped_layer(x):
 
 def _outside(env):
     multi = mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data"))
-    multi.register_task("layer_([0-9])", callback=lambda name, backprop: mm.Task(
-        mesh_slice={"stage": int(name)}))
+    multi.register_task(
+        "layer_([0-9])", callback=lambda name, backprop: mm.Task(mesh_slice={"stage": int(name)})
+    )
     return mm.jit(_scoped_layer)(env.x)  # not inside `with multi:`
 
 
@@ -983,8 +984,9 @@ class _DataNet(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        dense = mm.layers.task(_BatchDense, mesh=TM(devices=[0, 1], axis_names=("x",)),
-                               logical_axes=[("batch", "x")])
+        dense = mm.layers.task(
+            _BatchDense, mesh=TM(devices=[0, 1], axis_names=("x",)), logical_axes=[("batch", "x")]
+        )
         return (dense()(x) ** 2).mean()
 
 

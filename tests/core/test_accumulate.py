@@ -74,9 +74,7 @@ def _stage(p, x):
 
 def _two_stage_model():
     """Two stages (devices 0 and 1) of three parameters each."""
-    stages = [
-        mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)
-    ]
+    stages = [mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)]
 
     def loss(params, x):
         for stage, p in zip(stages, params, strict=True):

@@ -248,8 +248,8 @@ def bundle_sums(
         sources = [producer.get(v) for v in eqn.invars]
         if None in sources:
             continue
-        key = (group_of.get(sources[0], sources[0]), group_of.get(sources[1], sources[1]))
-        members = bundles.setdefault(key, [])
+        first, second = (group_of.get(j, j) for j in sources)
+        members = bundles.setdefault((first, second), [])
         members.append(i)
         group_of[i] = members[0]
     replaced: dict[int, list[Any]] = {}
