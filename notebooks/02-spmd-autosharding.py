@@ -50,6 +50,7 @@ def show(array):
     """Draws which devices hold which block of a 1-D or 2-D array."""
     jax.debug.visualize_array_sharding(array, scale=0.5, max_width=120)
 
+
 cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 

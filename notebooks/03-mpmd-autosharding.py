@@ -54,6 +54,7 @@ def where(array):
     spec = getattr(array.sharding, "spec", "(one device)")
     return f"devices {sorted(d.id for d in array.devices())}, spec {spec}"
 
+
 cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
 
