@@ -1,8 +1,9 @@
 """``mmflax train --processes 2`` and ``mmflax launch``: the main job across processes.
 
 The pipelined GPT (2 stages x (2 data x 2 tensor), 1F1B, 4 microbatches, 5 steps) runs as 2
-launched processes of 4 CPU devices and, for the reference, in this process on 8 devices
-(itself checked against the unstaged model by ``tests/test_cli_train.py``). The losses agree
+launched processes of 4 CPU devices -- 3 steps, then 2 more resumed from the checkpoint --
+and, for the reference, in this process on 8 devices (itself checked against the unstaged
+model by ``tests/test_cli_train.py``). The losses agree
 to 1e-6 relative; on this host they are bit-for-bit equal (every fragment is the same XLA
 program on the same devices, and the cross-process transfers copy values exactly).
 """
@@ -32,13 +33,23 @@ def _losses(out):
     return np.asarray(json.loads((out / "metrics.json").read_text())["history"]["loss"])
 
 
-def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
-    multi, single = tmp_path / "multi", tmp_path / "single"
-    command = _cli.train_command([*TRAIN, "--processes", "2"], str(multi))
-    assert "--processes" not in command and command[command.index("--out") + 1] == str(multi)
+def _launch_train(out, *extra):
+    """``mmflax train`` as 2 launched processes of 4 devices; returns process 0's output."""
+    command = _cli.train_command([*TRAIN, *extra, "--processes", "2"], str(out))
+    assert "--processes" not in command and command[command.index("--out") + 1] == str(out)
     result = launch(2, command, devices_per_process=4, timeout=240, stream=None)
     assert result.returncode == 0, result.output(0)[-3000:] + result.output(1)[-3000:]
     assert "wrote" in result.output(0) and "wrote" not in result.output(1)  # process 0 writes
+    return result.output(0)
+
+
+def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
+    """Steps 1-3 in 2 processes, then ``--resume`` for steps 4-5 in 2 processes: the same
+    losses and checkpoint as 5 steps in one process."""
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    _launch_train(multi, "--steps", "3")
+    assert (multi / "checkpoint" / "3").is_dir()
+    assert "resumed step 3" in _launch_train(multi, "--steps", "2", "--resume")
     assert (multi / "checkpoint" / "5").is_dir()
     assert _cli.main([*TRAIN, "--out", str(single)]) == 0
     capsys.readouterr()
