@@ -441,6 +441,15 @@ class ProgramMismatchError(MultiMeshError, ValueError):
     arguments; the message names the processes and what differs."""
 
 
+class HostValuesError(MultiMeshError, ValueError):
+    """``host_values`` got different arrays in different processes: a leaf that is not one
+    array of the job (the same program output everywhere) but one each process made on its
+    own devices (``jnp.asarray(x)`` in each process), so no process knows which one to
+    send. Pass the program's outputs themselves; read a value each process computed alone
+    with ``np.asarray`` in that process. The message names the leaf and both processes'
+    devices."""
+
+
 class ProcessLostError(MultiMeshError, ValueError):
     """Another process of the job stopped answering (it died or was killed). The message
     names it; this process stops instead of waiting for collectives that can never finish.

@@ -28,6 +28,8 @@ slots as in one process.
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +38,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from multimesh_flax.distributed import _watchdog
+from multimesh_flax import errors
+from multimesh_flax.distributed import _exchange, _watchdog
 
 WIRE = "_mmflax_wire"
 
@@ -230,11 +233,61 @@ def _first_device_per_process() -> list[Any]:
     return [first[p] for p in sorted(first)]
 
 
+def _local_read(x: Any) -> bool:
+    """Whether every process can read ``x`` from its own devices (no broadcast needed)."""
+    if not isinstance(x, jax.Array):
+        return True
+    everyone = frozenset(range(jax.process_count()))
+    return owners(list(x.sharding.device_set)) == everyone and x.is_fully_replicated
+
+
+_HOST_VALUE_CALLS = itertools.count()  # host_values calls that broadcast, the same everywhere
+
+
+def _check_same_arrays(tree: Any) -> None:
+    """Raises ``HostValuesError`` unless every process passed the same arrays to broadcast.
+
+    A leaf to broadcast names its devices; for one array of the job they are the same in
+    every process, for arrays each process made alone they differ, and the broadcast would
+    wait for a partner that never comes (a gloo timeout minutes later). Each process
+    publishes its leaves' devices once per such call and compares them with the others'.
+    """
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    mine = [
+        [jax.tree_util.keystr(path), sorted(d.id for d in x.sharding.device_set)]
+        for path, x in leaves
+        if not _local_read(x)
+    ]
+    if not mine:  # decided alike everywhere: an array's device set is the same in every process
+        return
+    call, me = next(_HOST_VALUE_CALLS), jax.process_index()
+    _exchange.publish(f"mmflax/host_values/{call}/{me}", json.dumps(mine))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        what = f"process {other}'s arrays for host_values call {call}"
+        theirs = json.loads(_exchange.fetch(f"mmflax/host_values/{call}/{other}", what))
+        for (path, here), (_, there) in zip(mine, theirs, strict=False):
+            if here != there:
+                raise errors.HostValuesError(
+                    f"Expected the same arrays in every process, got leaf {path or '(root)'} "
+                    f"on devices {here} in process {me} and {there} in process {other}: "
+                    "each process made its own array. Pass the outputs of the program "
+                    "(the same array in every process), or read a value each process "
+                    "computed alone with `np.asarray`."
+                )
+        if len(theirs) != len(mine):
+            raise errors.HostValuesError(
+                f"Expected the same tree in every process, got {len(mine)} leaves to "
+                f"broadcast in process {me} and {len(theirs)} in process {other}. Call "
+                "host_values with the same tree everywhere."
+            )
+
+
 def _host_value(x: Any) -> np.ndarray:
     if not isinstance(x, jax.Array):
         return np.asarray(x)
-    everyone = frozenset(range(jax.process_count()))
-    if owners(list(x.sharding.device_set)) == everyone and x.is_fully_replicated:
+    if _local_read(x):
         return np.asarray(x.addressable_shards[0].data)
     source = x.sharding
     if not isinstance(source, NamedSharding):
@@ -258,7 +311,12 @@ def host_values(tree: Any) -> Any:
     A collective: every process calls it with the same tree (the same leaves, as the program
     returned them). Leaves held by other processes (a loss computed by the last pipeline stage)
     are broadcast from their holder; replicated leaves are read locally. In a single process it
-    is ``jax.device_get``.
+    is ``jax.device_get``. Before broadcasting, the processes compare the devices of the leaves
+    to broadcast through the coordinator's key-value store (one entry per process and call).
+
+    Raises:
+        HostValuesError: a leaf is an array each process made on its own devices (or the
+            trees differ), instead of one array of the job.
 
     Example:
         >>> import jax.numpy as jnp
@@ -268,6 +326,7 @@ def host_values(tree: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
+    _check_same_arrays(tree)
     try:
         return jax.tree_util.tree_map(_host_value, tree)
     except jax.errors.JaxRuntimeError:

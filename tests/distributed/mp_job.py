@@ -6,7 +6,8 @@ process writes what it saw to ``OUT_DIR/rank{r}.npz``; with the 4-device stage i
 restores CKPT (written by one process) and saves its final parameters to ``OUT_DIR/ckpt2``;
 with the stage spanning both processes it restores ``ckpt2`` onto that layout and saves its
 final parameters to ``OUT_DIR/ckpt3``.
-MODE ``mismatch``: process 1 builds a wider model. MODE ``kill``: process 1 kills itself
+MODE ``mismatch``: process 1 builds a wider model. MODE ``local_values``: each process passes
+``host_values`` an array it made on its own device. MODE ``kill``: process 1 kills itself
 before step 3, while process 0 may still be in step 2 (its last transfers) or enters step 3.
 """
 
@@ -36,6 +37,12 @@ if __name__ == "__main__":
         np.savez(os.path.join(out_dir, f"rank{rank}.npz"), **results)
     elif mode == "mismatch":
         mp_models.run_parallel(4, hidden=16 if rank == 0 else 32)
+    elif mode == "local_values":
+        import jax.numpy as jnp
+
+        from multimesh_flax.distributed import host_values
+
+        host_values({"loss": jnp.float32(rank)})
     elif mode == "kill":
         import multimesh_flax as mm
 

@@ -174,6 +174,19 @@ def test_mismatched_program_fails_at_start_naming_the_difference(tmp_path):
     assert not result.timed_out and elapsed < 60
 
 
+def test_host_values_of_arrays_made_in_each_process_fails_naming_the_leaf(tmp_path):
+    result, elapsed = _launch(tmp_path, "local_values", timeout=90)
+    assert result.returncodes[0] != 0 and result.returncodes[1] != 0
+    for rank, other in ((0, 1), (1, 0)):
+        out = result.output(rank)
+        assert "HostValuesError: Expected the same arrays in every process" in out, out[-3000:]
+        devices = r"on devices \[(\d+)\]"
+        pattern = rf"leaf \['loss'\] {devices} in process {rank} and \[(\d+)\] in process {other}"
+        here, there = re.search(pattern, out).groups()
+        assert here != there  # each process's own first device
+    assert not result.timed_out and elapsed < 60  # not the broadcast's gloo timeout
+
+
 def test_killed_process_stops_the_others_naming_it(tmp_path):
     result, _ = _launch(tmp_path, "kill", timeout=120)
     assert result.returncodes[1] == -9  # SIGKILL, by its own hand before step 3
