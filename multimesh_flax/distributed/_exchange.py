@@ -50,6 +50,11 @@ def publish(key: str, value: str) -> None:
     client().key_value_set(key, value)
 
 
+def forget(key: str) -> None:
+    """Removes ``key`` from the store (a value every reader has read)."""
+    client().key_value_delete(key)
+
+
 def fetch(key: str, what: str) -> str:
     """The value another process published under ``key`` (``what``: for the error)."""
     try:

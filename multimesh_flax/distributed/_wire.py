@@ -250,7 +250,8 @@ def _check_same_arrays(tree: Any) -> None:
     A leaf to broadcast names its devices; for one array of the job they are the same in
     every process, for arrays each process made alone they differ, and the broadcast would
     wait for a partner that never comes (a gloo timeout minutes later). Each process
-    publishes its leaves' devices once per such call and compares them with the others'.
+    publishes its leaves' devices once per such call and compares them with the others';
+    the store keeps each process's entry of the latest call only.
     """
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     mine = [
@@ -282,6 +283,8 @@ def _check_same_arrays(tree: Any) -> None:
                 f"broadcast in process {me} and {len(theirs)} in process {other}. Call "
                 "host_values with the same tree everywhere."
             )
+    if call:  # everyone published this call, so has read the last one: drop our entry
+        _exchange.forget(f"mmflax/host_values/{call - 1}/{me}")
 
 
 def _host_value(x: Any) -> np.ndarray:
@@ -312,7 +315,7 @@ def host_values(tree: Any) -> Any:
     returned them). Leaves held by other processes (a loss computed by the last pipeline stage)
     are broadcast from their holder; replicated leaves are read locally. In a single process it
     is ``jax.device_get``. Before broadcasting, the processes compare the devices of the leaves
-    to broadcast through the coordinator's key-value store (one entry per process and call).
+    to broadcast through the coordinator's key-value store.
 
     Raises:
         HostValuesError: a leaf is an array each process made on its own devices (or the
