@@ -249,6 +249,14 @@ MUTATIONS = (
         "bundles: a sum reading an earlier bundle's output is not bundled with its neighbours",
     ),
     Mutation(
+        "step-grad-inside-loop",
+        "multimesh_flax/layers/_step.py",
+        "        if self.pipeline is None or model_state:",
+        "        if True:",
+        ("tests/core/test_compile_path.py",),
+        "parallelize_step differentiates the loop over microbatches, not each microbatch",
+    ),
+    Mutation(
         "loops-chunk",
         "multimesh_flax/core/trace/_loops.py",
         "_rows(source, source.aval, k * size, (k + 1) * size, chunk, like)",

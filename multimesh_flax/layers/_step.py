@@ -2,7 +2,8 @@
 compiled training step.
 
 The step is ``loss, grads = value_and_grad(loss)(params)`` followed by the optimizer update,
-compiled by ``multimesh_flax.jit`` as one MPMD program. Placement:
+compiled by ``multimesh_flax.jit`` as one MPMD program; with ``microbatches=m`` it is the mean
+over microbatches of each one's ``value_and_grad``, pipelined by ``microbatch``. Placement:
 
 * a parameter of a ``Task[Module]`` sits on that task's submesh, sharded by its logical
   names (``shard_axes``) through the task's rules; optimizer-state leaves that mirror a
@@ -93,19 +94,14 @@ class _Model:
         self.params_key, self.dropout_key = _split_rng(rng)
         self.pipeline = pipeline  # microbatch options, or None for one full-batch pass
 
-    def batch_loss(
-        self, model_fn_at: Callable[[Any], Callable[..., Any]], batch: Any, trace_once: bool = True
-    ) -> Any:
-        """``loss_fn`` over the batch, as ``microbatches`` pipelined chunks when asked.
+    def _microbatched(self, fun: Callable[[Any], Any], batch: Any, trace_once: bool) -> Any:
+        """The mean of ``fun((chunk, index))`` over the batch's pipelined microbatches.
 
-        ``model_fn_at(k)`` is the model applied with microbatch ``k``'s dropout key (``k`` is
-        ``None`` for the full batch, a traced index otherwise: the index rides along as an
-        extra batch leaf, so a body traced once still sees each microbatch's own index).
-        ``trace_once=False`` traces the model once per microbatch: needed when ``model_fn``
-        hands mutable collections out through a side effect (see ``microbatch``).
+        ``index`` holds each example's microbatch index (it rides along as an extra batch
+        leaf, so a body traced once still sees each microbatch's own index).
+        ``trace_once=False`` traces ``fun`` once per microbatch: needed when the model hands
+        mutable collections out through a side effect (see ``microbatch``).
         """
-        if self.pipeline is None:
-            return self.loss_fn(model_fn_at(None), batch)
         count = self.pipeline.microbatches
         length = jax.tree_util.tree_leaves(batch)[0].shape[0]
         if length % count:
@@ -116,7 +112,7 @@ class _Model:
             )
         size = length // count
         chunked = _microbatch.microbatch(
-            lambda b: self.loss_fn(model_fn_at(b[1][0]), b[0]),
+            fun,
             0,
             size,
             schedule=self.pipeline.schedule,
@@ -144,27 +140,62 @@ class _Model:
             )
         return captured["variables"]
 
+    def _model_fn(
+        self, params: Any, model_state: Any, step_key: Any, microbatch: Any, updates: dict
+    ) -> Callable[..., Any]:
+        """The model applied to ``params`` with microbatch ``microbatch``'s dropout key (``None``
+        for the full batch); new values of ``model_state``'s collections go to ``updates``."""
+        rngs = {"dropout": dropout_key_of(step_key, microbatch)}
+
+        def model_fn(*args: Any, **kwargs: Any) -> Any:
+            variables = {"params": params, **model_state}
+            if not model_state:
+                return self.model.apply(variables, *args, rngs=rngs, **kwargs)
+            out, new = self.model.apply(
+                variables, *args, rngs=rngs, mutable=list(model_state), **kwargs
+            )
+            updates.update(new)
+            return out
+
+        return model_fn
+
     def loss(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
+        """``(loss, new model_state)`` over the whole batch (its microbatches' mean)."""
         step_key = jax.random.fold_in(self.dropout_key, step)
         updates: dict[str, Any] = {}
-
-        def model_fn_at(microbatch: Any) -> Callable[..., Any]:
-            rngs = {"dropout": dropout_key_of(step_key, microbatch)}
-
-            def model_fn(*args: Any, **kwargs: Any) -> Any:
-                variables = {"params": params, **model_state}
-                if not model_state:
-                    return self.model.apply(variables, *args, rngs=rngs, **kwargs)
-                out, new = self.model.apply(
-                    variables, *args, rngs=rngs, mutable=list(model_state), **kwargs
-                )
-                updates.update(new)
-                return out
-
-            return model_fn
-
-        loss = self.batch_loss(model_fn_at, batch, trace_once=not model_state)
+        model_fn_at = lambda k: self._model_fn(params, model_state, step_key, k, updates)  # noqa: E731
+        if self.pipeline is None:
+            loss = self.loss_fn(model_fn_at(None), batch)
+        else:
+            loss = self._microbatched(
+                lambda b: self.loss_fn(model_fn_at(b[1][0]), b[0]), batch, not model_state
+            )
         return loss, {**model_state, **updates}
+
+    def value_and_grad(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
+        """``((loss, new model_state), grads)`` of :meth:`loss` with respect to ``params``.
+
+        Microbatched, each microbatch's gradient is taken inside the loop and the step
+        averages them: JAX then differentiates one microbatch's body, traced once, instead
+        of a loop over microbatches (whose partial evaluation and transpose add a fixed
+        cost to every trace with ``m >= 2``). A model with mutable collections (batch
+        statistics) is differentiated as a whole: its microbatches are traced one by one.
+        """
+        if self.pipeline is None or model_state:
+            grad_fn = jax.value_and_grad(_checked_loss(self.loss), has_aux=True)
+            return grad_fn(params, model_state, batch, step)
+        step_key = jax.random.fold_in(self.dropout_key, step)
+
+        def one(chunk: Any) -> Any:
+            def loss_of(p: Any) -> Any:
+                model_fn = self._model_fn(p, model_state, step_key, chunk[1][0], {})
+                return self.loss_fn(model_fn, chunk[0]), None
+
+            (value, _), grads = jax.value_and_grad(_checked_loss(loss_of), has_aux=True)(params)
+            return value, grads
+
+        loss, grads = self._microbatched(one, batch, trace_once=True)
+        return (loss, model_state), grads
 
 
 def _check_batches(global_batch: Any, local_batch: Any) -> Any:
@@ -388,8 +419,9 @@ class _Setup:
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
-        grad_fn = jax.value_and_grad(_checked_loss(self.runner.loss), has_aux=True)
-        (loss, model_state), grads = grad_fn(state.params, state.model_state, batch, state.step)
+        (loss, model_state), grads = self.runner.value_and_grad(
+            state.params, state.model_state, batch, state.step
+        )
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
         return loss, _placement.constrain(new_state, self.state_constraints)
 

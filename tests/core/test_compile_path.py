@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -135,6 +136,28 @@ def test_parallelize_step_traces_the_step_once_and_the_first_call_not_again(m):
     loss, state = step(state, (x, y))
     assert len(_BLOCK_TRACES) == built  # the calls run the program built above
     assert np.isfinite(float(loss))
+
+
+def test_parallelize_step_differentiates_each_microbatch_inside_the_loop():
+    """JAX differentiates one microbatch's body (traced once), not the loop over them: every
+    backward equation sits in its own microbatch's scope, none under a transposed loop
+    (whose partial evaluation and transpose would add a fixed cost to every trace)."""
+    x, y = jnp.arange(64.0).reshape(8, 8) / 64, jnp.zeros((8, 8))
+    step, state, _ = mm.parallelize_step(
+        _Pipe(), optax.sgd(0.1), global_batch=(x, y), microbatches=4, schedule="1f1b"
+    )
+    with mm.ignore_transforms():  # the same step, unplaced and unsplit
+        params = jax.tree.map(np.asarray, state.params)
+        expected = jax.value_and_grad(lambda p: _Pipe().apply({"params": p}, x, y))(params)
+    traced = step.executable(state, (x, y)).partition.traced
+    backward = [s for s in traced.stacks if "transpose(" in s]
+    scopes = [re.match(r"mmmb\d+_(\d+)/", s) for s in backward]
+    assert backward and all(scopes), [s for s, m in zip(backward, scopes) if not m][:3]
+    assert {int(m[1]) for m in scopes} == {0, 1, 2, 3}
+    loss, new_state = step(state, (x, y))
+    np.testing.assert_allclose(float(loss), float(expected[0]), **TOL)
+    sgd = jax.tree.map(lambda p, g: p - 0.1 * g, params, expected[1])
+    _close(new_state.params, sgd)
 
 
 def test_parallelize_reads_shardings_from_the_program_its_function_runs():
