@@ -257,6 +257,14 @@ MUTATIONS = (
         "parallelize_step differentiates the loop over microbatches, not each microbatch",
     ),
     Mutation(
+        "accumulate-bundle-mixed-only",
+        "multimesh_flax/core/plan/_accumulate.py",
+        "        if not (glue and facts.microbatch is None and _blocks.is_sum(eqn)):",
+        "        if not (facts.mixed and _blocks.is_sum(eqn)):",
+        ("tests/core/test_accumulate.py",),
+        "bundles: the loop's own sums over microbatches (gradients taken inside it) stay unbundled",
+    ),
+    Mutation(
         "loops-chunk",
         "multimesh_flax/core/trace/_loops.py",
         "_rows(source, source.aval, k * size, (k + 1) * size, chunk, like)",

@@ -233,17 +233,21 @@ def bundle_sums(
     """Bundles the sums over microbatches that add outputs of the same two equations into
     one equation at the first one's position (see module doc).
 
-    Only glue sums that mix microbatches are bundled, and only those whose operands both
-    come from equations: their producers decide where they run and when they are ready, so
-    a bundle runs where and when each of its sums would have. A sum reading an earlier
-    bundle's output counts that bundle as its producer, so a chain over microbatches stays
-    one bundle per link. Returns the program and plan unchanged when nothing bundles.
+    Only glue sums outside every microbatch are bundled (sums over microbatches are: the
+    loop's own reduction, a backward's accumulation, ``reassociate_sums``' chains), and
+    only those whose operands both come from equations: their producers decide where they
+    run and when they are ready, so a bundle runs where and when each of its sums would
+    have. A sum reading an earlier bundle's output counts that bundle as its producer, so a
+    chain over microbatches stays one bundle per link. Returns the program and plan
+    unchanged when nothing bundles.
     """
     eqns, producer = traced.jaxpr.eqns, traced.producer
     group_of: dict[int, int] = {}  # sum index -> index of its bundle's first sum
     bundles: dict[tuple[int, int], list[int]] = {}
     for i, eqn in enumerate(eqns):
-        if not (plan.equations[i].mixed and _blocks.is_sum(eqn)):
+        facts = plan.equations[i]
+        glue = traced.labels[i] is None or facts.mixed
+        if not (glue and facts.microbatch is None and _blocks.is_sum(eqn)):
             continue
         sources = [producer.get(v) for v in eqn.invars]
         if None in sources:
