@@ -226,7 +226,7 @@ MUTATIONS = (
     ),
     Mutation(
         "sink-glue-readers",
-        "multimesh_flax/core/fragment/_partition.py",
+        "multimesh_flax/core/fragment/_sink.py",
         "at[pos] -= 1",
         "at[pos] = 0",
         ("tests/core/test_sink_glue.py",),
@@ -263,6 +263,22 @@ MUTATIONS = (
         "        if not (facts.mixed and _blocks.is_sum(eqn)):",
         ("tests/core/test_accumulate.py",),
         "bundles: the loop's own sums over microbatches (gradients taken inside it) stay unbundled",
+    ),
+    Mutation(
+        "sink-units-off",
+        "multimesh_flax/core/fragment/_partition.py",
+        "    sunk = _sink.sink_into_units(traced, plan, merged) or sunk",
+        "    sunk = sunk",
+        ("tests/core/test_sink_units.py",),
+        "a microbatch's input-only glue (the loss's one-hot backward) stays pooled up front",
+    ),
+    Mutation(
+        "sink-units-any-copy",
+        "multimesh_flax/core/fragment/_sink.py",
+        "        differing = _differing(order, moves)",
+        "        differing: set[int] = set()",
+        ("tests/core/test_sink_units.py",),
+        "moves glue that differs per microbatch (the slices) too: a stage's units differ",
     ),
     Mutation(
         "loops-chunk",

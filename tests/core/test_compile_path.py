@@ -152,7 +152,7 @@ def test_parallelize_step_differentiates_each_microbatch_inside_the_loop():
     traced = step.executable(state, (x, y)).partition.traced
     backward = [s for s in traced.stacks if "transpose(" in s]
     scopes = [re.match(r"mmmb\d+_(\d+)/", s) for s in backward]
-    assert backward and all(scopes), [s for s, m in zip(backward, scopes) if not m][:3]
+    assert backward and all(scopes), [s for s, m in zip(backward, scopes, strict=True) if not m][:3]
     assert {int(m[1]) for m in scopes} == {0, 1, 2, 3}
     loss, new_state = step(state, (x, y))
     np.testing.assert_allclose(float(loss), float(expected[0]), **TOL)

@@ -1,4 +1,4 @@
-"""``_partition._sink_glue``: glue whose results one later glue fragment reads moves there.
+"""``_sink.sink_glue``: glue whose results one later glue fragment reads moves there.
 
 Moving an equation must never leave a reader behind: a fragment that still reads a value
 through another equation keeps its producer (else the producer runs after its reader).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from multimesh_flax.core.fragment import _partition
+from multimesh_flax.core.fragment import _partition, _sink
 from multimesh_flax.core.trace import _trace
 
 
@@ -33,7 +33,7 @@ def test_a_producer_stays_while_its_fragment_still_reads_it():
     traced, (neg, sin, cos, add) = _program()
     first = _partition.Fragment(index=0, place=(0,), label=None, eqns=[neg, sin, cos])
     last = _partition.Fragment(index=1, place=(0,), label=None, eqns=[add])
-    assert _partition._sink_glue(traced, [first, last])
+    assert _sink.sink_glue(traced, [first, last])
     # ``sin`` only feeds the last fragment and moves; ``-x`` still feeds ``cos``: it stays.
     assert first.eqns == [neg, cos]
     assert last.eqns == [sin, add]
@@ -43,5 +43,5 @@ def test_a_producer_whose_readers_all_moved_follows_them():
     traced, (neg, sin, _, add) = _program()
     first = _partition.Fragment(index=0, place=(0,), label=None, eqns=[neg, sin])
     last = _partition.Fragment(index=1, place=(0,), label=None, eqns=[add])
-    assert _partition._sink_glue(traced, [first, last])
+    assert _sink.sink_glue(traced, [first, last])
     assert first.eqns == [] and last.eqns == [neg, sin, add]

@@ -41,7 +41,7 @@ import numpy as np
 
 from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.declare._devices import Place, place_of
-from multimesh_flax.core.fragment import _fuse
+from multimesh_flax.core.fragment import _fuse, _sink
 from multimesh_flax.core.plan import _accumulate, _pipeline
 from multimesh_flax.core.trace import _session, _trace
 
@@ -343,7 +343,9 @@ def _assign_boundaries(
         frag.outvars = [v for eqn in frag.eqns for v in eqn.outvars if v in needed_outside]
 
 
-def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list[Fragment]:
+def _merge_glue(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, order: Sequence[Fragment]
+) -> list[Fragment]:
     """Folds glue into the latest glue fragment on its place, in dispatch order.
 
     Under a schedule the cutter keeps glue apart unless merging is order-neutral, which
@@ -351,7 +353,10 @@ def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list
     per dependency pattern), each a ``jax.jit`` to compile and dispatch. Once the dispatch
     order is fixed, a glue fragment whose inputs all exist by the time the previous glue
     fragment on its place is dispatched can run as part of it: the order of everything else
-    is unchanged. Pipeline units are never merged, so the schedule is untouched.
+    is unchanged. Pipeline units are never merged, so the schedule is untouched. Then
+    equations move to the one later fragment that reads them: glue into glue
+    (``_sink.sink_glue``), a microbatch's input-only glue into its unit
+    (``_sink.sink_into_units``).
     """
     made_at: dict[Any, int] = {}  # var -> position (in the merged list) of its fragment
     merged: list[Fragment] = []
@@ -370,7 +375,8 @@ def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list
                 last_glue[frag.place] = at
         for v in frag.outvars:
             made_at[v] = at
-    sunk = _sink_glue(traced, merged)
+    sunk = _sink.sink_glue(traced, merged)
+    sunk = _sink.sink_into_units(traced, plan, merged) or sunk
     if len(merged) == len(order) and not sunk:
         return list(order)
     merged = [f for f in merged if f.eqns]
@@ -379,65 +385,6 @@ def _merge_glue(traced: _trace.TracedProgram, order: Sequence[Fragment]) -> list
         frag.invars, frag.outvars = [], []
     _assign_boundaries(traced, merged, made_in)
     return merged
-
-
-def _sink_glue(traced: _trace.TracedProgram, order: list[Fragment]) -> bool:
-    """Moves glue equations whose results only one later glue fragment on the same place
-    reads into that fragment; returns whether any moved.
-
-    Glue is dispatched as soon as its inputs exist, so work that only the optimizer update
-    at the end of a step needs (Adam's ``b1 * mu``, weight decay) would otherwise run in the
-    step's first fragment and hand every such value to the last one: two dispatch handles
-    per parameter and the values held all step. Only equations that read no output of a
-    pipeline unit move, so gradient sums still run as each microbatch's gradients arrive;
-    pipeline units themselves are left as they are.
-    """
-    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
-    from_units = {v for f in order if f.unit is not None for e in f.eqns for v in e.outvars}
-    # var -> {position of a fragment reading it: how many of its equations do}
-    readers: dict[Any, dict[int, int]] = {}
-    for pos, frag in enumerate(order):
-        for eqn in frag.eqns:
-            for v in eqn.invars:
-                if not isinstance(v, jex.Literal):
-                    at = readers.setdefault(v, {})
-                    at[pos] = at.get(pos, 0) + 1
-    moved = False
-    # Equations moved into a fragment, last first: every target lies after the fragment
-    # moving into it, which the loop below visits first, so prepending can wait to the end.
-    prepended: dict[int, list[Any]] = {}
-    for pos in reversed(range(len(order))):
-        frag = order[pos]
-        if frag.unit is not None:
-            continue
-        keep: list[Any] = []
-        for eqn in reversed(frag.eqns):
-            users = set().union(*(readers.get(v, {}).keys() for v in eqn.outvars))
-            target = next(iter(users)) if len(users) == 1 else None
-            if (
-                target is None
-                or target <= pos
-                or eqn.effects
-                or order[target].unit is not None
-                or order[target].place != frag.place
-                or outputs.intersection(eqn.outvars)
-                or any(v in from_units for v in eqn.invars if not isinstance(v, jex.Literal))
-            ):
-                keep.append(eqn)
-                continue
-            prepended.setdefault(target, []).append(eqn)
-            for v in eqn.invars:  # the fragment may still read v through other equations
-                if not isinstance(v, jex.Literal):
-                    at = readers[v]
-                    at[pos] -= 1
-                    if not at[pos]:
-                        del at[pos]
-                    at[target] = at.get(target, 0) + 1
-            moved = True
-        frag.eqns = keep[::-1]
-    for target, eqns in prepended.items():
-        order[target].eqns[:0] = eqns[::-1]
-    return moved
 
 
 def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
@@ -453,7 +400,10 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     3. ``_place_meshes`` / ``_place_equations``: one place per equation (module doc).
     4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
     5. ``_pipeline.dispatch_order`` + ``_merge_glue`` (scheduled only): the schedule's
-       order, with glue folded into earlier glue on its place where that changes no order.
+       order, with glue folded into earlier glue on its place where that changes no order,
+       glue only a later glue fragment reads moved there (``_sink.sink_glue``), and a
+       microbatch's input-only glue moved into the unit reading it
+       (``_sink.sink_into_units``).
     6. ``_fuse.fuse_adjacent`` (scheduled only): a fragment and the next one on its place
        run as one where that delays nothing and adds no executable (its contract there).
     7. ``_homes``: where every value is produced and every program input must arrive.
@@ -468,7 +418,7 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     places = _place_equations(traced, default, users)
     fragments = _fragment(traced, places, plan)
     if plan is not None and plan.scheduled:
-        fragments = _merge_glue(traced, _pipeline.dispatch_order(fragments, plan))
+        fragments = _merge_glue(traced, plan, _pipeline.dispatch_order(fragments, plan))
         outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
         fragments = _fuse.fuse_adjacent(fragments, outputs)
     home, input_place = _homes(traced, fragments, places, users)

@@ -1,0 +1,191 @@
+"""Moving an equation into the one later fragment that reads it, once the order is fixed.
+
+Two passes share one mechanism (:func:`_moves`): an equation of a glue fragment whose results
+exactly one later fragment on its submesh reads, that reads no pipeline unit's output (so
+nothing it waits for changes) and is no program output, runs at the start of that reader.
+
+* :func:`sink_glue` -- into later glue. Glue is dispatched as soon as its inputs exist, so
+  work that only the optimizer update at the end of a step needs (Adam's ``b1 * mu``, weight
+  decay) would otherwise run in the step's first fragment and hand every such value to the
+  last one: two dispatch handles per parameter and the values held all step.
+* :func:`sink_into_units` -- a microbatch's input-only glue into its unit. Glue that depends
+  only on the program's inputs is *free*: the cutter pools it into one fragment per submesh,
+  dispatched first (``_partition._Cutter``). That is right for batch slicing, which differs
+  per microbatch, but it also pools what a microbatch computes from its slice alone -- with
+  the gradient taken inside the loop, the loss's backward through the targets (a
+  vocabulary-sized scatter per microbatch), positions, masks: one fragment growing with the
+  number of microbatches (more to compile) holding ``m`` such arrays from the first
+  dispatch until each microbatch's backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.extend.core as jex
+import numpy as np
+
+from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.trace import _trace
+
+# A move: (position of the equation's glue fragment, the equation, position of its reader)
+_Move = tuple[int, Any, int]
+
+
+def sink_glue(traced: _trace.TracedProgram, order: Sequence[Any]) -> bool:
+    """Moves glue equations whose results only one later glue fragment on the same place
+    reads into that fragment; returns whether any moved.
+
+    Only equations that read no output of a pipeline unit move, so gradient sums still run
+    as each microbatch's gradients arrive; pipeline units themselves are left as they are.
+    """
+    moves = _moves(traced, order, lambda eqn, target: order[target].unit is None)
+    _apply(order, moves)
+    return bool(moves)
+
+
+def sink_into_units(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, order: Sequence[Any]
+) -> bool:
+    """Moves microbatch glue that only one unit of its microbatch reads into that unit (at
+    its start); returns whether any moved.
+
+    Besides :func:`_moves`' conditions, the equation belongs to the unit's microbatch, and
+    moves are kept per *unit group* (the units of one region, stage and phase on one place,
+    one per microbatch) only where every unit of the group receives an equation identical
+    to the others' at the same position (same primitive, parameters and literals): the
+    copies then stay structurally equal and compile once. An equation that differs between
+    microbatches (a slice at the microbatch's offset) stays where it is, and so does
+    everything it would have needed to move with it.
+
+    Example: in gpt-tiny's 2-stage step each microbatch's target slice stays in the free
+    fragment and the one-hot gradient of the loss computed from it moves into the last
+    stage's forward/backward unit of that microbatch.
+    """
+    position = {id(e): i for i, e in enumerate(traced.jaxpr.eqns)}
+    excluded: set[int] = set()
+
+    def of_its_microbatch(eqn: Any, target: int) -> bool:
+        unit = order[target].unit
+        mb = plan.equations[position[id(eqn)]].microbatch
+        return unit is not None and id(eqn) not in excluded and mb == (unit.region, unit.microbatch)
+
+    while True:
+        moves = _moves(traced, order, of_its_microbatch)
+        differing = _differing(order, moves)
+        if not differing:
+            break
+        excluded |= differing
+    _apply(order, moves)
+    return bool(moves)
+
+
+def _moves(
+    traced: _trace.TracedProgram, order: Sequence[Any], accept: Callable[[Any, int], bool]
+) -> list[_Move]:
+    """The equations of glue fragments that may move to their one later reader on their
+    place (and that ``accept(eqn, reader position)``), in program order.
+
+    Fragments and equations are visited last first: an equation whose readers all moved
+    into one fragment follows them there; one a fragment still reads stays.
+    """
+    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    from_units = {v for f in order if f.unit is not None for e in f.eqns for v in e.outvars}
+    # var -> {position of a fragment reading it: how many of its equations do}
+    readers: dict[Any, dict[int, int]] = {}
+    for pos, frag in enumerate(order):
+        for eqn in frag.eqns:
+            for v in eqn.invars:
+                if not isinstance(v, jex.Literal):
+                    at = readers.setdefault(v, {})
+                    at[pos] = at.get(pos, 0) + 1
+    moves: list[_Move] = []
+    for pos in reversed(range(len(order))):
+        frag = order[pos]
+        if frag.unit is not None:
+            continue
+        for eqn in reversed(frag.eqns):
+            users = set().union(*(readers.get(v, {}).keys() for v in eqn.outvars))
+            target = next(iter(users)) if len(users) == 1 else None
+            if (
+                target is None
+                or target <= pos
+                or eqn.effects
+                or order[target].place != frag.place
+                or outputs.intersection(eqn.outvars)
+                or any(v in from_units for v in eqn.invars if not isinstance(v, jex.Literal))
+                or not accept(eqn, target)
+            ):
+                continue
+            moves.append((pos, eqn, target))
+            for v in eqn.invars:  # the fragment may still read v through other equations
+                if not isinstance(v, jex.Literal):
+                    at = readers[v]
+                    at[pos] -= 1
+                    if not at[pos]:
+                        del at[pos]
+                    at[target] = at.get(target, 0) + 1
+    return moves[::-1]
+
+
+def _apply(order: Sequence[Any], moves: list[_Move]) -> None:
+    """Takes the moving equations out of their fragments and puts them, in program order,
+    at the start of their readers (every reader lies after the fragments moving into it)."""
+    moved = {id(eqn) for _, eqn, _ in moves}
+    for pos in {pos for pos, _, _ in moves}:
+        order[pos].eqns = [e for e in order[pos].eqns if id(e) not in moved]
+    prepended: dict[int, list[Any]] = {}
+    for _, eqn, target in moves:
+        prepended.setdefault(target, []).append(eqn)
+    for target, eqns in prepended.items():
+        order[target].eqns[:0] = eqns
+
+
+def _differing(order: Sequence[Any], moves: list[_Move]) -> set[int]:
+    """Ids of the moving equations that would make a unit group's copies differ."""
+    groups: dict[Any, dict[int, list[Any]]] = {}  # unit group -> {microbatch: equations}
+    for _, eqn, target in moves:
+        unit = order[target].unit
+        group = (unit.region, unit.stage, unit.phase, order[target].place)
+        groups.setdefault(group, {}).setdefault(unit.microbatch, []).append(eqn)
+    members: dict[Any, set[int]] = {}  # unit group -> the microbatches it has units of
+    for frag in order:
+        unit = frag.unit
+        if unit is not None:
+            group = (unit.region, unit.stage, unit.phase, frag.place)
+            members.setdefault(group, set()).add(unit.microbatch)
+    differing: set[int] = set()
+    for group, by_mb in groups.items():
+        lists = list(by_mb.values())
+        if len(lists) != len(members[group]) or len({len(x) for x in lists}) != 1:
+            differing.update(id(e) for x in lists for e in x)  # not every copy gets them
+            continue
+        for column in zip(*lists, strict=True):
+            if not all(_same(column[0], e) for e in column[1:]):
+                differing.update(id(e) for e in column)
+    return differing
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two equations are the same computation on (possibly) other variables."""
+    if a.primitive is not b.primitive or len(a.invars) != len(b.invars):
+        return False
+    for x, y in zip(a.invars, b.invars, strict=True):
+        if isinstance(x, jex.Literal) != isinstance(y, jex.Literal):
+            return False
+        if isinstance(x, jex.Literal) and not _same_literal(x, y):
+            return False
+    return a.params is b.params or _same_params(a.params, b.params)
+
+
+def _same_literal(x: Any, y: Any) -> bool:
+    vx, vy = np.asarray(x.val), np.asarray(y.val)
+    return vx.dtype == vy.dtype and vx.shape == vy.shape and vx.tobytes() == vy.tobytes()
+
+
+def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):  # e.g. NumPy arrays among the parameters
+        return False
