@@ -40,7 +40,7 @@ def sink_glue(traced: _trace.TracedProgram, order: Sequence[Any]) -> bool:
     Only equations that read no output of a pipeline unit move, so gradient sums still run
     as each microbatch's gradients arrive; pipeline units themselves are left as they are.
     """
-    moves = _moves(traced, order, lambda eqn, target: order[target].unit is None)
+    moves = _moves(traced, order, lambda eqn: True, lambda eqn, target: order[target].unit is None)
     _apply(order, moves)
     return bool(moves)
 
@@ -66,13 +66,16 @@ def sink_into_units(
     position = {id(e): i for i, e in enumerate(traced.jaxpr.eqns)}
     excluded: set[int] = set()
 
+    def of_a_microbatch(eqn: Any) -> bool:
+        return id(eqn) not in excluded and plan.equations[position[id(eqn)]].microbatch is not None
+
     def of_its_microbatch(eqn: Any, target: int) -> bool:
         unit = order[target].unit
         mb = plan.equations[position[id(eqn)]].microbatch
-        return unit is not None and id(eqn) not in excluded and mb == (unit.region, unit.microbatch)
+        return unit is not None and mb == (unit.region, unit.microbatch)
 
     while True:
-        moves = _moves(traced, order, of_its_microbatch)
+        moves = _moves(traced, order, of_a_microbatch, of_its_microbatch)
         differing = _differing(order, moves)
         if not differing:
             break
@@ -82,50 +85,59 @@ def sink_into_units(
 
 
 def _moves(
-    traced: _trace.TracedProgram, order: Sequence[Any], accept: Callable[[Any, int], bool]
+    traced: _trace.TracedProgram,
+    order: Sequence[Any],
+    admits: Callable[[Any], bool],
+    accepts: Callable[[Any, int], bool],
 ) -> list[_Move]:
     """The equations of glue fragments that may move to their one later reader on their
-    place (and that ``accept(eqn, reader position)``), in program order.
+    place, in program order: those ``admits(eqn)`` (checked first: it is cheap) and
+    ``accepts(eqn, reader position)``.
 
     Fragments and equations are visited last first: an equation whose readers all moved
     into one fragment follows them there; one a fragment still reads stays.
     """
     outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     from_units = {v for f in order if f.unit is not None for e in f.eqns for v in e.outvars}
-    # var -> {position of a fragment reading it: how many of its equations do}
-    readers: dict[Any, dict[int, int]] = {}
+    admitted = [
+        (pos, eqn)
+        for pos, frag in enumerate(order)
+        if frag.unit is None
+        for eqn in frag.eqns
+        if admits(eqn)
+    ]
+    # var -> {position of a fragment reading it: how many of its equations do}, for the
+    # results of admitted equations: the only readers asked about
+    readers: dict[Any, dict[int, int]] = {v: {} for _, eqn in admitted for v in eqn.outvars}
+    literal = jex.Literal
     for pos, frag in enumerate(order):
         for eqn in frag.eqns:
             for v in eqn.invars:
-                if not isinstance(v, jex.Literal):
-                    at = readers.setdefault(v, {})
+                at = None if type(v) is literal else readers.get(v)
+                if at is not None:
                     at[pos] = at.get(pos, 0) + 1
     moves: list[_Move] = []
-    for pos in reversed(range(len(order))):
-        frag = order[pos]
-        if frag.unit is not None:
+    for pos, eqn in reversed(admitted):
+        users = set().union(*(readers[v].keys() for v in eqn.outvars))
+        target = next(iter(users)) if len(users) == 1 else None
+        if (
+            target is None
+            or target <= pos
+            or eqn.effects
+            or order[target].place != order[pos].place
+            or outputs.intersection(eqn.outvars)
+            or any(v in from_units for v in eqn.invars if not isinstance(v, jex.Literal))
+            or not accepts(eqn, target)
+        ):
             continue
-        for eqn in reversed(frag.eqns):
-            users = set().union(*(readers.get(v, {}).keys() for v in eqn.outvars))
-            target = next(iter(users)) if len(users) == 1 else None
-            if (
-                target is None
-                or target <= pos
-                or eqn.effects
-                or order[target].place != frag.place
-                or outputs.intersection(eqn.outvars)
-                or any(v in from_units for v in eqn.invars if not isinstance(v, jex.Literal))
-                or not accept(eqn, target)
-            ):
-                continue
-            moves.append((pos, eqn, target))
-            for v in eqn.invars:  # the fragment may still read v through other equations
-                if not isinstance(v, jex.Literal):
-                    at = readers[v]
-                    at[pos] -= 1
-                    if not at[pos]:
-                        del at[pos]
-                    at[target] = at.get(target, 0) + 1
+        moves.append((pos, eqn, target))
+        for v in eqn.invars:  # the fragment may still read v through other equations
+            at = None if type(v) is literal else readers.get(v)
+            if at is not None:
+                at[pos] -= 1
+                if not at[pos]:
+                    del at[pos]
+                at[target] = at.get(target, 0) + 1
     return moves[::-1]
 
 
