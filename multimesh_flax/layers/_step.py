@@ -159,11 +159,18 @@ class _Model:
 
         return model_fn
 
+    def _step_key(self, step: Any) -> Any:
+        """The dropout key of training step ``step`` (each microbatch folds in its index)."""
+        return jax.random.fold_in(self.dropout_key, step)
+
     def loss(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
         """``(loss, new model_state)`` over the whole batch (its microbatches' mean)."""
-        step_key = jax.random.fold_in(self.dropout_key, step)
+        step_key = self._step_key(step)
         updates: dict[str, Any] = {}
-        model_fn_at = lambda k: self._model_fn(params, model_state, step_key, k, updates)  # noqa: E731
+
+        def model_fn_at(microbatch: Any) -> Callable[..., Any]:
+            return self._model_fn(params, model_state, step_key, microbatch, updates)
+
         if self.pipeline is None:
             loss = self.loss_fn(model_fn_at(None), batch)
         else:
@@ -184,7 +191,7 @@ class _Model:
         if self.pipeline is None or model_state:
             grad_fn = jax.value_and_grad(_checked_loss(self.loss), has_aux=True)
             return grad_fn(params, model_state, batch, step)
-        step_key = jax.random.fold_in(self.dropout_key, step)
+        step_key = self._step_key(step)
 
         def one(chunk: Any) -> Any:
             def loss_of(p: Any) -> Any:

@@ -13,7 +13,7 @@ import pytest
 
 import multimesh_flax as mm
 from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _blocks, _session
+from multimesh_flax.core.trace import _blocks, _loops, _session
 from tests.core import test_blocks
 from tests.core._chain import assert_matches_unparallelized, chain_loss
 
@@ -106,3 +106,40 @@ def test_a_later_stage_with_hoisted_work_stays_a_later_stage():
     (region,) = step.executable(params, batch).partition.plan.regions.values()
     assert [_pipeline.stage_name(t) for t in region.stage_tasks] == ["first", "second"]
     assert_matches_unparallelized(step, loss, params, batch, TOL)
+
+
+def _chain_program(length):
+    """``x + 1`` applied ``length`` times, then ``sin``: one long chain of equations."""
+
+    def f(x):
+        for _ in range(length):
+            x = x + 1.0
+        return jnp.sin(x)
+
+    return jax.make_jaxpr(f)(0.0).jaxpr.eqns
+
+
+def test_hoisted_values_move_to_their_first_reader_in_dependency_order():
+    def f(x, y):
+        a = x * 2.0  # hoisted
+        a2 = a * 3.0  # hoisted, reads the first
+        b = y + 1.0
+        return jnp.sin(a2 + b)
+
+    mul, mul2, add, add2, sin = jax.make_jaxpr(f)(1.0, 2.0).jaxpr.eqns
+    late = [True, True, False, False, False]
+    moved, stacks, labels = _loops.at_first_use(
+        [mul, mul2, add, add2, sin], list("abcde"), list("ABCDE"), late
+    )
+    assert moved == [add, mul, mul2, add2, sin]
+    assert stacks == list("cabde") and labels == list("CABDE")
+
+
+def test_a_chain_of_hoisted_values_longer_than_the_recursion_limit_is_reordered():
+    """Thousands of hoisted equations in one chain (a deep preprocessing of a weight) are
+    released without recursion: Python's default limit is 1,000 frames."""
+    length = 3000
+    eqns = _chain_program(length)
+    late = [True] * length + [False]
+    moved, _, _ = _loops.at_first_use(eqns, [""] * len(eqns), [None] * len(eqns), late)
+    assert moved == eqns  # each addition just before its reader, the chain's order kept

@@ -205,13 +205,22 @@ def at_first_use(
     pending: dict[Any, int] = {}  # output variable -> index of the late equation making it
     order: list[int] = []
 
-    def release(i: int) -> None:
-        for v in eqns[i].outvars:
-            pending.pop(v, None)
-        for v in eqns[i].invars:
-            if not isinstance(v, jex.Literal) and v in pending:
-                release(pending[v])
-        order.append(i)
+    def release(root: int) -> None:
+        """Appends ``root`` after the pending equations it reads, transitively (depth first
+        with an explicit stack: a chain of hoisted values can be thousands long)."""
+        stack = [(root, False)]
+        while stack:
+            i, ready = stack.pop()
+            if ready:
+                order.append(i)
+                continue
+            if not any(v in pending for v in eqns[i].outvars):
+                continue  # released meanwhile, through another reader
+            for v in eqns[i].outvars:
+                pending.pop(v, None)
+            stack.append((i, True))
+            reads = [v for v in eqns[i].invars if not isinstance(v, jex.Literal)]
+            stack.extend((pending[v], False) for v in reversed(reads) if v in pending)
 
     for i, eqn in enumerate(eqns):
         if late[i]:
