@@ -267,8 +267,8 @@ MUTATIONS = (
     Mutation(
         "sink-units-off",
         "multimesh_flax/core/fragment/_partition.py",
-        "    sunk = _sink.sink_into_units(traced, plan, merged) or sunk",
-        "    sunk = sunk",
+        "    changed = _sink.sink_into_units(traced, plan, fragments) or changed",
+        "    changed = bool(changed)",
         ("tests/core/test_sink_units.py",),
         "a microbatch's input-only glue (the loss's one-hot backward) stays pooled up front",
     ),

@@ -46,14 +46,14 @@ def _batch():
     return x, targets
 
 
-def _step(m):
+def _step(m, schedule="1f1b"):
     x, targets = _batch()
     return mm.parallelize_step(
         _LM(),
         optax.sgd(0.1),
         global_batch=(x, targets),
         microbatches=m,
-        schedule="1f1b",
+        schedule=schedule,
         loss_fn=lambda model, batch: model(*batch),
     )
 
@@ -62,9 +62,10 @@ def _primitives(frag: _partition.Fragment) -> set[str]:
     return {e.primitive.name for e in frag.eqns}
 
 
-@pytest.mark.parametrize("m", [2, 4])
-def test_target_only_backward_runs_in_each_microbatch_unit(m):
-    step, state, _ = _step(m)
+@pytest.mark.parametrize(("m", "schedule"), [(2, "1f1b"), (4, "1f1b"), (4, None)])
+def test_target_only_backward_runs_in_each_microbatch_unit(m, schedule):
+    """Also without a schedule (microbatches in program order): the pool is the same."""
+    step, state, _ = _step(m, schedule)
     x, targets = _batch()
     part = step.executable(state, (x, targets)).partition
     scatters = [f for f in part.fragments if "scatter-add" in _primitives(f)]
@@ -84,10 +85,10 @@ def test_target_only_backward_runs_in_each_microbatch_unit(m):
     assert (8 // m, VOCAB) not in handed, handed
 
 
-@pytest.mark.parametrize("m", [2, 4])
-def test_units_of_a_stage_stay_structurally_equal(m):
+@pytest.mark.parametrize(("m", "schedule"), [(2, "1f1b"), (4, "1f1b"), (4, None)])
+def test_units_of_a_stage_stay_structurally_equal(m, schedule):
     """What moves is the same in every microbatch: the slices (offsets differ) stay."""
-    step, state, _ = _step(m)
+    step, state, _ = _step(m, schedule)
     part = step.executable(state, _batch()).partition
     keys: dict[tuple, set] = {}
     memo: dict = {}
@@ -102,8 +103,9 @@ def test_units_of_a_stage_stay_structurally_equal(m):
     assert slices and all(f.unit is None for f in slices)
 
 
-def test_moving_glue_into_units_keeps_loss_and_update_exact():
-    step, state, _ = _step(4)
+@pytest.mark.parametrize("schedule", ["1f1b", None])
+def test_moving_glue_into_units_keeps_loss_and_update_exact(schedule):
+    step, state, _ = _step(4, schedule)
     x, targets = _batch()
     params = jax.tree.map(np.asarray, state.params)
     with mm.ignore_transforms():  # the same step, unplaced and unsplit

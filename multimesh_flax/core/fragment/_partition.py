@@ -343,20 +343,16 @@ def _assign_boundaries(
         frag.outvars = [v for eqn in frag.eqns for v in eqn.outvars if v in needed_outside]
 
 
-def _merge_glue(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, order: Sequence[Fragment]
-) -> list[Fragment]:
-    """Folds glue into the latest glue fragment on its place, in dispatch order.
+def _merge_glue(order: Sequence[Fragment]) -> list[Fragment]:
+    """Folds glue into the latest glue fragment on its place, in dispatch order (the
+    fragments' boundaries are left to :func:`_rebuild_boundaries`).
 
     Under a schedule the cutter keeps glue apart unless merging is order-neutral, which
     leaves the optimizer update and the state constraints as dozens of tiny fragments (one
     per dependency pattern), each a ``jax.jit`` to compile and dispatch. Once the dispatch
     order is fixed, a glue fragment whose inputs all exist by the time the previous glue
     fragment on its place is dispatched can run as part of it: the order of everything else
-    is unchanged. Pipeline units are never merged, so the schedule is untouched. Then
-    equations move to the one later fragment that reads them: glue into glue
-    (``_sink.sink_glue``), a microbatch's input-only glue into its unit
-    (``_sink.sink_into_units``).
+    is unchanged. Pipeline units are never merged, so the schedule is untouched.
     """
     made_at: dict[Any, int] = {}  # var -> position (in the merged list) of its fragment
     merged: list[Fragment] = []
@@ -375,16 +371,37 @@ def _merge_glue(
                 last_glue[frag.place] = at
         for v in frag.outvars:
             made_at[v] = at
-    sunk = _sink.sink_glue(traced, merged)
-    sunk = _sink.sink_into_units(traced, plan, merged) or sunk
-    if len(merged) == len(order) and not sunk:
-        return list(order)
-    merged = [f for f in merged if f.eqns]
-    made_in = {v: f.index for f in merged for e in f.eqns for v in e.outvars}
-    for frag in merged:
-        frag.invars, frag.outvars = [], []
-    _assign_boundaries(traced, merged, made_in)
     return merged
+
+
+def _arrange(
+    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, fragments: list[Fragment]
+) -> list[Fragment]:
+    """The fragments of a microbatched program in dispatch order, glue moved to its readers.
+
+    Under a schedule: ``_pipeline.dispatch_order``, then :func:`_merge_glue`, then glue
+    that only one later glue fragment reads moves there (``_sink.sink_glue``). Scheduled or
+    not, a microbatch's input-only glue moves into the unit reading it
+    (``_sink.sink_into_units``). Boundaries are rebuilt once, if anything changed.
+    """
+    changed = False
+    if plan.scheduled:
+        order = _pipeline.dispatch_order(fragments, plan)
+        fragments = _merge_glue(order)
+        changed = len(fragments) != len(order)
+        changed = _sink.sink_glue(traced, fragments) or changed
+    changed = _sink.sink_into_units(traced, plan, fragments) or changed
+    return _rebuild_boundaries(traced, fragments) if changed else fragments
+
+
+def _rebuild_boundaries(traced: _trace.TracedProgram, fragments: list[Fragment]) -> list[Fragment]:
+    """The non-empty fragments, their inputs and outputs recomputed after equations moved."""
+    fragments = [f for f in fragments if f.eqns]
+    made_in = {v: f.index for f in fragments for e in f.eqns for v in e.outvars}
+    for frag in fragments:
+        frag.invars, frag.outvars = [], []
+    _assign_boundaries(traced, fragments, made_in)
+    return fragments
 
 
 def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
@@ -399,11 +416,11 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
        block's gradients become one equation.
     3. ``_place_meshes`` / ``_place_equations``: one place per equation (module doc).
     4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
-    5. ``_pipeline.dispatch_order`` + ``_merge_glue`` (scheduled only): the schedule's
-       order, with glue folded into earlier glue on its place where that changes no order,
-       glue only a later glue fragment reads moved there (``_sink.sink_glue``), and a
-       microbatch's input-only glue moved into the unit reading it
-       (``_sink.sink_into_units``).
+    5. ``_arrange`` (microbatched): under a schedule, the schedule's order
+       (``_pipeline.dispatch_order``) with glue folded into earlier glue on its place where
+       that changes no order (``_merge_glue``) and glue only a later glue fragment reads
+       moved there (``_sink.sink_glue``); in every case, a microbatch's input-only glue
+       moved into the unit reading it (``_sink.sink_into_units``).
     6. ``_fuse.fuse_adjacent`` (scheduled only): a fragment and the next one on its place
        run as one where that delays nothing and adds no executable (its contract there).
     7. ``_homes``: where every value is produced and every program input must arrive.
@@ -417,8 +434,9 @@ def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
     users = _consumers(traced.jaxpr)  # the one consumer index of this program
     places = _place_equations(traced, default, users)
     fragments = _fragment(traced, places, plan)
+    if plan is not None:
+        fragments = _arrange(traced, plan, fragments)
     if plan is not None and plan.scheduled:
-        fragments = _merge_glue(traced, plan, _pipeline.dispatch_order(fragments, plan))
         outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
         fragments = _fuse.fuse_adjacent(fragments, outputs)
     home, input_place = _homes(traced, fragments, places, users)
