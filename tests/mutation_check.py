@@ -115,8 +115,8 @@ MUTATIONS = (
     Mutation(
         "key-fold-step",
         "multimesh_flax/layers/_step.py",
-        "step_key = jax.random.fold_in(self.dropout_key, step)",
-        "step_key = jax.random.fold_in(self.dropout_key, 0)",
+        "return jax.random.fold_in(self.dropout_key, step)",
+        "return jax.random.fold_in(self.dropout_key, 0)",
         ("tests/layers/test_dropout_keys.py",),
         "dropout keys: every step uses step 0's key (same masks every step)",
     ),
