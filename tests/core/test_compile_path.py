@@ -26,8 +26,8 @@ from flax import linen as nn
 
 import multimesh_flax as mm
 from multimesh_flax.core.front import _jit
-from multimesh_flax.core.run import _dispatch, _structure
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.trace import _structure, _trace
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,8 @@ from flax import linen as nn
 
 import multimesh_flax as mm
 from multimesh_flax.core.fragment import _partition
-from multimesh_flax.core.run import _compile, _structure
+from multimesh_flax.core.run import _compile
+from multimesh_flax.core.trace import _structure
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 VOCAB = 16

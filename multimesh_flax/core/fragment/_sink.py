@@ -24,10 +24,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.extend.core as jex
-import numpy as np
 
 from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.trace import _structure, _trace
 
 # A move: (position of the equation's glue fragment, the equation, position of its reader)
 _Move = tuple[int, Any, int]
@@ -54,7 +53,7 @@ def sink_into_units(
     Besides :func:`_moves`' conditions, the equation belongs to the unit's microbatch, and
     moves are kept per *unit group* (the units of one region, stage and phase on one place,
     one per microbatch) only where every unit of the group receives an equation identical
-    to the others' at the same position (same primitive, parameters and literals): the
+    to the others' at the same position (``_structure.equation_key``): the
     copies then stay structurally equal and compile once. An equation that differs between
     microbatches (a slice at the microbatch's offset) stays where it is, and so does
     everything it would have needed to move with it.
@@ -168,36 +167,13 @@ def _differing(order: Sequence[Any], moves: list[_Move]) -> set[int]:
             group = (unit.region, unit.stage, unit.phase, frag.place)
             members.setdefault(group, set()).add(unit.microbatch)
     differing: set[int] = set()
+    memo: dict[int, Any] = {}  # the copies of one equation share their parameter dicts
     for group, by_mb in groups.items():
         lists = list(by_mb.values())
         if len(lists) != len(members[group]) or len({len(x) for x in lists}) != 1:
             differing.update(id(e) for x in lists for e in x)  # not every copy gets them
             continue
         for column in zip(*lists, strict=True):
-            if not all(_same(column[0], e) for e in column[1:]):
+            if len({_structure.equation_key(e, memo) for e in column}) > 1:
                 differing.update(id(e) for e in column)
     return differing
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two equations are the same computation on (possibly) other variables."""
-    if a.primitive is not b.primitive or len(a.invars) != len(b.invars):
-        return False
-    for x, y in zip(a.invars, b.invars, strict=True):
-        if isinstance(x, jex.Literal) != isinstance(y, jex.Literal):
-            return False
-        if isinstance(x, jex.Literal) and not _same_literal(x, y):
-            return False
-    return a.params is b.params or _same_params(a.params, b.params)
-
-
-def _same_literal(x: Any, y: Any) -> bool:
-    vx, vy = np.asarray(x.val), np.asarray(y.val)
-    return vx.dtype == vy.dtype and vx.shape == vy.shape and vx.tobytes() == vy.tobytes()
-
-
-def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):  # e.g. NumPy arrays among the parameters
-        return False

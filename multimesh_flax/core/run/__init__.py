@@ -1,3 +1,3 @@
 """Stage 5, compile and dispatch: one cached ``jax.jit`` per distinct fragment (``_compile``,
-keyed by ``_structure``), a flat op list dispatched in schedule order (``_dispatch``), and
+keyed by ``trace._structure``), a flat op list dispatched in schedule order (``_dispatch``), and
 recorded timelines (``_timeline_plot``)."""

@@ -17,8 +17,7 @@ import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.fragment import _partition
-from multimesh_flax.core.run import _structure
-from multimesh_flax.core.trace import _blocks, _trace
+from multimesh_flax.core.trace import _blocks, _structure, _trace
 
 # Compiled fragments by (structural key, donation, output shardings): shared by every
 # program of the process. Bounded: a program keeps the fragments it uses.

@@ -64,6 +64,22 @@ def _params_key(params: dict[str, Any], memo: dict[int, Any] | None) -> Hashable
     return key
 
 
+def equation_key(eqn: Any, memo: dict[int, Any] | None = None) -> Hashable:
+    """A key equal for equations that compute the same thing on possibly other variables:
+    primitive, parameters, literal operands and result types (``memo``: as in
+    :func:`structural_key`).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> a, b, c = jax.make_jaxpr(lambda x, y: (x * 2, y * 2, x * 3))(1.0, 2.0).jaxpr.eqns
+        >>> equation_key(a) == equation_key(b), equation_key(a) == equation_key(c)
+        (True, False)
+    """
+    ins = tuple(_literal_key(v) if type(v) is jex.Literal else None for v in eqn.invars)
+    outs = tuple(_aval_key(v.aval) for v in eqn.outvars)
+    return (eqn.primitive, ins, outs, _params_key(eqn.params, memo))
+
+
 class StructuralKey:
     """A jaxpr's structure as a hashable value whose hash is computed once: the fragment
     cache looks keys up by hash, and these tuples are large."""
