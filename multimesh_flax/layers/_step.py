@@ -11,9 +11,9 @@ over microbatches of each one's ``value_and_grad``, pipelined by ``microbatch``.
 * everything else (step counter, optimizer counters, parameters outside every task) sits
   where the program first uses it.
 
-The state is created directly in those shardings (one ``jax.jit`` per submesh with
-``out_shardings``), and the step constrains its outputs to the same shardings, so the next
-call moves nothing.
+The state is created in those shardings (``core.front._initializer``: one program for all
+submeshes, then each leaf moved to its own), and the step constrains its outputs to the same
+shardings, so the next call moves nothing.
 
 **The loss.** ``loss_fn(model_fn, batch) -> scalar``: ``model_fn(*args, **kwargs)`` applies
 the model with the current parameters, rngs and mutable collections. Without ``loss_fn`` the
@@ -38,7 +38,7 @@ from flax.training import train_state
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
-from multimesh_flax.core.front import _jit, _parallelize
+from multimesh_flax.core.front import _initializer, _jit, _parallelize
 from multimesh_flax.core.trace import _microbatch, _session
 from multimesh_flax.layers import _placement
 
@@ -591,7 +591,7 @@ def parallelize_step(
             setup.batch_constraints = batch_sh
             jitted.clear_cache()  # the step now constrains its batch: a new program
             state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
-        state = _parallelize.sharded_initializer(
+        state = _initializer.sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
     step_fn = StepFn(jitted, multi)

@@ -7,8 +7,8 @@ its first consumer), and returns:
 
 * ``sharded_fun`` -- ``jit(fun)``, an MPMD program when tasks sit on different submeshes;
 * ``sharded_init_params`` / ``sharded_get_input_batch`` -- the user's initializers compiled
-  with ``out_shardings``, one ``jax.jit`` per submesh, so every array is created directly in
-  its sharding (never as a full copy on one device first).
+  so every array arrives in its sharding (``_initializer``: never as a full copy on one
+  device first).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _devices
 from multimesh_flax.core.fragment import _inputs, _partition
 from multimesh_flax.core.front import _jit
+from multimesh_flax.core.front._initializer import sharded_initializer
 from multimesh_flax.core.trace import _session, _trace
 
 
@@ -39,52 +39,6 @@ def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: An
         part.place_meshes[part.default_place], jax.sharding.PartitionSpec()
     )
     return [fallback if s is None else s for s in shardings]
-
-
-def sharded_initializer(
-    init: Callable[[], Any], shardings: Any, program: jex.ClosedJaxpr | None = None
-) -> Callable[[], Any]:
-    """Compiles ``init`` so each output leaf is created directly in its sharding.
-
-    ``init`` is traced once (``program``: that trace, ``jax.make_jaxpr(init)()``, when the
-    caller has it already); leaves are grouped by device set; each group is one ``jax.jit``
-    with ``out_shardings``
-    (XLA removes the computation of leaves the group does not return).
-
-    Example:
-        >>> from jax.sharding import NamedSharding
-        >>> mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-        >>> init = sharded_initializer(lambda: jnp.zeros((8, 2)), NamedSharding(mesh, P("x")))
-        >>> init().sharding.spec
-        P('x',)
-    """
-    flat, treedef = jax.tree_util.tree_flatten(shardings)
-    groups: dict[Any, list[int]] = {}
-    for i, s in enumerate(flat):
-        groups.setdefault(frozenset(d.id for d in s.device_set), []).append(i)
-    # Traced once; each device group replays the program and keeps its own outputs.
-    if program is None:
-        with _session.shape_only_trace():  # tasks in an initializer are not placed, by design
-            program = jax.make_jaxpr(init)()
-    run = jex.jaxpr_as_fun(program)
-
-    def make(indices: list[int]) -> Callable[[], Any]:
-        def select() -> list[Any]:
-            leaves = run()
-            return [leaves[i] for i in indices]
-
-        return jax.jit(select, out_shardings=[flat[i] for i in indices])
-
-    compiled = [(indices, make(indices)) for indices in groups.values()]
-
-    def sharded_init() -> Any:
-        leaves: list[Any] = [None] * len(flat)
-        for indices, fn in compiled:
-            for i, leaf in zip(indices, fn(), strict=True):
-                leaves[i] = leaf
-        return jax.tree_util.tree_unflatten(treedef, leaves)
-
-    return sharded_init
 
 
 def shape_structs(tree: Any) -> Any:
