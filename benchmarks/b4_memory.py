@@ -97,9 +97,9 @@ def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
     for op in exe.ops:
         values = [env[s] for s in op.ins]
         if op.kind == 0:
-            key = (id(op.fn), tuple(v.sharding for v in values))
+            key = (id(op.program), tuple(v.sharding for v in values))
             if key not in temp_of:
-                stats = op.fn.lower(*values).compile().memory_analysis()
+                stats = op.program.executable(values).memory_analysis()
                 temp_of[key] = temps[op.name] = int(stats.temp_size_in_bytes)
             results = op.fn(*values)
         else:

@@ -125,7 +125,7 @@ def test_identical_stages_and_microbatches_share_executables():
         params, batch = _data(stages=4)
         exe = step.executable(params, batch)
         runs = [op for op in exe.ops if op.kind == _dispatch.RUN and op.name.startswith("layer")]
-        programs[m] = {(op.name.split("[")[0], op.place): op.fn for op in runs}
+        programs[m] = {(op.name.split("[")[0], op.place): op.program for op in runs}
     assert programs[2].keys() == programs[4].keys()
     middle = {name: fn for (name, _), fn in programs[4].items() if name[:6] in ("layer1", "layer2")}
     assert set(middle) == {"layer1.fwd", "layer2.fwd", "layer1.bwd", "layer2.bwd"}

@@ -70,7 +70,7 @@ def _runs(executable):
 def _executables(executable):
     """Distinct compiled programs per device set (``compile_count`` also counts shardings
     other programs of this process compiled for a shared fragment)."""
-    return len({(id(op.fn), op.place) for op in _runs(executable)})
+    return len({(id(op.program), op.place) for op in _runs(executable)})
 
 
 def _fused_units(executable):

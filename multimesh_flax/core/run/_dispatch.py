@@ -2,7 +2,7 @@
 
 An ``MpmdExecutable`` turns a ``Partition`` into a list of ops over numbered value slots:
 
-* ``RUN``  -- call fragment ``k``'s ``jax.jit`` on its input slots, fill its output slots;
+* ``RUN``  -- call fragment ``k``'s executable on its input slots, fill its output slots;
 * ``PUT``  -- move a group of values to another submesh with one ``jax.device_put``.
 
 Slots whose last reader has been dispatched are cleared right away, so XLA frees their
@@ -143,7 +143,7 @@ def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
 @dataclasses.dataclass
 class _Op:
     kind: int
-    fn: Any  # the jitted fragment (RUN) or None (PUT)
+    fn: Any  # RUN: the fragment's executable (``_FirstCall`` until the first call); PUT: None
     ins: tuple[int, ...]
     outs: tuple[int, ...]
     frees: tuple[int, ...] = ()
@@ -155,6 +155,25 @@ class _Op:
     units: tuple[_OpUnit, ...] = ()  # RUN: every unit it runs (several when fused)
     fused: bool = False  # RUN: several fragments fused into one (``_fuse``)
     deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
+    program: Any = None  # RUN: the fragment's ``FragmentProgram``, shared by identical fragments
+
+
+class _FirstCall:
+    """A RUN op's ``fn`` until its first call, which takes the executable for its arguments
+    from the fragment's program (compiled, or relocated from another submesh) and puts it in
+    the op's place: later calls go straight to the executable.
+
+    Every call of a program gives an op arguments in the same shardings (inputs are moved
+    into ``input_shardings``, transfers keep the targets of their first call).
+    """
+
+    def __init__(self, op: _Op) -> None:
+        self.op = op
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self.op.program.executable(args)
+        self.op.fn = compiled
+        return compiled(*args)
 
 
 def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragment | None:
@@ -293,7 +312,7 @@ class MpmdExecutable:
                         entries.append((source, hint))
             ins = tuple(self._slot(v, frag.place) for v in frag.invars)
             don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
-            fn = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
+            program = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
             units = tuple(
                 _OpUnit(p.unit.stage, p.unit.microbatch, p.unit.phase.value)
@@ -302,19 +321,20 @@ class MpmdExecutable:
             )
             unit = units[0] if units else _OpUnit(None, frag.microbatch, None)
             name = self._fragment_name(frag)
-            runs.append(
-                _Op(
-                    RUN,
-                    fn,
-                    ins,
-                    outs,
-                    place=frag.place,
-                    name=name,
-                    unit=unit,
-                    units=units,
-                    fused=bool(frag.parts),
-                )
+            run = _Op(
+                RUN,
+                None,
+                ins,
+                outs,
+                place=frag.place,
+                name=name,
+                unit=unit,
+                units=units,
+                fused=bool(frag.parts),
+                program=program,
             )
+            run.fn = _FirstCall(run)
+            runs.append(run)
         ops = self._puts(transfers.get(-1, {}))
         for frag, run in zip(self.fragments, runs, strict=True):
             ops.append(run)
@@ -443,9 +463,16 @@ class MpmdExecutable:
     # --- inspection ---
 
     def compile_count(self) -> int:
-        """How many XLA executables the fragments of this program hold right now."""
-        fns = {id(op.fn): op.fn for op in self.ops if op.kind == RUN}
-        return sum(fn._cache_size() for fn in fns.values())
+        """How many XLA executables the fragments of this program hold right now (compiled or
+        relocated; see ``relocation_count``)."""
+        return sum(p.executable_count() for p in self._programs())
+
+    def relocation_count(self) -> int:
+        """How many of those were relocated from another submesh instead of compiled."""
+        return sum(p.relocations for p in self._programs())
+
+    def _programs(self) -> list[Any]:
+        return list({id(op.program): op.program for op in self.ops if op.kind == RUN}.values())
 
     def transfer_bytes(self) -> int:
         """Bytes moved between submeshes per call."""
@@ -474,7 +501,8 @@ class MpmdExecutable:
         runs = sum(op.kind == RUN for op in self.ops)
         lines.append(
             f"{runs} fragments, {len(self.ops) - runs} transfers "
-            f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables"
+            f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables "
+            f"({self.relocation_count()} relocated from another submesh)"
         )
         if self.schedule is not None:
             schedule = self.schedule
