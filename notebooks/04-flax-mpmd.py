@@ -150,8 +150,9 @@ def loss_fn(model_fn, batch):
 # %% [markdown]
 # ## `parallelize_step`
 #
-# One call builds everything: the parameters and the optimizer state created directly on
-# their submeshes, and a compiled step. `microbatches=4, schedule="1f1b"` splits each batch
+# One call builds everything: the parameters and the optimizer state, placed on their
+# submeshes (created by one program for all of them, then each moved to its own), and a
+# compiled step. `microbatches=4, schedule="1f1b"` splits each batch
 # into four microbatches (two in the test suite's smoke run) that flow through the four
 # stages as a one-forward-one-backward pipeline; the loss is the mean over microbatches,
 # which equals the full-batch mean.
