@@ -299,7 +299,8 @@ MUTATIONS = (
     Mutation(
         "initializer-per-submesh",
         "multimesh_flax/core/front/_initializer.py",
-        "    if len(by_devices) == 1 or any(d.process_index != jax.process_index() for d in devices):",
+        "    if len(by_devices) == 1 or any(d.process_index != jax.process_index() for d in "
+        "devices):",
         "    if True:",
         ("tests/core/test_initializer.py",),
         "MPMD initialisers: one program per submesh, compiling identical blocks' kernels again",

@@ -2,11 +2,11 @@
 
 Two fragments that compute the same thing -- the same stage for each of 32 microbatches, or
 identical transformer blocks on different submeshes -- should share one ``jax.jit``: traced
-and lowered once, compiled once (``run/_relocate`` moves it to the other device sets). Printing each fragment's jaxpr to compare
-them (``str(jaxpr)``) cost more than half of partitioning a 32-microbatch program, so
-fragments are compared by :func:`structural_key` instead: the equations' primitives,
-parameters and types, with variables numbered by first appearance. Two jaxprs with equal
-keys are the same program up to variable names.
+and lowered once, compiled once (``run/_relocate`` moves it to the other device sets).
+Printing each fragment's jaxpr to compare them (``str(jaxpr)``) cost more than half of
+partitioning a 32-microbatch program, so fragments are compared by :func:`structural_key`
+instead: the equations' primitives, parameters and types, with variables numbered by first
+appearance. Two jaxprs with equal keys are the same program up to variable names.
 """
 
 from __future__ import annotations
