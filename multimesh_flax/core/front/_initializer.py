@@ -85,14 +85,17 @@ def _staging(avals: Sequence[Any], mesh: Mesh) -> list[Any]:
 
 def _in_place(flat: Sequence[Any], groups: dict[Any, list[int]]) -> list[_Group]:
     """One group per device set, created directly in its shardings."""
-    groups_ = []
+    made = []
     for indices in groups.values():
         shardings = [flat[i] for i in indices]
-        groups_.append(_Group(indices, shardings, shardings))
-    return groups_
+        made.append(_Group(indices, shardings, shardings))
+    return made
 
 
 def _groups(flat: Sequence[Any], avals: Sequence[Any]) -> list[_Group]:
+    """The programs that create leaves with final shardings ``flat`` (see the module): one
+    per device set where there is one set or several processes; else one staging program,
+    plus one per device set for the leaves it cannot stage."""
     by_devices: dict[frozenset[int], list[int]] = {}
     for i, s in enumerate(flat):
         by_devices.setdefault(_device_key(s), []).append(i)
