@@ -12,9 +12,11 @@ replaced through ``mapping``. Whatever fails there returns ``None`` (the caller 
 instead), so a change in JAX's serialized form costs time, never a wrong result.
 
 Only an executable the backend compiled in this process serializes whole: one loaded from
-the persistent compilation cache, or itself relocated, serializes without its kernels and
-fails when run ("Function ... not found"). :func:`compile` says which kind it made; relocate
-only the first (the others' device sets then come from the cache too).
+the persistent compilation cache serializes without its kernels, so its relocated copy fails
+when run ("Function ... not found"), and a relocated one does not serialize at all.
+:func:`compile` says which kind it made; relocate only the first (the other device sets'
+programs then usually come from the cache too). ``xla_client`` is JAX's private module for
+the PJRT client types (``CompileOptions``, ``DeviceAssignment``, ``DeviceList``).
 """
 
 from __future__ import annotations
