@@ -24,6 +24,7 @@ cross processes), is created by a program per device set, directly in its shardi
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,7 +56,7 @@ def _device_key(sharding: Any) -> frozenset[int]:
 
 
 def _nbytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * aval.dtype.itemsize
+    return math.prod(aval.shape) * aval.dtype.itemsize
 
 
 def _split(aval: Any, mesh: Mesh) -> Any:
@@ -73,10 +74,11 @@ def _staging(avals: Sequence[Any], mesh: Mesh) -> list[Any]:
     others are split over the devices.
     """
     shardings: list[Any] = [None] * len(avals)
+    sizes = [_nbytes(aval) for aval in avals]
     budget = REPLICATE_BYTES
-    for i in sorted(range(len(avals)), key=lambda i: _nbytes(avals[i])):
-        if _nbytes(avals[i]) <= budget:
-            budget -= _nbytes(avals[i])
+    for i in sorted(range(len(avals)), key=sizes.__getitem__):
+        if sizes[i] <= budget:
+            budget -= sizes[i]
             shardings[i] = NamedSharding(mesh, PartitionSpec())
         else:
             shardings[i] = _split(avals[i], mesh)

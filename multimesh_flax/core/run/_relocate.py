@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,31 +31,19 @@ import numpy as np
 from jax._src.lib import xla_client as xc
 from jax.experimental import serialize_executable
 
-
-class _CacheHits(threading.local):
-    """Persistent-cache hits seen in this thread (JAX reports them as monitoring events)."""
-
-    count = 0
-
-
-_CACHE_HITS = _CacheHits()
-_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
-def _count_cache_hit(event: str, **kwargs: Any) -> None:
-    if event == _CACHE_HIT_EVENT:
-        _CACHE_HITS.count += 1
-
-
-jax.monitoring.register_event_listener(_count_cache_hit)
+from multimesh_flax import _compilation_cache
 
 
 def compile(lowered: Any) -> tuple[Any, bool]:  # noqa: A001 -- the stage it performs
     """``(lowered.compile(), whether the backend compiled it here)``: only then is it a
-    source :func:`relocate` can use (else it came from the persistent compilation cache)."""
-    before = _CACHE_HITS.count
+    source :func:`relocate` can use (else it came from the persistent compilation cache).
+
+    A cache hit in another thread meanwhile reads as a hit here too: that only skips a
+    relocation, never relocates a cached executable.
+    """
+    read = _compilation_cache.compilation_counter()
     compiled = lowered.compile()
-    return compiled, _CACHE_HITS.count == before
+    return compiled, read()["cache_hits"] == 0
 
 
 class _Relocating(pickle.Unpickler):
