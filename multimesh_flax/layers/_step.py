@@ -59,18 +59,30 @@ def default_loss(model_fn: Callable[..., Any], batch: Any) -> Any:
     return model_fn(*batch) if isinstance(batch, tuple) else model_fn(batch)
 
 
-def _split_rng(rng: Any) -> tuple[Any, Any]:
-    key = jax.random.key(0) if rng is None else rng
-    if not jax.dtypes.issubdtype(getattr(key, "dtype", None), jax.dtypes.prng_key):
-        try:  # raw key data, as from the legacy `jax.random.PRNGKey(0)`
-            key = jax.random.wrap_key_data(np.asarray(key, dtype=np.uint32))
-        except (TypeError, ValueError) as e:
-            raise errors.ParallelizeArgumentError(
-                f"Expected `rng` to be a PRNG key such as `jax.random.key(0)`, got "
-                f"{type(rng).__name__}: {rng!r}. For an integer seed pass "
-                f"`rng=jax.random.key({rng!r})`."
-            ) from e
-    params_key, dropout_key = jax.random.split(key)
+def _root_key(rng: Any) -> Any:
+    """``rng`` as a typed PRNG key, checked (``None`` stays ``None``: seed 0, see
+    :func:`_split_key`). Raw key data, as from the legacy ``jax.random.PRNGKey(0)``, is
+    wrapped."""
+    if rng is None or jax.dtypes.issubdtype(getattr(rng, "dtype", None), jax.dtypes.prng_key):
+        return rng
+    try:
+        return jax.random.wrap_key_data(np.asarray(rng, dtype=np.uint32))
+    except (TypeError, ValueError) as e:
+        raise errors.ParallelizeArgumentError(
+            f"Expected `rng` to be a PRNG key such as `jax.random.key(0)`, got "
+            f"{type(rng).__name__}: {rng!r}. For an integer seed pass "
+            f"`rng=jax.random.key({rng!r})`."
+        ) from e
+
+
+def _split_key(key: Any) -> tuple[Any, Any]:
+    """``(params_key, dropout_key) = split(key)`` (``None``: ``jax.random.key(0)``).
+
+    Called inside the programs that use the keys (the initializer's trace, the step's), so
+    the split is part of them: done eagerly, each of ``key``, ``split`` and the unpacking is
+    a small XLA program of its own, compiled before anything else can start.
+    """
+    params_key, dropout_key = jax.random.split(jax.random.key(0) if key is None else key)
     return params_key, dropout_key
 
 
@@ -91,8 +103,13 @@ class _Model:
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
-        self.params_key, self.dropout_key = _split_rng(rng)
+        self.key = _root_key(rng)  # split where the keys are used (``_split_key``)
         self.pipeline = pipeline  # microbatch options, or None for one full-batch pass
+
+    @property
+    def dropout_key(self) -> Any:
+        """The root of every step's dropout keys (traced where it is used)."""
+        return _split_key(self.key)[1]
 
     def _microbatched(self, fun: Callable[[Any], Any], batch: Any, trace_once: bool) -> Any:
         """The mean of ``fun((chunk, index))`` over the batch's pipelined microbatches.
@@ -127,7 +144,8 @@ class _Model:
         captured: dict[str, Any] = {}
 
         def model_fn(*args: Any, **kwargs: Any) -> Any:
-            rngs = {"params": self.params_key, "dropout": self.dropout_key}
+            params_key, dropout_key = _split_key(self.key)
+            rngs = {"params": params_key, "dropout": dropout_key}
             out, variables = self.model.init_with_output(rngs, *args, **kwargs)
             captured.setdefault("variables", variables)
             return out

@@ -206,6 +206,38 @@ def test_dropout_uses_rng_folded_with_the_step():
     np.testing.assert_allclose(loss, expected, **TOL)
 
 
+def _initial(rng):
+    _, state, _ = layers.parallelize_step(Dropper(), optax.sgd(0.1), global_batch=X, rng=rng)
+    return _initial_params(state)
+
+
+def test_rng_default_typed_and_raw_keys_initialize_alike():
+    """``None`` means ``key(0)``; raw key data (``PRNGKey``) is the same key; the parameters
+    come from ``split(rng)[0]``, as ``parallelize_step`` documents."""
+    params_key, _ = jax.random.split(jax.random.key(7))
+    with mm.ignore_transforms():
+        expected = Dropper().init({"params": params_key, "dropout": params_key}, X)["params"]
+    got = _initial(jax.random.key(7))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), got, expected)
+    raw = _initial(jax.random.PRNGKey(7))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), raw, expected)
+    default, seed0 = _initial(None), _initial(jax.random.key(0))
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), default, seed0)
+
+
+def test_setup_compiles_no_key_programs_of_its_own():
+    """The key split is traced into the initializer and the step: eagerly, making and
+    splitting the key would compile three small programs before anything else."""
+    from multimesh_flax._compilation_cache import compilation_counter
+
+    key = jax.random.key(3)
+    jax.clear_caches()  # programs compiled earlier in this process would not count
+    read = compilation_counter()
+    layers.parallelize_step(Dropper(), optax.sgd(0.1), global_batch=X, rng=key)
+    counted = read()
+    assert counted["compiles"] + counted["cache_hits"] == 1  # the state initializer only
+
+
 class Normed(nn.Module):
     @nn.compact
     def __call__(self, x):

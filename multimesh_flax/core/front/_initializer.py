@@ -120,11 +120,11 @@ def _groups(flat: Sequence[Any], avals: Sequence[Any]) -> list[_Group]:
 def _compile_group(run: Callable[[], Any], group: _Group) -> Callable[[], list[Any]]:
     indices = group.indices
 
-    def select() -> list[Any]:
+    def initialize() -> list[Any]:  # the name compile logs and profiles show
         leaves = run()
         return [leaves[i] for i in indices]
 
-    created = jax.jit(select, out_shardings=group.created)
+    created = jax.jit(initialize, out_shardings=group.created)
     if group.created is group.final:
         return created
     return lambda: jax.device_put(created(), group.final)
