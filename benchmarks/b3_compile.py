@@ -12,17 +12,17 @@
   fragments: identical fragments (the same stage for every microbatch) compile once.
 * **Recompilations.** XLA compilations during steps 2..50 (2..20 with ``--quick``): must be 0.
 * **Sweep** (issue 15). gpt-tiny, 2 stages, 1F1B, for ``m`` in 1..32 at 4 blocks and for 4, 8,
-  16 blocks at ``m = 8``, each in a fresh process: seconds spent tracing and partitioning,
-  XLA compile seconds, executables, and the cold first step -- ``parallelize_step`` plus the
-  first call -- over that of ``jax.jit`` with a ``lax.scan`` over the same microbatches
-  (its sharded initialisation plus first call), then the warm step time of both (interleaved
-  rounds). Targets: cold at most 1.3; trace + partition at ``m = 32`` at most 1.5 times that
-  at ``m = 1`` (each the median of the sweep point's process and ``GROWTH_SAMPLES - 1`` more
-  that only set up and trace: one sample per process swings by half on this shared host);
-  step at most 1.2 at ``m = 1`` and 1.1 for ``m >= 2``. Both sides' cold
-  times leave out generating the example batch (random tokens): its programs belong to
-  neither side, and are compiled before either measurement starts (also in the cold
-  compile above).
+  16 blocks at ``m = 8``, each point in ``SWEEP_REPS`` fresh processes (alternating which side
+  goes first): seconds spent tracing and partitioning, XLA compile seconds, executables, and
+  the cold first step -- ``parallelize_step`` plus the first call -- over that of
+  ``jax.jit`` with a ``lax.scan`` over the same microbatches (its sharded initialisation plus
+  first call), then the warm step time of both (interleaved rounds). Each ratio is the median
+  over the point's processes (one process's cold ratio swings by 0.1-0.15 on this shared
+  host), and so is trace + partition. Targets: cold at most 1.3; trace + partition at
+  ``m = 32`` at most 1.5 times that at ``m = 1``; step at most 1.2 at ``m = 1`` and 1.1 for
+  ``m >= 2``. Both sides' cold times leave out generating the example batch (random tokens):
+  its programs belong to neither side, and are compiled before either measurement starts
+  (also in the cold compile above).
 * **Persistent compilation cache.** The same cold first step in two fresh processes sharing a
   new cache directory (``mm.enable_compilation_cache``): the second loads what the first
   compiled.
@@ -52,7 +52,7 @@ GROWTH_TARGET = 1.5
 SWEEP_M = (1, 2, 4, 8, 16, 32)
 SWEEP_LAYERS = (4, 8, 16)
 STEP_ROUNDS = 10  # interleaved step rounds per sweep point
-GROWTH_SAMPLES = 3  # processes measuring trace + partition at the growth row's two ends
+SWEEP_REPS = 3  # fresh processes per sweep point (one with --quick): each figure is their median
 # Step time / jax.jit+scan's: at most this at m = 1, and STEP_TARGET for m >= 2.
 STEP_TARGET_M1 = 1.2
 STEP_TARGET = 1.1
@@ -271,42 +271,53 @@ def sweep_child(layers: int, m: int, scan_first: bool) -> dict[str, Any]:
     }
 
 
-def build_child(layers: int, m: int) -> dict[str, float]:
-    """Trace and partition seconds of the sweep's pipeline (run in a fresh process): the
-    same setup as ``sweep_child`` up to the trace, without compiling or running the step."""
-    workload = _tiny(layers)
-    workload.batch_data()
-    runner = _common.build_mpmd(workload, 2, m, "1f1b")
-    seconds = runner.step_fn.build_seconds(runner.state, runner.batch)
-    return {"trace_s": seconds["trace"], "partition_s": seconds["partition"]}
-
-
-def _trace_partition_medians(points: list[dict[str, Any]], ms: tuple[int, ...]) -> None:
-    """Adds ``trace_partition_samples`` and their median to the L=4 points at ``ms``."""
-    for p in points:
-        if p["layers"] != 4 or p["microbatches"] not in ms:
-            continue
-        m, own = p["microbatches"], p["ours"]
-        samples = [own["trace_s"] + own["partition_s"]]
-        for _ in range(GROWTH_SAMPLES - 1):
-            extra = _run_child(f"print('RESULT' + json.dumps(b.build_child(4, {m})))")
-            samples.append(extra["trace_s"] + extra["partition_s"])
-        p["trace_partition_samples"] = samples
-        p["trace_partition_median_s"] = statistics.median(samples)
-
-
 def sweep(quick: bool) -> list[dict[str, Any]]:
-    """The sweep points, each in a fresh process (``--quick``: m in 1, 4 at 4 blocks)."""
+    """The sweep points, each the median of fresh processes (``--quick``: m in 1, 4 at 4
+    blocks, one process each)."""
     points = [(4, m) for m in ((2,) if _common.SMOKE else (1, 4) if quick else SWEEP_M)]
     if not quick:
         points += [(layers, 8) for layers in SWEEP_LAYERS if layers != 4]
-    results = [
-        _run_child(f"print('RESULT' + json.dumps(b.sweep_child({L}, {m}, {i % 2 == 1})))")
-        for i, (L, m) in enumerate(points)
+    reps = 1 if quick or _common.SMOKE else SWEEP_REPS
+    return [sweep_point(L, m, reps, first=i) for i, (L, m) in enumerate(points)]
+
+
+def sweep_point(layers: int, m: int, reps: int, first: int = 0) -> dict[str, Any]:
+    """One sweep point from ``reps`` fresh processes, ``jax.jit``+scan measured first in
+    every other one (starting with it when ``first`` is odd); see :func:`median_point`."""
+    runs = [
+        _run_child(
+            f"print('RESULT' + json.dumps(b.sweep_child({layers}, {m}, {(first + r) % 2 == 1})))"
+        )
+        for r in range(reps)
     ]
-    if not quick and not _common.SMOKE:
-        _trace_partition_medians(results, (1, max(SWEEP_M)))
-    return results
+    return median_point(runs)
+
+
+def median_point(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sweep point from its processes' ``sweep_child`` results.
+
+    Its parts (trace, partition, XLA seconds, executables) are those of the process whose
+    cold ratio is the median; ``ratio_cold``, ``ratio_step`` and trace + partition
+    (``trace_partition_median_s``) are medians over all of them, and ``repetitions`` keeps
+    each process's figures.
+    """
+    point = dict(sorted(runs, key=lambda r: r["ratio_cold"])[len(runs) // 2])
+    point["ratio_cold"] = statistics.median(r["ratio_cold"] for r in runs)
+    point["ratio_step"] = statistics.median(r["ratio_step"] for r in runs)
+    samples = [r["ours"]["trace_s"] + r["ours"]["partition_s"] for r in runs]
+    point["trace_partition_samples"] = samples
+    point["trace_partition_median_s"] = statistics.median(samples)
+    point["repetitions"] = [
+        {
+            "scan_first": r["scan_first"],
+            "ratio_cold": r["ratio_cold"],
+            "ours_cold_s": r["ours"]["cold_s"],
+            "jit_scan_cold_s": r["jit_scan"]["cold_s"],
+            "ratio_step": r["ratio_step"],
+        }
+        for r in runs
+    ]
+    return point
 
 
 def cache_child(directory: str) -> dict[str, Any]:
@@ -344,8 +355,9 @@ def _sweep_rows(points: list[dict[str, Any]], cache: dict[str, Any] | None) -> l
             _common.row(
                 SECTION,
                 f"sweep gpt-tiny L={p['layers']} m={p['microbatches']} S=2 1f1b: cold first "
-                "step (setup + call) / jax.jit+scan's; trace s, partition s, XLA compile s "
-                "(ours / jit+scan's), executables (ours / jit+scan's)",
+                f"step (setup + call) / jax.jit+scan's ({_samples(p)}); trace s, partition s, "
+                "XLA compile s (ours / jit+scan's), executables (ours / jit+scan's) of the "
+                "median process",
                 f"{p['ratio_cold']:.2f}; {o['trace_s']:.2f}, {o['partition_s']:.2f}, "
                 f"{o['xla_compile_s']:.1f} / {p['jit_scan']['xla_compile_s']:.1f}, "
                 f"{o['executables']} / {p['jit_scan']['executables']}",
@@ -385,6 +397,12 @@ def _sweep_rows(points: list[dict[str, Any]], cache: dict[str, Any] | None) -> l
     return rows
 
 
+def _samples(point: dict[str, Any]) -> str:
+    """How many processes a sweep point's figures come from, in words."""
+    n = len(point.get("repetitions", [None]))
+    return f"median of {n} processes" if n > 1 else "1 process, a single sample"
+
+
 def _trace_partition(point: dict[str, Any]) -> float:
     """A sweep point's trace + partition seconds: the median of its samples where taken."""
     own = point["ours"]
@@ -404,8 +422,8 @@ def _step_row(points: list[dict[str, Any]]) -> dict[str, Any]:
     return _common.row(
         SECTION,
         f"sweep gpt-tiny S=2 1f1b: step time / jax.jit+scan's, median of "
-        f"{min(p['step_rounds'] for p in points)} "
-        f"interleaved rounds ({sum(met)} of {len(met)} meeting target)",
+        f"{min(p['step_rounds'] for p in points)} interleaved rounds per process "
+        f"({_samples(points[0])}; {sum(met)} of {len(met)} meeting target)",
         values,
         target=f"<= {STEP_TARGET_M1} at m=1, <= {STEP_TARGET} at m>=2",
         passed=all(met),

@@ -39,7 +39,7 @@ from benchmarks import _spmd_pipeline as spmd
 SECTION = "B7"
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b")
-COLD_REPETITIONS = 1  # 3 fresh processes per configuration; the host has 2 cores
+COLD_REPETITIONS = 3  # fresh processes per program and configuration (their median)
 
 
 def grid(quick: bool) -> list[tuple[int, int]]:

@@ -84,6 +84,29 @@ def test_smoke_cold_compile_has_both_references(smoke_results):
         assert cold["ratio_first_step_accumulated"] > 0
 
 
+def test_sweep_point_takes_medians_over_its_processes():
+    from benchmarks import b3_compile
+
+    def run(cold, step, traced, first):
+        ours = {"cold_s": cold, "trace_s": traced, "partition_s": 0.5}
+        return {
+            "scan_first": first,
+            "ratio_cold": cold / 10,
+            "ratio_step": step,
+            "ours": ours,
+            "jit_scan": {"cold_s": 10.0},
+        }
+
+    point = b3_compile.median_point(
+        [run(14.0, 1.0, 1.0, False), run(11.0, 0.7, 3.0, True), run(12.0, 0.9, 2.0, False)]
+    )
+    assert point["ratio_cold"] == 1.2 and point["ours"]["cold_s"] == 12.0  # the median run
+    assert point["ratio_step"] == 0.9
+    assert point["trace_partition_samples"] == [1.5, 3.5, 2.5]
+    assert point["trace_partition_median_s"] == 2.5
+    assert [r["scan_first"] for r in point["repetitions"]] == [False, True, False]
+
+
 def test_accumulating_baseline_computes_the_plain_step():
     # The microbatch-accumulating jax.jit baseline must train exactly like the plain one
     # (mean loss, mean gradients), or ratios against it would compare different work. Adam
