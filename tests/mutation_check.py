@@ -306,6 +306,14 @@ MUTATIONS = (
         "MPMD initialisers: one program per submesh, compiling identical blocks' kernels again",
     ),
     Mutation(
+        "key-split-eager",
+        "multimesh_flax/layers/_step.py",
+        "        self.key = _root_key(rng)  # split where the keys are used (``_split_key``)",
+        "        self.key = _root_key(rng); _split_key(self.key)",
+        ("tests/layers/test_step.py",),
+        "parallelize_step splits its key eagerly again: small key programs compile before all",
+    ),
+    Mutation(
         "loops-chunk",
         "multimesh_flax/core/trace/_loops.py",
         "_rows(source, source.aval, k * size, (k + 1) * size, chunk, like)",

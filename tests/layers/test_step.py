@@ -214,9 +214,9 @@ def _initial(rng):
 def test_rng_default_typed_and_raw_keys_initialize_alike():
     """``None`` means ``key(0)``; raw key data (``PRNGKey``) is the same key; the parameters
     come from ``split(rng)[0]``, as ``parallelize_step`` documents."""
-    params_key, _ = jax.random.split(jax.random.key(7))
+    params_key, dropout_key = jax.random.split(jax.random.key(7))
     with mm.ignore_transforms():
-        expected = Dropper().init({"params": params_key, "dropout": params_key}, X)["params"]
+        expected = Dropper().init({"params": params_key, "dropout": dropout_key}, X)["params"]
     got = _initial(jax.random.key(7))
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(a, b), got, expected)
     raw = _initial(jax.random.PRNGKey(7))
