@@ -297,7 +297,8 @@ def median_point(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """A sweep point from its processes' ``sweep_child`` results.
 
     Its parts (trace, partition, XLA seconds, executables) are those of the process whose
-    cold ratio is the median; ``ratio_cold``, ``ratio_step`` and trace + partition
+    cold ratio is the median (the upper one of an even count); ``ratio_cold``, ``ratio_step``
+    and trace + partition
     (``trace_partition_median_s``) are medians over all of them, and ``repetitions`` keeps
     each process's figures.
     """

@@ -46,10 +46,14 @@ from multimesh_flax.core.plan import _accumulate, _pipeline
 from multimesh_flax.core.trace import _session, _trace
 
 
-def nbytes(var: Any) -> int:
-    """The bytes of a variable's value (Python integers: no overflow, no NumPy call)."""
-    aval = var.aval
+def aval_nbytes(aval: Any) -> int:
+    """The bytes of a value of type ``aval`` (Python integers: no overflow, no NumPy call)."""
     return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def nbytes(var: Any) -> int:
+    """The bytes of a variable's value."""
+    return aval_nbytes(var.aval)
 
 
 @dataclasses.dataclass

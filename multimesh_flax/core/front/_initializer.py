@@ -24,7 +24,6 @@ cross processes), is created by a program per device set, directly in its shardi
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,6 +32,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from multimesh_flax.core.fragment import _partition
 from multimesh_flax.core.trace import _session
 
 REPLICATE_BYTES = 64 << 20
@@ -55,10 +55,6 @@ def _device_key(sharding: Any) -> frozenset[int]:
     return frozenset(d.id for d in sharding.device_set)
 
 
-def _nbytes(aval: Any) -> int:
-    return math.prod(aval.shape) * aval.dtype.itemsize
-
-
 def _split(aval: Any, mesh: Mesh) -> Any:
     """``aval`` split along its first dimension the device count divides (``None``: none)."""
     for dim, size in enumerate(aval.shape):
@@ -74,7 +70,7 @@ def _staging(avals: Sequence[Any], mesh: Mesh) -> list[Any]:
     others are split over the devices.
     """
     shardings: list[Any] = [None] * len(avals)
-    sizes = [_nbytes(aval) for aval in avals]
+    sizes = [_partition.aval_nbytes(aval) for aval in avals]
     budget = REPLICATE_BYTES
     for i in sorted(range(len(avals)), key=sizes.__getitem__):
         if sizes[i] <= budget:
