@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 
 from . import pipeline
-from ._layers import HIDDEN, constrain, default_positions
+from ._layers import HIDDEN, check_length, constrain, default_positions
 from .configs import ModelConfig
 
 
@@ -135,7 +135,12 @@ class StagedDecoder(nn.Module):
 
         Returns:
             Logits in the config's compute dtype.
+
+        Raises:
+            SequenceLengthError: `tokens` longer than ``config.max_len`` (or concrete
+                `positions` reaching it), detected while tracing.
         """
+        check_length(self.config, tokens.shape, positions)
         positions = default_positions(tokens.shape, positions)
         x = self.stem(tokens, positions, deterministic=deterministic)
         for block in self.blocks:

@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from multimesh_flax import errors
 
 from .configs import ModelConfig
 
@@ -123,3 +126,44 @@ def default_positions(shape: Sequence[int], positions: jax.typing.ArrayLike | No
             f"got {positions.shape}."
         )
     return jnp.broadcast_to(positions.astype(jnp.int32), (batch, length))
+
+
+def _concrete_max(positions: jax.typing.ArrayLike) -> int | None:
+    """The largest of concrete `positions`; ``None`` for traced or empty ones."""
+    try:
+        values = np.asarray(positions)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+    return int(values.max()) if values.size else None
+
+
+def check_length(
+    config: ModelConfig, shape: Sequence[int], positions: jax.typing.ArrayLike | None
+) -> None:
+    """Raises `SequenceLengthError` for positions at or past ``config.max_len``.
+
+    Checked while tracing: without `positions`, the static length of a ``(batch, length,
+    ...)`` input (positions ``0 .. length-1``); with concrete `positions`, their largest
+    value. Traced positions (a KV-cache decoding step inside ``jit``) are not checked here:
+    `models.generate` checks prompt plus new tokens against ``max_len`` before decoding.
+    """
+    length = shape[1]
+    if positions is None:
+        last, got = length - 1, f"a sequence of {length} tokens (positions 0..{length - 1})"
+    else:
+        last = _concrete_max(positions)
+        got = f"positions up to {last}"
+    if last is None or last < config.max_len:
+        return
+    family = config.family.value
+    raise errors.SequenceLengthError(
+        f"The {family} model got {got}, but its config's `max_len` is {config.max_len}: "
+        f"positions must stay below {config.max_len}. Use sequences of at most "
+        f"{config.max_len} tokens (a shorter `seq_len`), or a config with a larger "
+        f"`max_len` (e.g. `get_config(name, max_len={_at_least(last + 1)})`)."
+    )
+
+
+def _at_least(n: int) -> int:
+    """The smallest power of two >= `n` (a suggested `max_len`)."""
+    return 1 << (n - 1).bit_length()

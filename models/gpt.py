@@ -31,6 +31,7 @@ from ._layers import (
     LENGTH,
     MLP,
     VOCAB,
+    check_length,
     constrain,
     default_positions,
     dense,
@@ -84,7 +85,11 @@ class GPTEmbed(nn.Module):
         *,
         deterministic: bool = True,
     ) -> jax.Array:
-        """Embeds integer `tokens` ``(batch, length)`` at `positions` (default ``0..length-1``)."""
+        """Embeds integer `tokens` ``(batch, length)`` at `positions` (default ``0..length-1``).
+
+        Raises ``SequenceLengthError`` for positions past the position table (``max_len``).
+        """
+        check_length(self.config, tokens.shape, positions)
         positions = default_positions(tokens.shape, positions)
         x = self.embed(tokens) + self.pos_embed(positions)
         x = self.dropout(x, deterministic=deterministic)

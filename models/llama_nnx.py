@@ -40,6 +40,7 @@ from ._layers import (
     LENGTH,
     MLP,
     VOCAB,
+    check_length,
     default_positions,
     residual_std,
 )
@@ -235,6 +236,7 @@ class LlamaNNX(nnx.Module):
             pipeline.check_stages(config.num_layers, stages)
         last = 0 if stages is None else stages - 1
         self.num_layers = config.num_layers
+        self.config = config
         self.stem = _on_stage(LlamaEmbedNNX, 0, stages)(config, rngs=rngs)
         for i in range(config.num_layers):
             stage = 0 if stages is None else pipeline.stage_of_block(i, config.num_layers, stages)
@@ -244,7 +246,12 @@ class LlamaNNX(nnx.Module):
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, *, deterministic: bool = True
     ) -> jax.Array:
-        """Next-token logits ``(batch, length, vocab)`` for integer ``tokens``."""
+        """Next-token logits ``(batch, length, vocab)`` for integer ``tokens``.
+
+        Raises ``SequenceLengthError`` for ``tokens`` longer than ``config.max_len`` (or
+        concrete ``positions`` reaching it).
+        """
+        check_length(self.config, tokens.shape, positions)
         positions = default_positions(tokens.shape, positions)
         x = self.stem(tokens)
         for i in range(self.num_layers):

@@ -9,10 +9,24 @@ array goes, which may be the saved layout, more or fewer pipeline stages, anothe
 data × tensor split, or a single device.
 
 ``Checkpointer`` wraps ``orbax.checkpoint.CheckpointManager``: one step directory per
-``save``, holding the state and a JSON metadata dict (model config, layout, ...). Orbax
-writes a step into a temporary directory and renames it when complete, so a save that dies
-midway leaves earlier checkpoints intact and is never listed. ``save_checkpoint``,
-``restore_checkpoint``, ``restore_metadata`` and ``latest_step`` are one-call shortcuts.
+``save``, holding the state, a JSON metadata dict (model config, layout, ...) and a checksum
+per leaf. ``save_checkpoint``, ``restore_checkpoint``, ``restore_metadata``, ``latest_step``
+and ``unfinished_saves`` are one-call shortcuts.
+
+When things break. Orbax writes a step into a temporary directory and renames it when
+complete, so a save that dies midway leaves earlier checkpoints intact and is never listed;
+``unfinished_saves`` lists such leftovers and ``Checkpointer(directory)`` removes them with
+one warning (a read-only open changes nothing). A save that cannot be written (read-only
+folder, full disk) raises ``CheckpointSaveError`` naming the step, the directory and the OS
+reason: from ``save`` itself, or for a background save from ``wait_until_finished``,
+``close``, the ``with`` block or the next ``save``; at interpreter exit it is logged once and
+the process exits with status 1 (``multimesh_flax._checkpoint_saves``: the exit never waits
+on orbax's threads of a failed step). Ctrl-C while the last save finishes at exit abandons
+it (status 130, its temporary directory stays and is ignored). A restore whose bytes changed
+on disk fails the leaf's checksum, and a truncated or missing file or an unreadable metadata
+file raises ``CheckpointCorruptError`` naming the leaf or file and the other saved steps.
+Checksums are saved and verified in single-process jobs only
+(``multimesh_flax._checkpoint_checksums``).
 
 Multi-process jobs (``jax.distributed``). Every process calls ``save`` and ``restore`` with
 the same tree (a collective). Each process writes only the shards on its own devices and
@@ -46,12 +60,14 @@ Example:
 
 from __future__ import annotations
 
-import atexit
+import gc
 import json
 import logging
 import os
-import threading
+import re
+import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -59,8 +75,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from multimesh_flax import _checkpoint_checksums as _checksums
+from multimesh_flax import _checkpoint_saves as _saves
 from multimesh_flax import errors
-from multimesh_flax.distributed import _orbax
+from multimesh_flax.distributed import _orbax, collective_call
 
 __all__ = [
     "Checkpointer",
@@ -68,40 +86,14 @@ __all__ = [
     "restore_checkpoint",
     "restore_metadata",
     "save_checkpoint",
+    "unfinished_saves",
 ]
 
 logger = logging.getLogger(__name__)
 
 _STATE = "state"
 _METADATA = "metadata"
-
-
-# --- background saves finish before the interpreter exits ---------------------------------
-
-# Managers with a background save in flight, by id. A pending save must keep its manager
-# alive until it is finished (``Checkpointer(d).save(...)`` drops the Checkpointer at once);
-# an entry leaves when the save is waited for, so nothing else is kept alive.
-_PENDING: dict[int, ocp.CheckpointManager] = {}
-_PENDING_LOCK = threading.Lock()
-
-
-def _finish_pending_saves() -> None:
-    """Waits for every background save still in flight (runs at interpreter exit)."""
-    with _PENDING_LOCK:
-        managers = list(_PENDING.values())
-        _PENDING.clear()
-    for manager in managers:
-        try:
-            manager.wait_until_finished()
-            manager.close()
-        except Exception:  # exit must go on; say what was lost
-            logger.exception("A background checkpoint save failed at interpreter exit")
-
-
-# Orbax's background writes submit work to thread pools that Python shuts down before the
-# ``atexit`` handlers run; ``threading._register_atexit`` runs before that shutdown.
-_register_at_exit = getattr(threading, "_register_atexit", atexit.register)
-_register_at_exit(_finish_pending_saves)
+_CHECKSUMS = "checksums"
 
 
 def _own_buffers(tree: Any) -> Any:
@@ -123,14 +115,18 @@ class Checkpointer:
       max_to_keep: keep only this many newest checkpoints (``None`` keeps all).
       async_save: if true, ``save`` returns once the arrays are copied to host and writes
         in the background; ``wait_until_finished`` (or ``close``, or leaving a ``with``
-        block) waits for it. A save still in flight when the interpreter exits is finished
-        then, so ``Checkpointer(d).save(step, state)`` as a script's last line is kept.
+        block) waits for it and raises ``CheckpointSaveError`` if it failed. A save still
+        in flight when the interpreter exits is finished then, so
+        ``Checkpointer(d).save(step, state)`` as a script's last line is kept; if it fails
+        there, one error is logged and the process exits with status 1.
       read_only: open an existing directory for restoring only: nothing is created,
-        written or cleaned up, and ``save`` raises.
+        written or cleaned up, and ``save`` raises. Otherwise the temporary folders of
+        interrupted saves (``unfinished_saves``) are removed, with one warning.
 
     Raises:
       CheckpointArgumentError: ``directory`` is a file, or ``max_to_keep`` is not positive.
       CheckpointNotFoundError: ``read_only`` and ``directory`` does not exist.
+      CheckpointSaveError: ``directory`` cannot be created.
 
     Example:
       >>> import tempfile
@@ -155,6 +151,7 @@ class Checkpointer:
         async_save: bool = True,
         read_only: bool = False,
     ) -> None:
+        collective_call("Checkpointer()")  # every process opens it (a no-op in one process)
         local = "://" not in os.fspath(directory)  # orbax needs absolute local paths
         self.directory = epath.Path(os.path.abspath(directory) if local else directory)
         if self.directory.exists() and not self.directory.is_dir():
@@ -175,21 +172,52 @@ class Checkpointer:
                 "not exist. Pass the directory given to `save`."
             )
         self.read_only = read_only
+        self._async = async_save
+        self._multiprocess = jax.process_count() > 1
+        if not read_only:
+            self._clean_up_unfinished_saves()
         # Orbax's own read_only mode logs warnings on every open; these options write nothing.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else max_to_keep,
             create=not read_only,
             save_root_metadata=not read_only,
-            cleanup_tmp_directories=not read_only,
+            # One process removes interrupted saves itself, above; several leave it to orbax.
+            cleanup_tmp_directories=self._multiprocess and not read_only,
             enable_async_checkpointing=async_save,
         )
         # One process: orbax's standard handler. Several: each writes and reads its own shards.
-        self._multiprocess = jax.process_count() > 1
         state = _orbax.state_handler() if self._multiprocess else ocp.StandardCheckpointHandler()
-        handlers = {_STATE: state, _METADATA: ocp.JsonCheckpointHandler()}
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_handlers=handlers
+        handlers = {
+            _STATE: state,
+            _METADATA: ocp.JsonCheckpointHandler(),
+            _CHECKSUMS: ocp.JsonCheckpointHandler(),
+        }
+        try:
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_handlers=handlers
+            )
+        except OSError as e:  # e.g. the directory cannot be created
+            raise _saves.save_error(None, str(self.directory), e) from e
+
+    def _clean_up_unfinished_saves(self) -> None:
+        """Removes the temporary folders of interrupted saves, with one warning."""
+        leftovers = unfinished_saves(self.directory)
+        if not leftovers or jax.process_index() != 0:
+            return
+        logger.warning(
+            "Ignoring %d unfinished checkpoint save(s) in '%s' (interrupted before they were "
+            "finalized; earlier steps are intact): %s",
+            len(leftovers),
+            self.directory,
+            ", ".join(p.name for p in leftovers),
         )
+        if self._multiprocess:
+            return  # orbax removes them, in step with the other processes
+        for path in leftovers:
+            try:
+                epath.Path(path).rmtree()
+            except OSError as e:  # a read-only folder: they stay, and stay ignored
+                logger.debug("Could not remove %s: %s", path, e)
 
     def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None) -> None:
         """Saves ``state`` and JSON ``metadata`` as checkpoint ``step``.
@@ -210,28 +238,37 @@ class Checkpointer:
           CheckpointArgumentError: ``state`` is ``None``, holds no leaves, or has a leaf that
             is not an array or a Python number; in a multi-process job, also a PRNG key
             array held by one process.
+          CheckpointSaveError: the step cannot be written (read-only folder, disk full);
+            with ``async_save``, also an earlier background save that failed.
         """
+        collective_call("Checkpointer.save")  # a process that skips it is named at once
         if self.read_only:
             raise errors.CheckpointReadOnlyError(
                 f"Cannot save step {step}: '{self.directory}' was opened with `read_only=True`. "
                 "Open it with `Checkpointer(directory)` to save."
             )
+        _saves.wait(self._manager)  # a failed earlier save is reported before a new one
         step = self._check_new_step(step)
         _check_state(state)
         metadata = _check_metadata(metadata)
+        items = {_METADATA: ocp.args.JsonSave(metadata)}
         if self._multiprocess:  # see "Multi-process jobs" in the module docstring
             _orbax.check_savable(state)
-            save = ocp.args.PyTreeSave(state)
+            items[_STATE] = ocp.args.PyTreeSave(state)
         else:
-            save = ocp.args.StandardSave(state)
-        args = ocp.args.Composite(**{_STATE: save, _METADATA: ocp.args.JsonSave(metadata)})
-        if not self._manager.save(step, args=args):
+            items[_STATE] = ocp.args.StandardSave(state)
+            items[_CHECKSUMS] = ocp.args.JsonSave(_checksums.checksums(state))
+        _saves.track(self._manager, step, str(self.directory))
+        try:
+            saved = self._manager.save(step, args=ocp.args.Composite(**items))
+        except Exception as e:  # the folder is read-only, the disk is full, ...
+            raise _saves.failed(self._manager, step, str(self.directory), e) from e
+        _saves.started(self._manager, in_background=saved and self._async)
+        if not saved:
             raise errors.CheckpointStepError(
                 f"orbax declined to save step {step} in '{self.directory}' (its save policy "
                 "skipped it). Save under a larger step."
             )
-        with _PENDING_LOCK:
-            _PENDING[id(self._manager)] = self._manager
         logger.info("Saving checkpoint step %d to %s", step, self.directory)
 
     def restore(self, step: int | None = None, target: Any = None) -> Any:
@@ -251,19 +288,23 @@ class Checkpointer:
           CheckpointNotFoundError: no checkpoint, or none for ``step``.
           CheckpointMismatchError: ``target``'s paths, shapes or dtypes differ from the saved.
           CheckpointArgumentError: ``target`` is ``None`` in a multi-process job.
+          CheckpointCorruptError: a leaf's bytes changed on disk (its checksum, checked in
+            single-process jobs), or a file of the step is truncated or missing.
         """
+        collective_call("Checkpointer.restore")
         step = self._resolve_step(step)
         if target is not None:
             target = jax.tree.map(_as_abstract, target)
-            saved = self._manager.item_metadata(step)[_STATE]
+            saved = self._read(step, None)[_STATE]
             _check_target(saved.tree, target, f"step {step} in '{self.directory}'")
         if self._multiprocess:
             return self._restore_own_shards(step, target)
         # Arrays saved on devices missing here (another job's) go to the default device.
         fallback = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         read = ocp.args.StandardRestore(target, fallback_sharding=fallback)
-        args = ocp.args.Composite(**{_STATE: read})
-        return _own_buffers(self._manager.restore(step, args=args)[_STATE])
+        restored = _own_buffers(self._read(step, {_STATE: read})[_STATE])
+        self._verify(step, restored)
+        return restored
 
     def _restore_own_shards(self, step: int, target: Any) -> Any:
         """Each process reads the shards of its own devices; other leaves come back empty."""
@@ -274,15 +315,70 @@ class Checkpointer:
                 "so it needs their shardings). Pass the state `init_params`/"
                 "`parallelize_step` returned, or `jax.ShapeDtypeStruct`s with shardings."
             )
-        args = ocp.args.Composite(**{_STATE: _orbax.restore_args(target)})
-        restored = self._manager.restore(step, args=args)[_STATE]
+        restored = self._read(step, {_STATE: _orbax.restore_args(target)})[_STATE]
         return _orbax.fill_absent(_own_buffers(restored), target)
 
+    def _read(self, step: int, items: dict[str, Any] | None) -> Any:
+        """Orbax's restore of ``items`` (``None``: the items' metadata) of ``step``; a file
+        that cannot be read raises ``CheckpointCorruptError``."""
+        try:
+            if items is None:
+                return self._manager.item_metadata(step)
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as e:
+            damage = None if isinstance(e, errors.MultiMeshError) else _damage(e)
+            if damage is None:
+                raise
+        # Not chained: the orbax error holds the reads of the other leaves, which would
+        # complain when collected later; the message keeps the first line of its reason.
+        _collect_failed_reads()
+        raise self._corrupt(step, damage)
+
+    def _corrupt(self, step: int, what: str) -> errors.CheckpointCorruptError:
+        others = [s for s in self.all_steps() if s != step]
+        instead = (
+            f"Restore another saved step ({others}: `restore(step=...)`), or copy"
+            if others
+            else "No other step is saved here: copy"
+        )
+        return errors.CheckpointCorruptError(
+            f"Checkpoint step {step} in '{self.directory / str(step)}' is damaged: {what}. "
+            f"{instead} the checkpoint again from a good source."
+        )
+
+    def _verify(self, step: int, restored: Any) -> None:
+        """Compares ``restored`` with the checksums saved with ``step`` (if it has them)."""
+        if not (self.directory / str(step) / _CHECKSUMS).exists():
+            return  # saved by a multi-process job, or before checksums were saved
+        expected = self._read(step, {_CHECKSUMS: ocp.args.JsonRestore()})[_CHECKSUMS]
+        bad = _checksums.mismatches(expected, restored)
+        if bad:
+            raise self._corrupt(
+                step,
+                f"{len(bad)} leaf(s) differ from the checksum saved with them, first "
+                f"`{bad[0]}` (its bytes changed on disk after the save)",
+            )
+
     def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """Returns the JSON metadata saved with ``step`` (default: the latest)."""
+        """Returns the JSON metadata saved with ``step`` (default: the latest).
+
+        Raises:
+          CheckpointNotFoundError: no checkpoint, or none for ``step``.
+          CheckpointCorruptError: the metadata file is missing or not JSON.
+        """
         step = self._resolve_step(step)
-        args = ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
-        return self._manager.restore(step, args=args)[_METADATA]
+        file = self.directory / str(step) / _METADATA / _METADATA
+        try:
+            args = ocp.args.Composite(**{_METADATA: ocp.args.JsonRestore()})
+            metadata = self._manager.restore(step, args=args)[_METADATA]
+        except Exception as e:
+            damage = _damage(e)
+            if damage is None:
+                raise
+            raise self._corrupt(step, f"the metadata file '{file}' is unreadable: {damage}") from e
+        if not isinstance(metadata, dict):
+            raise self._corrupt(step, f"the metadata file '{file}' holds no JSON dict")
+        return metadata
 
     def latest_step(self) -> int | None:
         """The newest finalized step, or ``None`` when there is none."""
@@ -293,23 +389,28 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait_until_finished(self) -> None:
-        """Blocks until a background save has been written and finalized."""
-        self._manager.wait_until_finished()
-        self._forget_pending()
+        """Blocks until a background save has been written and finalized.
+
+        Raises:
+          CheckpointSaveError: the background save failed (read-only folder, disk full, ...);
+            the message names the step, the directory and the reason.
+        """
+        _saves.wait(self._manager)
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager."""
-        self._manager.close()
-        self._forget_pending()
+        """Waits for pending saves and releases the manager.
 
-    def _forget_pending(self) -> None:
-        with _PENDING_LOCK:
-            _PENDING.pop(id(self._manager), None)
+        Raises:
+          CheckpointSaveError: the background save failed; the manager is released anyway.
+        """
+        _saves.wait(self._manager, close=True)
 
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            return  # no wait on Ctrl-C: at exit, a save in flight gets a few seconds
         self.close()
 
     def _check_new_step(self, step: int) -> int:
@@ -373,6 +474,38 @@ def restore_metadata(directory: str | os.PathLike[str], step: int | None = None)
     """Returns the JSON metadata saved with ``step`` (default: the latest) in ``directory``."""
     with Checkpointer(directory, read_only=True) as ckpt:
         return ckpt.metadata(step)
+
+
+def unfinished_saves(directory: str | os.PathLike[str]) -> list[Path]:
+    """The temporary folders of saves in ``directory`` that were never finalized.
+
+    Orbax writes a step into ``<step>.orbax-checkpoint-tmp...`` and renames it when the save
+    is complete; a save killed midway leaves that folder. Restores ignore it, and opening
+    the directory with ``Checkpointer(directory)`` removes it (with one warning). A
+    directory whose entries are all unfinished saves holds no usable checkpoint.
+
+    Args:
+      directory: a checkpoint directory; a missing one has none.
+
+    Returns:
+      The leftover folders, sorted by name (empty when there are none).
+
+    Example:
+      >>> import tempfile
+      >>> from multimesh_flax import checkpoint
+      >>> tmp = tempfile.TemporaryDirectory()
+      >>> os.mkdir(os.path.join(tmp.name, "7.orbax-checkpoint-tmp"))
+      >>> [p.name for p in checkpoint.unfinished_saves(tmp.name)]
+      ['7.orbax-checkpoint-tmp']
+      >>> checkpoint.latest_step(tmp.name) is None
+      True
+      >>> tmp.cleanup()
+    """
+    path = epath.Path(directory)
+    if not path.is_dir():
+        return []
+    suffix = ocp.path.atomicity_types.TMP_DIR_SUFFIX
+    return sorted((Path(os.fspath(p)) for p in path.iterdir() if suffix in p.name), key=str)
 
 
 def latest_step(directory: str | os.PathLike[str]) -> int | None:
@@ -460,3 +593,57 @@ def _check_target(saved_tree: Any, target: Any, where: str) -> None:
             f"{_describe(received.get(path))}. Build `target` from the same model and "
             "optimizer config as the saved state (see `Checkpointer.metadata`)."
         )
+
+
+# Tensorstore and orbax report unreadable files as status text in ValueError/RuntimeError.
+_DAMAGE_WORDS = ("OUT_OF_RANGE", "DATA_LOSS", "NOT_FOUND", "Truncated", "Zstd", "corrupt")
+_KEY = re.compile(
+    r'Error reading "([^"]+?)(?:/[0-9.]+)?" in OCDBT database at local file "([^"]+)"'
+)
+
+
+def _damage(error: BaseException) -> str | None:
+    """What ``error`` (from orbax's restore, or one it chains) says is damaged, if anything."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+            return f"a JSON file is not valid JSON ({_first_line(e)})"
+        text = str(e)
+        if isinstance(e, OSError) or any(w in text for w in _DAMAGE_WORDS):
+            key = _KEY.search(text)
+            if key:
+                return (
+                    f"the data of leaf `{key.group(1)}` under '{key.group(2)}' cannot be read, "
+                    f"a file there is truncated, missing or changed ({_first_line(e)})"
+                )
+            return f"a file cannot be read ({_first_line(e)})"
+        todo += [e.__cause__, e.__context__]
+    return None
+
+
+def _collect_failed_reads() -> None:
+    """Collects orbax's abandoned reads of a failed restore without their "Exception ignored"
+    reports (the failure is reported once, as ``CheckpointCorruptError``)."""
+    report = sys.unraisablehook
+
+    def drop_orbax_reads(unraisable: Any) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+            report(unraisable)
+
+    sys.unraisablehook = drop_orbax_reads
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = report
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    text = str(error).strip()
+    line = text.splitlines()[0] if text else type(error).__name__
+    return line if len(line) <= limit else line[:limit] + "..."

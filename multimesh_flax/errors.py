@@ -233,7 +233,50 @@ class ConsumedArrayError(MultiMeshError, ValueError):
     outputs, so the arrays passed in are deleted. Passing the same arrays again (``loss, new =
     step(state, x)`` twice, forgetting to rebind ``state``) would crash the process. Use the
     state or outputs the earlier call returned: ``loss, state = step(state, x)``.
+
+    Also raised when a call in another thread is consuming the same arrays at that moment
+    (two threads stepping one state): step one state from one thread.
     """
+
+
+class DonationError(MultiMeshError, ValueError):
+    """``donate_argnums`` names something a call cannot consume.
+
+    A donated argument's buffers are reused for the call's outputs, so it must be an array
+    argument the call receives once: not a static argument (``static_argnums``), not a
+    position beyond the call's positional arguments, and not an array also passed in another
+    position of the same call (``f(x, x)`` with argument 0 donated would read a buffer it has
+    already consumed, which crashes XLA). Remove the position from ``donate_argnums``, or
+    pass a copy (``jnp.copy(x)``) in the other position.
+    """
+
+
+class NonFiniteError(MultiMeshError, ValueError):
+    """A training step built with ``parallelize_step(..., nonfinite="raise")`` produced a
+    non-finite loss or gradient norm (NaN or inf), so its update was not applied.
+
+    Usual causes: a learning rate too high for the model (the loss grows until it
+    overflows), a batch holding NaN/inf or out-of-range values, or weights that were already
+    broken when training started. The message names ``state.step`` and which of the loss
+    and the gradient norm was non-finite. Because the step donates the state passed in,
+    the unchanged, still-valid state is attached as ``error.state``: keep training from it
+    (``state = error.state``) or save it. Lower the learning rate (or clip the gradient
+    norm with ``optax.clip_by_global_norm``), check the data, or build the step with
+    ``nonfinite="skip"`` to drop such steps and go on.
+
+    Attributes:
+        state: The training state as it was before the step (nothing applied).
+        step: ``int(state.step)``, the number of updates applied so far.
+        loss: The step's loss as a Python float (``nan``/``inf`` when non-finite).
+        grad_norm: The global norm of the step's gradients as a Python float.
+    """
+
+    def __init__(
+        self, message: str, *, state: object = None, step: int = -1,
+        loss: float = float("nan"), grad_norm: float = float("nan"),
+    ) -> None:  # fmt: skip
+        super().__init__(message)
+        self.state, self.step, self.loss, self.grad_norm = state, step, loss, grad_norm
 
 
 # --- microbatching and pipeline schedules ---------------------------------------------------
@@ -349,6 +392,28 @@ class CheckpointArgumentError(MultiMeshError, ValueError):
     """
 
 
+class CheckpointSaveError(MultiMeshError, ValueError):
+    """A checkpoint could not be written: the folder is read-only, the disk is full, ...
+
+    Raised by ``Checkpointer.save`` (or, for a background save, by ``wait_until_finished``,
+    ``close``, leaving the ``with`` block, or the next ``save``) with the step, the
+    directory and the operating system's reason. The step is not saved (its temporary
+    folder, if any, is ignored by later runs); earlier steps are intact. Free space, make the
+    folder writable, or save into another folder. A background save that fails while the
+    interpreter exits is logged once and the process exits with status 1.
+    """
+
+
+class CheckpointCorruptError(MultiMeshError, ValueError):
+    """A saved checkpoint's files are damaged: changed bytes, truncated or missing files.
+
+    Raised by ``restore`` when a leaf's checksum (saved with it) does not match what was
+    read, or when a file of the step cannot be read (truncated, deleted, not JSON). The
+    message names the step, the file or leaf path, and the other saved steps: restore an
+    earlier one (``restore(step=...)``), or copy the checkpoint again from a good source.
+    """
+
+
 # --- reference models and pretrained checkpoints (models, models.hf) ------------------------
 
 
@@ -359,6 +424,18 @@ class ModelConfigError(MultiMeshError, ValueError):
     sizes that do not fit together (``num_kv_heads`` not dividing ``num_heads``, a
     non-positive size, ``dropout_rate`` outside ``[0, 1)``). The message lists the valid
     names or says which value to change.
+    """
+
+
+class SequenceLengthError(MultiMeshError, ValueError):
+    """A reference model got a sequence longer than its ``config.max_len``.
+
+    GPT's learned position table has ``max_len`` rows: positions past it would read outside
+    the table (a silent NaN loss); Llama's rotary positions would run past the context the
+    model was configured (or pretrained) for. The check runs while the model is traced, on
+    the static sequence length (and on concrete ``positions``), so it fires before the first
+    step. Train or evaluate on shorter sequences (``seq_len``), or use a config with a
+    larger ``max_len`` (``get_config(name, max_len=...)``).
     """
 
 
@@ -456,3 +533,31 @@ class ProcessLostError(MultiMeshError, ValueError):
 
     Logged by the watchdog of ``multimesh_flax.distributed`` just before it ends the process
     (exit status 75), not raised into user code; a ``ValueError`` like every class here."""
+
+
+class CoordinatorPortError(MultiMeshError, ValueError):
+    """The TCP port chosen for the ``jax.distributed`` coordinator is already in use (another
+    job, or one still exiting). Without the check, process 0 failed with "Failed to start RPC
+    server" or crashed, and the others waited a minute. Pick another port (``launch(port=)``,
+    ``MMFLAX_COORDINATOR``) or stop the program holding it; the message names the port."""
+
+
+class CallSequenceError(MultiMeshError, ValueError):
+    """The processes of one job ran different sequences of collective calls: a step, a
+    checkpoint ``save``/``restore`` or ``host_values`` that one process ran and another did
+    not (an extra step in one process, a save under ``if jax.process_index() == 0``), or
+    one process stopped while another still ran such calls. Every process must run the same
+    calls in the same order; the message names the processes, the call and its number.
+
+    Logged just before the processes involved end (exit status 76), not raised into user
+    code: the process is blocked in a collective that can never finish."""
+
+
+class InputMismatchError(MultiMeshError, ValueError):
+    """The processes of one job passed different values for an input of the same program
+    (a global batch drawn with a per-process seed), so each device would get its shard from
+    its own process's copy and a stage's inputs would be paired with another process's
+    targets. Give every process the same global batch (the same seed), or give each process
+    its own part of the batch as a global array (``jax.make_array_from_process_local_data``,
+    ``parallelize_step(local_batch=...)``'s ``prepare_batch``). Checked on a program's first
+    call; the message names the input and both processes."""

@@ -231,6 +231,23 @@ def _save(env, step, state=None, **kw):
     checkpoint.save_checkpoint(env.ckpt, step, env.saved if state is None else state, **kw)
 
 
+def _damaged_ckpt(env, kind):
+    """A checkpoint beside the test folder, changed after the save: 64 data bytes flipped
+    (`bytes`) or its metadata file overwritten (`json`). Made once, then reused."""
+    path = env.root.parent / f"{env.root.name}-damaged-{kind}"
+    if not path.exists():
+        w = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+        checkpoint.save_checkpoint(path, 1, {"w": jnp.asarray(w)}, metadata={"lr": 0.1})
+        if kind == "json":
+            (path / "1" / "metadata" / "metadata").write_bytes(b"\xff not json")
+        else:
+            data = max((path / "1" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+            raw = bytearray(data.read_bytes())
+            raw[len(raw) // 2 : len(raw) // 2 + 64] = bytes(64 * [0xFF])
+            data.write_bytes(bytes(raw))
+    return path
+
+
 # fmt: off
 CATALOGUE: list[Mistake] = [
     # --- meshes ---
@@ -257,6 +274,19 @@ CATALOGUE: list[Mistake] = [
                                devices=[jax.devices()[0]] * 2),
       E.DuplicateDeviceError, ("CpuDevice(id=0) more than once", "List each one once"),
       "list each device once"),
+    M("jit-donate-static", "jit/parallelize", "one argument in both `static_argnums` and "
+      "`donate_argnums`",
+      lambda env: mm.jit(lambda x, n: x * n, static_argnums=1, donate_argnums=1),
+      E.DonationError, ("Argument 1", "`static_argnums`=(1,)", "remove it from `donate_argnums`"),
+      "stop donating the static argument"),
+    M("jit-donate-beyond", "jit/parallelize", "a donated argnum beyond the call's arguments",
+      lambda env: mm.jit(lambda x: x * 2, donate_argnums=1)(env.x),
+      E.DonationError, ("`donate_argnums`=(1,)", "1 positional arguments", "fix `donate_argnums`"),
+      "donate only arguments the call passes"),
+    M("jit-donate-aliased", "jit/parallelize", "`f(x, x)` with argument 0 donated (one array "
+      "consumed and read)", lambda env: _donate_aliased(env),
+      E.DonationError, ("float32[8, 4]", "`args[0]` and as `args[1]`", "`jnp.copy(x)`"),
+      "pass a copy in one place, or donate less"),
     M("mesh-global-and-sizes", "meshes", "both `global_mesh` and `axis_sizes`",
       lambda env: mm.MultiMesh(global_mesh=env.multi.mesh, axis_sizes=(8,)),
       E.MeshShapeError, ("got both", "Pass only `global_mesh`"), "pass only one of them"),
@@ -615,6 +645,18 @@ CATALOGUE: list[Mistake] = [
       lambda env: env.step(env.state, env.x[:5]),
       E.UnevenMicrobatchError, ("`microbatches`=2", "batch of 5", "multiple of 2"),
       "pass batches the microbatch count divides", after=lambda env: env.check_step()),
+    M("step-nonfinite-value", "parallelize_step", "`nonfinite='warn'` (not an option)",
+      lambda env: mm.parallelize_step(_Net(), optax.sgd(0.1), global_batch=env.x,
+                                      nonfinite="warn"),
+      E.ParallelizeArgumentError, ("got str: 'warn'", "`nonfinite='skip'`"),
+      "pass `None`, `'raise'` or `'skip'`"),
+    M("step-nonfinite", "parallelize_step", "a step built with `nonfinite='raise'` meets a "
+      "NaN loss (a NaN in the batch; likewise a learning rate that diverges)",
+      lambda env: _nonfinite_step(env),
+      E.NonFiniteError, ("`state.step`=0", "loss nan and gradient norm nan", "`error.state`",
+                         "Lower the learning rate", "`nonfinite='skip'`"),
+      "continue from `error.state`; lower the learning rate, check the data, or use `'skip'`",
+      after=lambda env: _nonfinite_step(env, env.x)),
     # --- jit and parallelize ---
     M("jit-static-negative", "jit/parallelize", "`static_argnums=-1`",
       lambda env: mm.jit(lambda x: x, static_argnums=-1),
@@ -711,6 +753,18 @@ CATALOGUE: list[Mistake] = [
       lambda env: checkpoint.save_checkpoint(env.file, 1, env.saved),
       E.CheckpointArgumentError, ("notes.txt' is a file", "directory path"),
       "pass a directory path"),
+    M("ckpt-changed-bytes", "checkpoints", "restore a checkpoint whose data bytes changed",
+      lambda env: checkpoint.restore_checkpoint(_damaged_ckpt(env, "bytes")),
+      E.CheckpointCorruptError, ("step 1", "`w`", "checksum", "from a good source"),
+      "restore an earlier step, or copy the checkpoint again"),
+    M("ckpt-garbage-metadata", "checkpoints", "read metadata that is not JSON",
+      lambda env: checkpoint.restore_metadata(_damaged_ckpt(env, "json")),
+      E.CheckpointCorruptError, ("metadata file", "not valid JSON", "from a good source"),
+      "restore an earlier step, or copy the checkpoint again"),
+    M("ckpt-dir-under-file", "checkpoints", "save into a folder whose parent is a file",
+      lambda env: checkpoint.save_checkpoint(env.file / "ckpt", 1, env.saved),
+      E.CheckpointSaveError, ("notes.txt/ckpt'", "Not a directory", "save elsewhere"),
+      "save into a writable folder"),
     M("ckpt-max-to-keep", "checkpoints", "`max_to_keep=0`",
       lambda env: checkpoint.Checkpointer(env.ckpt, max_to_keep=0),
       E.CheckpointArgumentError, ("got 0", "`max_to_keep=3`"),
@@ -732,6 +786,12 @@ CATALOGUE: list[Mistake] = [
     M("model-multimesh", "models", "`make_multimesh(2, 2, 1)` on 8 devices",
       lambda env: _models().pipeline.make_multimesh(2, 2, 1),
       E.MeshShapeError, ("= 8", "2 x 2 x 1 = 4"), "make the product the device count"),
+    M("model-seq-len", "models", "`GPT` (`max_len` 128) applied to 129 tokens",
+      lambda env: jax.eval_shape(_models().GPT(_models().get_config("gpt-tiny")).init, _key(),
+                                 jax.ShapeDtypeStruct((2, 129), jnp.int32)),
+      E.SequenceLengthError, ("129 tokens", "`max_len` is 128", "shorter `seq_len`",
+                              "max_len=256"),
+      "use shorter sequences or a config with a larger `max_len`"),
     # --- pretrained checkpoints (models.hf) ---
     M("hf-no-config", "pretrained checkpoints", "`hf.load` of a folder without config.json",
       lambda env: _hf().load(_hf_folder(env, "no-config")),
@@ -757,6 +817,16 @@ CATALOGUE: list[Mistake] = [
       lambda env: _hf().load(_hf_folder(env, "truncated")),
       E.PretrainedTensorError, ("model-00003-of-00006.safetensors", "truncated", "Re-download"),
       "re-download or re-save the checkpoint"),
+    M("hf-non-finite", "pretrained checkpoints", "a tensor holding NaN/inf values",
+      lambda env: _hf().load(_hf_folder(env, "non-finite")),
+      E.PretrainedTensorError, ("'transformer.h.1.mlp.c_fc.weight'", "model.safetensors",
+                                "3 non-finite", "Re-download or re-save"),
+      "re-download or re-save the checkpoint from finite weights"),
+    M("hf-int-tensor", "pretrained checkpoints", "an int32 tensor where weights are floats",
+      lambda env: _hf().load(_hf_folder(env, "int-tensor")),
+      E.PretrainedTensorError, ("'transformer.h.1.mlp.c_fc.weight'", "dtype I32",
+                                "floating-point weights"),
+      "re-save the checkpoint with floating-point weights"),
     M("hf-vocab-split", "pretrained checkpoints", "a 319-id vocabulary on a `model` axis of 2",
       lambda env: _hf().load_placed(_hf_folder(env, "odd-vocab"),
                                     _models().pipeline.make_multimesh(2, 2, 2), stages=2),
@@ -973,6 +1043,14 @@ def _donate_twice(env):
     donating(x)
 
 
+def _donate_aliased(env):
+    x = env.x + 0  # a fresh array: the mistake must leave it alive
+    try:
+        mm.jit(lambda a, b: a + b, donate_argnums=0)(x, x)
+    finally:
+        assert not x.is_deleted()
+
+
 class _BatchDense(nn.Module):
     @nn.compact
     def __call__(self, x):
@@ -1047,6 +1125,9 @@ def _hf_folder(env: Env, kind: str) -> Path:
         shard = folder / "model-00003-of-00006.safetensors"
         shard.write_bytes(shard.read_bytes()[:-100])
         return folder
+    if kind in ("non-finite", "int-tensor"):
+        _break_tensor(folder / "model.safetensors", "transformer.h.1.mlp.c_fc.weight", kind)
+        return folder
     changes = {
         "architecture": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
         "missing-tensor": {"n_layer": 5},
@@ -1055,6 +1136,35 @@ def _hf_folder(env: Env, kind: str) -> Path:
     }[kind]
     (folder / "config.json").write_text(json.dumps({**config, **changes}))
     return folder
+
+
+def _break_tensor(path: Path, key: str, kind: str) -> None:
+    """Rewrites tensor ``key`` of ``path``: 3 values inf (``non-finite``) or int32 ones."""
+    import safetensors.numpy
+
+    tensors = safetensors.numpy.load_file(str(path))
+    array = tensors[key]
+    if kind == "non-finite":
+        tensors[key] = np.where(np.arange(array.size).reshape(array.shape) < 3, np.inf, array)
+    else:
+        tensors[key] = np.ones(array.shape, np.int32)
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _nonfinite_step(env: Env, batch: Any = None) -> None:
+    """A step built with ``nonfinite='raise'`` (once), called on a NaN batch (or ``batch``);
+    the error's unchanged state replaces the donated one, so the same mistake is repeatable."""
+    if not hasattr(env, "raising"):
+        env.raising = mm.parallelize_step(_Net(), optax.sgd(0.1), global_batch=env.x,
+                                          nonfinite="raise")[:2]  # fmt: skip
+    step, state = env.raising
+    try:
+        _, state = step(state, env.x * jnp.nan if batch is None else batch)
+    except errors.NonFiniteError as error:
+        state = error.state
+        raise
+    finally:
+        env.raising = (step, state)
 
 
 # --- state snapshots ------------------------------------------------------------------------

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+FLOATING = frozenset(_DTYPES.values())
+"""The dtype names a model weight may have; anything else (``I32``, ``U8``, ...) is refused."""
 
 
 def _open(path: Path) -> Any:
@@ -45,6 +47,21 @@ def _open(path: Path) -> Any:
             f"Cannot read {str(path)!r} as a safetensors file ({error}); it is truncated or "
             "corrupt. Re-download or re-save the checkpoint."
         ) from None
+
+
+def _check_finite(key: str, path: Path, array: np.ndarray) -> None:
+    """Raises unless every value of the floating-point tensor `array` is finite."""
+    if array.dtype.name not in FLOATING:  # integers are refused from the header earlier
+        return
+    finite = np.isfinite(array)
+    if finite.all():
+        return
+    bad = array.size - int(np.count_nonzero(finite))
+    raise errors.PretrainedTensorError(
+        f"Tensor {key!r} in {str(path)!r} holds {bad} non-finite value(s) (NaN or inf) of "
+        f"{array.size}; a model loaded from it trains to NaN. Re-download or re-save the "
+        "checkpoint from a run whose weights are finite."
+    )
 
 
 class TensorFiles(contextlib.AbstractContextManager):
@@ -116,6 +133,7 @@ class TensorFiles(contextlib.AbstractContextManager):
                 f"Cannot read tensor {key!r} from {str(path)!r} ({error}). Re-download or "
                 "re-save the checkpoint."
             ) from None
+        _check_finite(key, path, array)
         return array if dtype is None else array.astype(dtype)
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,8 +1,9 @@
 """`load` and `load_placed`: a Hugging Face model folder -> `ModelConfig` and parameters.
 
-Both read ``config.json`` (`models.hf._config`), check every tensor's key and shape against
-what the config implies before reading any data (`models.hf._files`), then convert tensor
-by tensor with the family's rules (`models.hf._gpt2`, `models.hf._llama`). `load` returns
+Both read ``config.json`` (`models.hf._config`), check every tensor's key, shape and
+(floating) dtype against what the config implies before reading any data
+(`models.hf._files`), then convert tensor by tensor, each checked to be finite as it is
+read, with the family's rules (`models.hf._gpt2`, `models.hf._llama`). `load` returns
 host NumPy arrays; `load_placed` hands each converted tensor straight to its stage's submesh
 in the sharding `multimesh_flax.layers.get_placement` derives for the pipelined model, so
 the host holds one tensor at a time and no device ever holds the whole model.
@@ -55,6 +56,13 @@ def _check_keys(files: _files.TensorFiles, rules: list[Rule], module: Any) -> No
             raise errors.PretrainedTensorError(
                 f"Tensor {key!r} in {str(files.files[key])!r} has shape {files.shapes[key]}, "
                 f"but config.json implies {shape}. Fix config.json or the checkpoint."
+            )
+        if files.dtypes[key] not in _files.FLOATING:
+            raise errors.PretrainedTensorError(
+                f"Tensor {key!r} in {str(files.files[key])!r} has dtype {files.dtypes[key]}, "
+                f"but model weights are floating point ({', '.join(sorted(_files.FLOATING))}); "
+                "loading would turn integers into weights silently. Re-save the checkpoint "
+                "with floating-point weights (a quantized checkpoint must be dequantized first)."
             )
     extra = sorted(k for k in files.shapes if k not in expected and not module.IGNORED.match(k))
     if extra:
@@ -147,7 +155,8 @@ def load(
     Raises:
         PretrainedConfigError: No folder, no or unreadable ``config.json``, no weights.
         UnsupportedArchitectureError: Not GPT-2/Llama, or a feature our models lack.
-        PretrainedTensorError: A missing, extra, wrongly shaped or unreadable tensor.
+        PretrainedTensorError: A missing, extra, wrongly shaped or unreadable tensor, one
+            with a non-floating dtype (``I32``, ...), or one holding NaN or inf values.
         InvalidTaskError: `stages` does not divide the layer count.
 
     Example:

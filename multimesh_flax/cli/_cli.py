@@ -15,7 +15,9 @@
   two submeshes, printing where every array lives.
 
 Bad arguments print ``mmflax: <message>`` to stderr and exit with status 2, never a
-traceback; a failed ``--check-reference`` exits with status 1. The work lives in `_train`,
+traceback; a failed ``--check-reference`` or a non-finite loss exits with status 1.
+``mmflax train`` stopped by SIGINT or SIGTERM finishes the step in flight, saves, says where
+and exits with 130 or 143 (128 + the signal); ``--resume`` continues it. The work lives in `_train`,
 `_sample`, `_export` and `_demo`; this module parses, sets up the devices and prints.
 """
 
@@ -71,7 +73,7 @@ def _configure_devices(count: int, *, accelerators: bool = False) -> None:
 
 def _add_train(sub: Any) -> None:
     from models import CORPUS_NAMES, PRESETS
-    from multimesh_flax.cli._run_options import SCHEDULES, TrainOptions
+    from multimesh_flax.cli._run_options import ON_NONFINITE, SCHEDULES, TrainOptions
 
     d = TrainOptions()
     train = sub.add_parser(
@@ -112,6 +114,19 @@ def _add_train(sub: Any) -> None:
         "the first 20 losses agree to 1e-4 (relative)",
     )
     add("--log-every", type=int, help=f"steps between loss read-outs ({d.log_every})")
+    add(
+        "--on-nonfinite",
+        choices=ON_NONFINITE,
+        help="at a NaN/inf loss or gradient norm: stop (exit 1, naming the step; the last "
+        f"finite state is saved) or skip that step's update ({d.on_nonfinite})",
+    )
+    add(
+        "--save-every",
+        metavar="N|DURATION",
+        help=f"save a checkpoint every N steps or every DURATION of training (90s, 5m, 1h), "
+        f"'end' for only at the end; a run always saves when it ends or is stopped by "
+        f"SIGINT/SIGTERM ({d.save_every})",
+    )
     add(
         "--devices",
         type=int,
@@ -226,14 +241,33 @@ def _run_train(args: argparse.Namespace) -> int:
     model = options.init_from or options.model
     if _device_rank() != 0:  # the other processes of a job train quietly
         options = dataclasses.replace(options, progress=False)
-        _train.train(options, report=lambda _: None)
-        return 0
+        result = _train.train(options, report=lambda _: None)
+        return 0 if result.stopped_by is None else _print_stop(result)
     print(
         f"mmflax train: {model} on {options.layout} (stages x data x tensor), "
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)
     return _print_result(result)
+
+
+def _print_stop(result: Any) -> int:
+    """Says where an interrupted run saved and how to go on; returns 130 or 143."""
+    import signal
+
+    from multimesh_flax.cli._interrupts import exit_status
+
+    saved = (
+        "nothing new to save"
+        if result.saved_step is None
+        else (f"saved step {result.saved_step} to {result.run_dir}/checkpoint/")
+    )
+    print(
+        f"mmflax train: stopped by {result.stopped_by} after step {result.end_step}; {saved}. "
+        f"Continue with `mmflax train --resume --out {result.run_dir}`.",
+        file=sys.stderr,
+    )
+    return exit_status(signal.Signals[result.stopped_by])
 
 
 def _device_rank() -> int:
@@ -311,6 +345,8 @@ def _device_count() -> int:
 def _print_result(result: Any) -> int:
     from multimesh_flax.cli import _train
 
+    if result.stopped_by is not None:
+        return _print_stop(result)
     m = result.metrics
     s = m["summary"]
     print(
@@ -395,6 +431,7 @@ _COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mmflax`` console script; returns the exit status."""
     from multimesh_flax import errors
+    from multimesh_flax.cli.errors import NonFiniteTrainingError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
@@ -405,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                 "choose a command: demo, train, sample, export or launch (see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
+    except NonFiniteTrainingError as e:  # the run failed, the arguments were fine
+        print(f"mmflax: {e}", file=sys.stderr)
+        return 1
     except (_ArgumentError, errors.MultiMeshError) as e:
         print(f"mmflax: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,10 @@
 * ``loss.png``: the loss curve of every step so far, with a smoothed line and a dashed line
   where a resumed invocation started.
 * ``samples.txt``: text generated before and after this invocation's training.
+* ``run.json``: the settings of the run, written when an invocation starts, so that
+  ``--resume`` can restart a run none of whose saves finished (`write_settings`).
+
+``metrics.json`` is strict JSON: a NaN or infinite loss is written as ``null``.
 
 A resumed run reads the previous ``metrics.json`` (`previous_metrics`) and extends its
 history and invocations, so the files always describe the whole run.
@@ -14,16 +18,20 @@ history and invocations, so the files always describe the whole run.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 METRICS = "metrics.json"
 LOSS_PNG = "loss.png"
 TIMELINE_PNG = "timeline.png"
 SAMPLES = "samples.txt"
+SETTINGS = "run.json"
 HISTORY_KEYS = ("step", "loss", "step_time_s", "tokens_per_s")
 
 
@@ -41,8 +49,13 @@ def previous_metrics(run_dir: Path, upto_step: int) -> tuple[dict[str, list], li
     path = run_dir / METRICS
     if not path.is_file():
         return empty_history(), []
-    metrics = json.loads(path.read_text())
-    history = metrics.get("history", {})
+    try:
+        metrics = json.loads(path.read_text())
+        history = metrics.get("history", {})
+    except (ValueError, AttributeError) as e:  # garbage: say so, and keep the run going
+        logger.warning("Ignoring the unreadable %s (%s): its history starts anew", path, e)
+        return empty_history(), []
+    history["loss"] = [float("nan") if x is None else x for x in history.get("loss", [])]
     keep = [i for i, step in enumerate(history.get("step", [])) if step <= upto_step]
     trimmed = {key: [history.get(key, [])[i] for i in keep] for key in HISTORY_KEYS}
     invocations = [v for v in metrics.get("invocations", []) if v["end_step"] <= upto_step]
@@ -50,10 +63,39 @@ def previous_metrics(run_dir: Path, upto_step: int) -> tuple[dict[str, list], li
 
 
 def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> Path:
-    """Writes ``metrics`` as indented JSON to ``run_dir/metrics.json``."""
+    """Writes ``metrics`` as indented strict JSON to ``run_dir/metrics.json``.
+
+    Non-finite floats (a NaN loss) become ``null``, which every JSON parser reads.
+    """
     path = run_dir / METRICS
-    path.write_text(json.dumps(metrics, indent=1) + "\n")
+    path.write_text(json.dumps(_strict(metrics), indent=1, allow_nan=False) + "\n")
     return path
+
+
+def _strict(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None``."""
+    if isinstance(value, float):
+        return value if np.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
+
+
+def write_settings(run_dir: Path, settings: Mapping[str, Any]) -> Path:
+    """Writes the run's ``settings`` (the checkpoint metadata at its start) to run.json."""
+    path = run_dir / SETTINGS
+    path.write_text(json.dumps(settings, indent=1) + "\n")
+    return path
+
+
+def read_settings(run_dir: Path) -> dict[str, Any] | None:
+    """The settings `write_settings` wrote in ``run_dir``, or ``None`` (none or unreadable)."""
+    try:
+        return json.loads((run_dir / SETTINGS).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _smooth(values: Sequence[float], window: int) -> np.ndarray:

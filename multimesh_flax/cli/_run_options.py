@@ -23,11 +23,12 @@ from typing import Any
 
 from models import CORPUS_NAMES, PRESETS, ModelConfig
 from multimesh_flax import errors
-from multimesh_flax.checkpoint import Checkpointer
-from multimesh_flax.cli import _recipe, _sample
+from multimesh_flax.checkpoint import Checkpointer, latest_step
+from multimesh_flax.cli import _recipe, _run_files, _sample, _saving
 from multimesh_flax.cli.errors import RunOptionError
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
+ON_NONFINITE = ("stop", "skip")
 RUN_KEYS = (
     "model",
     "layers",
@@ -67,6 +68,10 @@ class TrainOptions:
         progress: show the tqdm bar.
         init_from: a Hugging Face GPT-2/Llama folder (`models.hf`) to fine-tune instead of
             training ``model`` from scratch; its ``tokenizer.json``, if any, tokenizes.
+        save_every: how often to save besides at the end: steps (``"50"``), a duration of
+            training (``"5m"``) or ``"end"`` (`_saving.SaveEvery`).
+        on_nonfinite: at a NaN or infinite loss or gradient norm, ``"stop"`` the run (the
+            last finite state is saved) or ``"skip"`` that step's update and go on.
     """
 
     model: str = "gpt-tiny"
@@ -89,6 +94,8 @@ class TrainOptions:
     log_every: int = 10
     progress: bool = True
     init_from: str | None = None
+    save_every: str = _saving.DEFAULT
+    on_nonfinite: str = "stop"
 
     @property
     def layout(self) -> str:
@@ -116,6 +123,11 @@ def fresh_run_dir() -> str:
 
 def _resume_dir(out: str | None) -> Path:
     if out is not None:
+        if (
+            _run_files.read_settings(Path(out)) is not None
+            and latest_step(Path(out) / _sample.CHECKPOINT_DIR) is None
+        ):
+            return Path(out)  # a run that was stopped before its first save finished
         return _sample.find_checkpoint(out).parent
     runs = sorted(RUNS_DIR.glob("*/" + _sample.CHECKPOINT_DIR), key=lambda p: p.stat().st_mtime)
     if not runs:
@@ -127,10 +139,28 @@ def _resume_dir(out: str | None) -> Path:
 
 
 def _saved_options(run_dir: Path) -> dict[str, Any]:
-    checkpoint = _sample.find_checkpoint(run_dir)
-    with Checkpointer(checkpoint, read_only=True) as ckpt:
-        metadata = ckpt.metadata()
-    return {**metadata["run"], **metadata["layout"]}
+    """The saved run's settings and layout; ``steps``: what an interrupted run had left.
+
+    They come from the latest checkpoint, or from the settings the run wrote when it
+    started (`_run_files.read_settings`) when none of its saves finished.
+    """
+    checkpoint = run_dir / _sample.CHECKPOINT_DIR
+    metadata = _run_files.read_settings(run_dir)
+    if latest_step(checkpoint) is not None or metadata is None:
+        checkpoint = _sample.find_checkpoint(run_dir)
+        with Checkpointer(checkpoint, read_only=True) as ckpt:
+            metadata = ckpt.metadata()
+    try:
+        saved = {**metadata["run"], **metadata["layout"]}
+    except (KeyError, TypeError):
+        raise errors.CheckpointMetadataError(
+            f"The checkpoint in '{checkpoint}' has no `mmflax train` settings in its metadata "
+            f"(found keys {sorted(metadata) if isinstance(metadata, dict) else metadata!r}); "
+            "it was not written by `mmflax train`, or its metadata is damaged. Start a new run "
+            "with another `--out`."
+        ) from None
+    left = metadata.get("target_step", 0) - metadata.get("step", 0)
+    return {**saved, "steps": left} if left > 0 else saved
 
 
 def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
@@ -160,7 +190,7 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
                     "settings; only the layout and `--steps` may change. Drop the option, or "
                     "start a new run in another `--out`."
                 )
-        chosen = {**saved, **chosen, "out": str(run_dir)}
+        chosen = {**saved, **chosen, "out": str(run_dir)}  # ``--steps`` beats what was left
     else:
         chosen.setdefault("out", fresh_run_dir())
     if chosen.get("init_from") is not None:
@@ -185,6 +215,11 @@ def _check_ranges(options: TrainOptions) -> None:
         raise _fail(f"Expected `--lr` to be a positive number, got {options.lr!r}.")
     if options.schedule not in SCHEDULES:
         raise _fail(f"Unknown `--schedule` {options.schedule!r}; choose one of {SCHEDULES}.")
+    if options.on_nonfinite not in ON_NONFINITE:
+        raise _fail(
+            f"Unknown `--on-nonfinite` {options.on_nonfinite!r}; choose one of {ON_NONFINITE}."
+        )
+    _saving.SaveEvery.parse(options.save_every)
     if options.corpus not in CORPUS_NAMES:
         raise _fail(f"Unknown `--corpus` {options.corpus!r}; choose one of {CORPUS_NAMES}.")
 
@@ -245,8 +280,7 @@ def _check_run_dir(options: TrainOptions) -> None:
             f"Expected `--out` to be a run folder (new or empty), got '{options.out}', which is "
             "an existing file. Choose another `--out` path, or move the file away."
         )
-    checkpoint = Path(options.out) / _sample.CHECKPOINT_DIR
-    if checkpoint.is_dir() and any(checkpoint.iterdir()):
+    if latest_step(Path(options.out) / _sample.CHECKPOINT_DIR) is not None:
         raise _fail(
             f"`--out` '{options.out}' already holds a run. Pass `--resume` to continue it, or "
             "choose another `--out`."

@@ -7,10 +7,13 @@ stages, each on a ``data x tensor`` submesh of a ``MultiMesh`` (`models.pipeline
 `_recipe`.
 
 `train` prints nothing: it reports through a callback (default: this module's logger) and
-shows a tqdm bar. It trains, blocking on every step and reading losses out only every
-``log_every`` steps; records one step's pipeline timeline after warm-up; checks the losses
-against the unstaged model on one device when asked (`reference_losses`); saves an orbax
-checkpoint; and writes the run folder (`_run_files`).
+shows a tqdm bar. It locks the run folder (`_run_lock`); trains, blocking on every step and
+reading its loss back (the first NaN or infinity stops the run at its step); saves an orbax
+checkpoint when ``save_every`` says (`_saving`) and at the end, never a state with a
+non-finite leaf; records one step's pipeline timeline after warm-up; checks the losses
+against the unstaged model on one device when asked (`reference_losses`); and writes the run
+folder (`_run_files`). SIGINT and SIGTERM (`_interrupts`) end the loop after the step in
+flight, which is saved.
 
 ``--check-reference`` trains the unstaged model on one device from the same initial state on
 the same batches; the first `REFERENCE_STEPS` losses must agree to `REFERENCE_TOLERANCE`
@@ -19,6 +22,8 @@ the same batches; the first `REFERENCE_STEPS` losses must agree to `REFERENCE_TO
 Resuming restores the latest checkpoint onto the new layout -- the parameter tree does not
 depend on it -- and continues the same batch stream and learning-rate schedule, so N steps
 plus N resumed steps give the losses of 2N uninterrupted ones (bit for bit on one layout).
+A checkpoint records the step its invocation was going to (``target_step``): ``--resume``
+after an interruption runs the steps left.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +51,8 @@ from multimesh_flax import errors
 from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _recipe, _run_files, _sample
+from multimesh_flax.cli._interrupts import StopRequests
+from multimesh_flax.cli._run_lock import RunLock
 from multimesh_flax.cli._run_options import (
     LAYOUT_KEYS,
     RUN_KEYS,
@@ -51,6 +60,8 @@ from multimesh_flax.cli._run_options import (
     check_options,
     fresh_run_dir,
 )
+from multimesh_flax.cli._saving import SaveEvery
+from multimesh_flax.cli.errors import NonFiniteTrainingError
 from multimesh_flax.distributed import host_values
 
 logger = logging.getLogger(__name__)
@@ -82,6 +93,8 @@ class TrainResult:
     tokens_per_s: float
     wall_s: float
     metrics: dict[str, Any]
+    stopped_by: str | None = None
+    saved_step: int | None = None
 
 
 @dataclasses.dataclass
@@ -96,6 +109,78 @@ class _Steps:
     compilation: dict[str, float] = dataclasses.field(default_factory=dict)
     batches: list[Any] = dataclasses.field(default_factory=list)
     last_batch: Any = None
+    stopped_by: str | None = None  # the signal that ended the loop early, e.g. "SIGTERM"
+    nonfinite: str | None = None  # what was NaN or infinite, where, if that ended the loop
+    skipping: bool = False  # --on-nonfinite skip: steps with non-finite values are skipped
+    skipped: list[int] = dataclasses.field(default_factory=list)  # the steps skipped
+
+    @property
+    def count(self) -> int:
+        """Steps run."""
+        return len(self.history["step"])
+
+
+class _Saver:
+    """Saves the training state into the run's checkpoint when due, and at the end.
+
+    ``maybe_save`` saves after a step when ``every`` says so (steps or seconds of training
+    since the last save); ``save`` saves unconditionally. Saves are asynchronous: the arrays
+    are copied to host before ``save`` returns, so the next step may donate them.
+    """
+
+    def __init__(
+        self, ckpt: Checkpointer, every: SaveEvery, metadata_at: Callable[[int], dict]
+    ) -> None:
+        self.ckpt = ckpt
+        self.every = every
+        self.metadata_at = metadata_at
+        self.last_step: int | None = ckpt.latest_step()
+        self._since_step = self.last_step or 0
+        self._since_time = time.perf_counter()
+
+    @property
+    def directory(self) -> str:
+        return str(self.ckpt.directory)
+
+    def due(self, step: int) -> bool:
+        """Whether a save is due after ``step``."""
+        elapsed = time.perf_counter() - self._since_time
+        return self.every.due(steps=step - self._since_step, seconds=elapsed)
+
+    def save(self, step: int, state: Any) -> str | None:
+        """Saves ``state`` as ``step`` unless a leaf is NaN or infinite; then says which."""
+        if step == self.last_step:
+            return None
+        bad = _nonfinite_leaves(state)
+        if bad:
+            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+            return f"At step {step}, {len(bad)} leaves of the state are NaN or infinite ({shown})"
+        self.ckpt.save(step, state, self.metadata_at(step))
+        self.last_step, self._since_step = step, step
+        self._since_time = time.perf_counter()
+        return None
+
+    def kept(self) -> str:
+        """Which checkpoint the run keeps, in words."""
+        if self.last_step is None:
+            return f"no checkpoint was saved in '{self.directory}'"
+        return f"the last one saved, step {self.last_step}, stays in '{self.directory}'"
+
+
+def _nonfinite_leaves(state: Any) -> list[str]:
+    """Paths of the floating-point leaves of ``state`` holding a NaN or an infinity.
+
+    Reads each array's shards on this process's devices (the save copies them to host
+    anyway); in a multi-process job the processes agree on the answer.
+    """
+    paths, flags = [], []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, np.inexact):
+            shards = (np.asarray(shard.data) for shard in leaf.addressable_shards)
+            paths.append(jax.tree_util.keystr(path))
+            flags.append(not all(np.isfinite(values).all() for values in shards))
+    flags = _agreed_each(np.asarray(flags, dtype=bool))
+    return [path for path, bad in zip(paths, flags, strict=True) if bad]
 
 
 def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
@@ -116,6 +201,7 @@ def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
             rng=rng,
             microbatches=options.microbatches,
             schedule=options.schedule,
+            nonfinite="raise" if options.on_nonfinite == "stop" else "skip",
         )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
@@ -131,23 +217,50 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
     return params
 
 
-def _run_steps(step_fn: Any, state: Any, options: TrainOptions, start: int) -> _Steps:
-    """Trains ``options.steps`` steps from global step ``start``, blocking on every step."""
+def _run_steps(
+    step_fn: Any, state: Any, options: TrainOptions, start: int, saver: _Saver, stop: Any
+) -> _Steps:
+    """Trains up to ``options.steps`` steps from global step ``start``, blocking on each.
+
+    Every loss is read back as it is produced (the loop blocks on each step anyway), so the
+    first non-finite one stops the run at its own step (`_check_finite`). Between steps the
+    loop saves when ``saver`` says a save is due, and ends early once ``stop`` (a
+    `StopRequests`) has caught SIGINT or SIGTERM.
+    """
     tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
     stream = _recipe.batch_stream(tokens, options.batch_size, options.seq_len, options.seed, start)
-    out = _Steps(state, _run_files.empty_history())
+    out = _Steps(state, _run_files.empty_history(), skipping=options.on_nonfinite == "skip")
     record_at = min(2, options.steps - 1)  # one step after warm-up
     per_step = options.batch_size * options.seq_len
-    pending: list[jax.Array] = []
     with tqdm(total=options.steps, desc="train", unit="step", disable=not options.progress) as bar:
         for i, batch in zip(range(options.steps), stream, strict=False):
-            pending.append(_one_step(step_fn, out, batch, start + i + 1, i == record_at))
+            if _agreed(stop.signal is not None):
+                out.stopped_by = stop.signal_name
+                break
+            try:
+                loss = _one_step(step_fn, out, batch, start + i + 1, i == record_at)
+            except errors.NonFiniteError as e:  # --on-nonfinite stop: nothing was applied
+                out.state = e.state
+                out.nonfinite = f"Step {start + i + 1} has a non-finite {_what(e)}"
+                break
+            out.nonfinite = _read_loss(out, loss, start + i + 1)
+            if out.nonfinite is not None:
+                break
+            if not _applied(step_fn):  # --on-nonfinite skip
+                out.skipped.append(start + i + 1)
+                skipped = f"step {start + i + 1}: non-finite loss or gradient norm, skipped"
+                bar.write(skipped, file=sys.stderr)
             if options.check_reference:
                 out.batches.append(batch)
             if (i + 1) % options.log_every == 0 or i + 1 == options.steps:
-                _read_out(out.history, pending, bar, options.log_every, per_step)
+                _show(bar, out.history, options.log_every, per_step)
             bar.update()
-    out.compile_s = out.history["step_time_s"][0]
+            if i + 1 < options.steps and saver.due(start + i + 1):
+                out.nonfinite = saver.save(start + i + 1, out.state)
+                if out.nonfinite is not None:
+                    break
+    if out.count:
+        out.compile_s = out.history["step_time_s"][0]
     return out
 
 
@@ -168,12 +281,52 @@ def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) ->
     return loss
 
 
-def _read_out(
-    history: dict[str, list[float]], pending: list[jax.Array], bar: Any, window: int, tokens: int
-) -> None:
-    """Converts the ``pending`` losses to floats and shows the latest on the bar."""
-    history["loss"] += [float(x) for x in host_values(list(pending))]  # every process
-    pending.clear()
+def _read_loss(out: _Steps, loss: jax.Array, step: int) -> str | None:
+    """Records ``loss``; says what went wrong if it is NaN or infinite, else ``None``.
+
+    The step checks its loss and gradient norm itself (``nonfinite``); this is the same
+    check on what the host reads, for a step built without it.
+    """
+    value = float(host_values(loss))  # every process
+    out.history["loss"].append(value)
+    if math.isfinite(value) or out.skipping:
+        return None
+    return f"The loss of step {step} is {value}"
+
+
+def _what(error: errors.NonFiniteError) -> str:
+    """``"loss (nan) and gradient norm (nan)"``: the non-finite values of a step."""
+    values = {"loss": error.loss, "gradient norm": error.grad_norm}
+    return " and ".join(f"{k} ({v})" for k, v in values.items() if not math.isfinite(v))
+
+
+def _applied(step_fn: Any) -> bool:
+    """Whether the last step's update was applied (a step without the check: always)."""
+    check = getattr(step_fn, "last_check", None)
+    return check is None or bool(host_values(check.applied))
+
+
+def _agreed(flag: bool) -> bool:
+    """``flag`` in one process; in a multi-process job, whether any process raised it.
+
+    Every process must leave the loop after the same step (the next step is a collective),
+    but a signal may reach the processes between different steps.
+    """
+    return bool(_agreed_each(np.asarray([flag]))[0])
+
+
+def _agreed_each(flags: np.ndarray) -> np.ndarray:
+    """Element-wise "any process" of the boolean vector ``flags`` (one collective)."""
+    if jax.process_count() == 1:
+        return flags
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(flags.astype(np.int32))
+    return np.asarray(gathered).reshape(-1, flags.size).any(axis=0)
+
+
+def _show(bar: Any, history: dict[str, list[float]], window: int, tokens: int) -> None:
+    """Shows the latest loss and the recent tokens/s on the progress bar."""
     recent = history["step_time_s"][-window:]
     bar.set_postfix(
         loss=f"{history['loss'][-1]:.3f}", tok_s=f"{tokens / statistics.median(recent):,.0f}"
@@ -288,17 +441,26 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
-def _metadata(options: TrainOptions, config: ModelConfig, step: int) -> dict[str, Any]:
+def _metadata(
+    options: TrainOptions, config: ModelConfig, step: int, target_step: int
+) -> dict[str, Any]:
+    """What a checkpoint records besides the state; ``target_step`` is where this invocation
+    was going, so that ``--resume`` after an interruption finishes it."""
     return {
         "run": {key: getattr(options, key) for key in RUN_KEYS},
         "layout": {key: getattr(options, key) for key in LAYOUT_KEYS},
         "step": step,
+        "target_step": target_step,
         "config": {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)},
     }
 
 
 def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     """Trains as ``options`` say and writes the run folder; see the module docstring.
+
+    The run folder is locked while this runs (`RunLock`). SIGINT and SIGTERM end training
+    after the step in flight; the state is saved and the result says which signal
+    (``TrainResult.stopped_by``).
 
     Args:
         options: resolved options (see `resolve_options`).
@@ -309,31 +471,48 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
 
     Raises:
         RunOptionError: ``options`` contradict the model or the devices (`check_options`).
-        CheckpointNotFoundError: ``resume`` without a checkpoint.
+        RunFolderBusyError: another process is writing ``options.out``.
+        NonFiniteTrainingError: a loss (or, at a save, a parameter) became NaN or infinite;
+            ``metrics.json`` is written up to that step and nothing non-finite is saved.
     """
     began = time.perf_counter()
     config = check_options(options, jax.device_count())
     run_dir = Path(options.out or fresh_run_dir()).absolute()  # orbax needs absolute paths
-    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with lock, StopRequests() as stop:
+        return _train_in(run_dir, options, config, report, stop, began)
+
+
+def _train_in(
+    run_dir: Path,
+    options: TrainOptions,
+    config: ModelConfig,
+    report: Report,
+    stop: StopRequests,
+    began: float,
+) -> TrainResult:
+    """`train` with the run folder locked and signals caught."""
     compiled = compilation_counter()
     step_fn, state, placement = _build(options, config)
     report(str(placement))
     with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
-        if options.resume:
-            state = ckpt.restore(target=state)
-            step = int(host_values(state.step))
-            report(f"resumed step {step} of '{run_dir}' on layout {options.layout}")
-        start = int(host_values(state.step))
+        state, start = _resume(ckpt, state, options, run_dir, report)
+        target = start + options.steps
+        if jax.process_index() == 0:
+            _run_files.write_settings(run_dir, _metadata(options, config, start, target))
+        every = SaveEvery.parse(options.save_every)
+        saver = _Saver(ckpt, every, lambda step: _metadata(options, config, step, target))
         host_start = host_values(state) if options.check_reference else None
         before = _samples(config, state.params, options)
-        steps = _run_steps(step_fn, state, options, start)
+        steps = _run_steps(step_fn, state, options, start, saver, stop)
         steps.compilation = compiled()  # building and training; sampling compiles more
-        ckpt.save(
-            start + options.steps, steps.state, _metadata(options, config, start + options.steps)
-        )
-        after = _samples(config, steps.state.params, options)
+        if steps.count:  # never a non-finite state: `save` refuses it
+            problem = saver.save(start + steps.count, steps.state)
+            steps.nonfinite = steps.nonfinite or problem
+        finished = steps.nonfinite is None and steps.stopped_by is None
+        after = _samples(config, steps.state.params, options) if finished else None
         reference = None
-        if host_start is not None:
+        if host_start is not None and finished:
             ref = reference_losses(config, host_start, steps.batches)
             reference = _compare(steps.history["loss"], ref)
     bubble = _timeline(steps, step_fn, run_dir / _run_files.TIMELINE_PNG)
@@ -341,15 +520,45 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     metrics["summary"]["wall_s"] = time.perf_counter() - began
     if jax.process_index() == 0:  # in a multi-process job, process 0 writes the run folder
         _run_files.write_metrics(run_dir, metrics)
+    if steps.nonfinite is not None:
+        raise NonFiniteTrainingError(
+            f"{steps.nonfinite}: training stopped and nothing non-finite was saved "
+            f"({saver.kept()}). Lower `--lr` or raise `--warmup` in a new run, or check the data."
+        )
     return TrainResult(
         run_dir=run_dir,
         start_step=start,
-        end_step=start + options.steps,
+        end_step=start + steps.count,
         losses=steps.history["loss"],
         tokens_per_s=metrics["summary"]["tokens_per_s"],
         wall_s=metrics["summary"]["wall_s"],
         metrics=metrics,
+        stopped_by=steps.stopped_by,
+        saved_step=saver.last_step,
     )
+
+
+def _resume(
+    ckpt: Checkpointer, state: Any, options: TrainOptions, run_dir: Path, report: Report
+) -> tuple[Any, int]:
+    """``(state, step)``: with ``resume``, the run's latest checkpoint, else ``(state, 0)``.
+
+    The step is the checkpoint's number, the steps the run went through; ``state.step``
+    counts the updates applied, fewer when ``--on-nonfinite skip`` skipped some. A resumed
+    run whose every save was interrupted (nothing finalized) starts at step 0.
+    """
+    if not options.resume:
+        return state, 0
+    if ckpt.latest_step() is None:
+        report(
+            f"'{run_dir}' holds no finished checkpoint (its saves were interrupted): "
+            "starting from step 0"
+        )
+        return state, 0
+    step = ckpt.latest_step()
+    state = ckpt.restore(step, target=state)
+    report(f"resumed step {step} of '{run_dir}' on layout {options.layout}")
+    return state, step
 
 
 def _finish(
@@ -361,13 +570,17 @@ def _finish(
     bubble: dict[str, Any] | None,
     reference: dict[str, Any] | None,
     before: dict[str, Any],
-    after: dict[str, Any],
+    after: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """Writes loss.png and samples.txt; returns the metrics (history merged with the past)."""
+    """Writes loss.png and samples.txt; returns the metrics (history merged with the past).
+
+    ``after`` is ``None`` when training ended early (a signal, a non-finite loss): no
+    samples are written then.
+    """
     history, invocations = _run_files.previous_metrics(run_dir, start)
     for key in _run_files.HISTORY_KEYS:
         history[key] += steps.history[key]
-    end = start + options.steps
+    end = start + steps.count
     invocations.append({"start_step": start, "end_step": end, "layout": options.layout})
     resumed_at = [v["start_step"] for v in invocations if v["start_step"] > 0]
     title = f"{options.model}, {options.layout} (stages x data x tensor), {options.schedule}"
@@ -375,24 +588,13 @@ def _finish(
     header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
     if jax.process_index() == 0:
         _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at)
-        texts = {"before": before["texts"], "after": after["texts"]}
-        _run_files.write_samples(run_dir, texts, header)
-    tokens = options.batch_size * options.seq_len
-    summary = {
-        "start_step": start,
-        "end_step": end,
-        "first_loss": steps.history["loss"][0],
-        "last_loss": steps.history["loss"][-1],
-        "last_10_mean_loss": float(np.mean(steps.history["loss"][-10:])),
-        "tokens_per_s": _steady_tokens_per_s(steps, start, tokens),
-        "compile_s": steps.compile_s,
-        "xla_compiles": steps.compilation.get("compiles"),
-        "compile_cache_hits": steps.compilation.get("cache_hits"),
-    }
+        if after is not None:
+            texts = {"before": before["texts"], "after": after["texts"]}
+            _run_files.write_samples(run_dir, texts, header)
     return {
         "options": dataclasses.asdict(options),
         "devices": {"platform": jax.devices()[0].platform, "count": jax.device_count()},
-        "summary": summary,
+        "summary": _summary(options, steps, start),
         "history": history,
         "invocations": invocations,
         "placement": {
@@ -402,4 +604,25 @@ def _finish(
         "bubble": bubble,
         "reference": reference,
         "samples": {"before": before, "after": after},
+    }
+
+
+def _summary(options: TrainOptions, steps: _Steps, start: int) -> dict[str, Any]:
+    """The run's headline numbers; losses and rates are ``None`` when no step ran."""
+    losses = steps.history["loss"]
+    finite = [x for x in losses if math.isfinite(x)]
+    tokens = options.batch_size * options.seq_len
+    return {
+        "start_step": start,
+        "end_step": start + steps.count,
+        "stopped_by": steps.stopped_by,
+        "nonfinite": steps.nonfinite,
+        "skipped_steps": steps.skipped,
+        "first_loss": losses[0] if losses else None,
+        "last_loss": losses[-1] if losses else None,
+        "last_10_mean_loss": float(np.mean(finite[-10:])) if finite else None,
+        "tokens_per_s": _steady_tokens_per_s(steps, start, tokens) if steps.count else None,
+        "compile_s": steps.compile_s,
+        "xla_compiles": steps.compilation.get("compiles"),
+        "compile_cache_hits": steps.compilation.get("cache_hits"),
     }

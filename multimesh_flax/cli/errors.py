@@ -22,3 +22,23 @@ class RunOptionError(MultiMeshError, ValueError):
     saved run, or a fresh ``--out`` that already holds a run. The message names the option,
     the value received and the values that would work.
     """
+
+
+class RunFolderBusyError(MultiMeshError, ValueError):
+    """Another ``mmflax train`` process is writing the same run folder (``--out``).
+
+    Two runs in one folder overwrite each other's checkpoints and metadata, so the second
+    stops before it traces anything. The message names the process holding the folder's
+    lock. Wait for it, stop it, or pass another ``--out``; the lock disappears with its
+    process, however that process ends.
+    """
+
+
+class NonFiniteTrainingError(MultiMeshError, ValueError):
+    """``mmflax train`` met a non-finite loss or gradient norm and stopped.
+
+    The step named in the message produced the first NaN or infinity; its update was not
+    applied and no non-finite state was saved, so the run's checkpoint holds the last finite
+    state saved before it. Lower ``--lr`` (or raise ``--warmup``) in a new run, check the
+    data, or pass ``--on-nonfinite skip`` to skip such steps and go on.
+    """

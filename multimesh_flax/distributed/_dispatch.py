@@ -42,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from multimesh_flax.distributed import _exchange, _watchdog, _wire
+from multimesh_flax.distributed import _exchange, _inputs, _sequence, _watchdog, _wire
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,9 @@ class ProcessDispatch:
         self.exe = exe
         self.rank = jax.process_index()
         self._by_id = {d.id: d for d in jax.devices()}
+        _sequence.enter("building an MPMD program")
         self.prefix = _exchange.check_program(exe)
+        self.calls = 0
         self._slot_home = {slot: key for key, slot in exe._slots.items()}
         self.output_shardings: list[Any] = [None] * len(exe.output_slots)
         self.moves = {i: self._moves(op) for i, op in enumerate(exe.ops) if op.kind == _PUT}
@@ -100,6 +102,10 @@ class ProcessDispatch:
 
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         exe = self.exe
+        self.calls += 1
+        _sequence.enter(f"call {self.calls} of MPMD {self.prefix.rsplit('/', 1)[-1]}")
+        if self.first_call:  # see _inputs: a per-process batch where one is expected
+            _inputs.check_same_inputs(f"{self.prefix}/inputs", args, exe.input_shardings)
         env: list[Any] = [None] * len(exe._slots)
         for slot, value in exe._consts.items():
             env[slot] = value

@@ -20,7 +20,7 @@ import os
 import jax
 
 from multimesh_flax import errors
-from multimesh_flax.distributed import _exchange, _launch, _watchdog
+from multimesh_flax.distributed import _exchange, _launch, _sequence, _watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +72,21 @@ def initialize(*, heartbeat_timeout: int = DEFAULT_HEARTBEAT_TIMEOUT) -> None:
         _watchdog.start(
             _exchange.client(), jax.process_index(), jax.process_count(), heartbeat_timeout
         )
+        _sequence.start(_exchange.client(), jax.process_index(), jax.process_count())
 
 
 def _join_launched(heartbeat_timeout: int) -> None:
     rank = _env_int(_launch.ENV_PROCESS_ID)
     count = _env_int(_launch.ENV_NUM_PROCESSES)
     devices = _env_int(_launch.ENV_DEVICES)
+    address = os.environ[_launch.ENV_COORDINATOR]
+    if rank == 0:  # the process that starts the coordinator's server
+        _check_coordinator_port(address)
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=os.environ[_launch.ENV_COORDINATOR],
+        coordinator_address=address,
         num_processes=count,
         process_id=rank,
         heartbeat_timeout_seconds=heartbeat_timeout,
@@ -92,3 +96,28 @@ def _join_launched(heartbeat_timeout: int) -> None:
         shutdown_timeout_seconds=SHUTDOWN_TIMEOUT,
     )
     logger.info("process %d of %d joined with %d CPU devices", rank, count, devices)
+
+
+def _check_coordinator_port(address: str) -> None:
+    """Raises ``CoordinatorPortError`` if the coordinator's port is taken (process 0 only).
+
+    jaxlib reports a taken port as "Failed to start RPC server" (or crashed, 1 run in 3 on
+    the 2-core host), and the other processes waited ``initialization_timeout`` for it.
+    """
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        number = int(port)
+    except ValueError:
+        raise errors.DistributedSetupError(
+            f"Expected {_launch.ENV_COORDINATOR} as HOST:PORT, got {address!r}."
+        ) from None
+    for bind_host in dict.fromkeys([host, "0.0.0.0"]):
+        try:
+            taken = _launch.port_in_use(bind_host, number)
+        except OSError:  # not an address of this machine: jax reports what it finds
+            continue
+        if taken:
+            raise errors.CoordinatorPortError(
+                _launch.busy_port_message(host, number, f"{_launch.ENV_COORDINATOR} of process 0")
+            )

@@ -34,6 +34,7 @@ import time
 from typing import Any
 
 from multimesh_flax import errors
+from multimesh_flax.distributed import _sequence
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def _hook_shutdown() -> None:
     def shutdown() -> None:
         thread = _stop()
         try:
+            _sequence.at_shutdown()  # may end the process: another ran calls this one did not
             original()
         finally:
             _join(thread)

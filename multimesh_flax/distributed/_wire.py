@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.distributed import _exchange, _watchdog
+from multimesh_flax.distributed import _exchange, _sequence, _watchdog
 
 WIRE = "_mmflax_wire"
 
@@ -329,6 +329,7 @@ def host_values(tree: Any) -> Any:
     """
     if jax.process_count() == 1:
         return jax.tree_util.tree_map(np.asarray, jax.device_get(tree))
+    _sequence.enter("host_values", publish=True)
     _check_same_arrays(tree)
     try:
         return jax.tree_util.tree_map(_host_value, tree)

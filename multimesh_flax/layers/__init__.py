@@ -7,6 +7,8 @@ from multimesh_flax.core.trace._constraints import (
 )
 from multimesh_flax.layers._initializers import shard_axes as shard_axes
 from multimesh_flax.layers._nnx_jit import jit as jit
+from multimesh_flax.layers._nonfinite import NonFinite as NonFinite
+from multimesh_flax.layers._nonfinite import StepCheck as StepCheck
 from multimesh_flax.layers._placement_report import Placement as Placement
 from multimesh_flax.layers._step import TrainState as TrainState
 from multimesh_flax.layers._step import parallelize_step as parallelize_step

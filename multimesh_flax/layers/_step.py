@@ -40,7 +40,7 @@ from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
 from multimesh_flax.core.front import _initializer, _jit, _parallelize
 from multimesh_flax.core.trace import _microbatch, _session
-from multimesh_flax.layers import _placement
+from multimesh_flax.layers import _nonfinite, _placement
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
 
@@ -384,9 +384,11 @@ class _Setup:
         loss_fn: LossFn,
         rng: Any,
         pipeline: _Microbatching | None = None,
+        nonfinite: _nonfinite.NonFinite | None = None,
     ) -> None:
         self.runner = _Model(model, loss_fn, rng, pipeline)
         self.model, self.optimizer = model, optimizer
+        self.nonfinite = nonfinite  # None: no check; else the step also returns a StepCheck
         self.state_constraints: Any = None
         self.state_owners: Any = None
         self.state_tree: Any = None
@@ -427,6 +429,20 @@ class _Setup:
         self.state_tree = jax.tree_util.tree_structure(state)
         return state
 
+    def pin_state(self, shardings: Any) -> bool:
+        """Constrains the leaves no task owns to ``shardings`` (where the step reads them).
+
+        Without it the non-finite check's ``where(ok, new, old)`` of a scalar counter
+        (``step``, an optimizer's ``count``) is placed with ``ok`` -- where the loss is --
+        instead of with the counter, and every step would move the counter back. Returns
+        whether any constraint was added (then the step must be traced again).
+        """
+        flat, treedef = jax.tree_util.tree_flatten(shardings)
+        current = treedef.flatten_up_to(self.state_constraints)
+        pinned = [c if c is not None else s for c, s in zip(current, flat, strict=True)]
+        self.state_constraints = treedef.unflatten(pinned)
+        return any(c is None for c in current)
+
     def check_state(self, state: Any) -> None:
         """Raises unless ``state`` has the tree of the state ``parallelize_step`` made."""
         got = jax.tree_util.tree_structure(state)
@@ -439,7 +455,7 @@ class _Setup:
                 f"`state.replace(params=...)` with the same tree.{_restore_hint(state)}"
             )
 
-    def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
+    def step(self, state: Any, batch: Any) -> tuple[Any, ...]:
         self.check_state(state)  # runs while tracing only: free on later calls
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
@@ -448,7 +464,10 @@ class _Setup:
             state.params, state.model_state, batch, state.step
         )
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
-        return loss, _placement.constrain(new_state, self.state_constraints)
+        if self.nonfinite is None:
+            return loss, _placement.constrain(new_state, self.state_constraints)
+        new_state, checked = _nonfinite.guard(loss, grads, new_state, state)
+        return loss, _placement.constrain(new_state, self.state_constraints), checked
 
 
 def _restore_hint(state: Any) -> str:
@@ -467,10 +486,22 @@ class StepFn:
     ``describe``/``executable`` show the compiled MPMD program. Every method runs inside the
     ``MultiMesh`` and the registries (``Context``) that were active when the step was built,
     so where it is later called does not change what it does.
+
+    Attributes:
+        nonfinite: the ``NonFinite`` mode the step was built with, or ``None``.
+        last_check: with ``nonfinite``, the last call's ``StepCheck`` (device scalars
+            ``loss``, ``grad_norm``, ``applied``); ``None`` before the first call.
     """
 
-    def __init__(self, jitted: _jit.MpmdJit, multi: _multimesh.MultiMesh | None) -> None:
+    def __init__(
+        self,
+        jitted: _jit.MpmdJit,
+        multi: _multimesh.MultiMesh | None,
+        nonfinite: _nonfinite.NonFinite | None = None,
+    ) -> None:
         self.jitted = jitted
+        self.nonfinite = nonfinite
+        self.last_check: _nonfinite.StepCheck | None = None
         # The registries active when the step was built, outermost first (the process-wide
         # default is always active); the MultiMesh goes outside them unless it is one.
         captured = list(reversed(_registry.active_contexts()[:-1]))
@@ -485,9 +516,20 @@ class StepFn:
         return stack
 
     def __call__(self, state: Any, batch: Any) -> tuple[Any, Any]:
-        """One training step: ``(loss, new_state)``; ``state`` is donated."""
+        """One training step: ``(loss, new_state)``; ``state`` is donated.
+
+        Raises:
+            NonFiniteError: built with ``nonfinite="raise"``, the loss or the gradient norm
+                was NaN or inf; ``error.state`` is the unchanged state.
+        """
         with self._context():
-            return self.jitted(state, batch)
+            out = self.jitted(state, batch)
+        if self.nonfinite is None:
+            return out
+        loss, new_state, checked = out
+        self.last_check = checked
+        _nonfinite.check(self.nonfinite, new_state, checked)
+        return loss, new_state
 
     def executable(self, state: Any, batch: Any) -> Any:
         """The ``MpmdExecutable`` for these argument shapes (compiled on first use)."""
@@ -526,6 +568,7 @@ def parallelize_step(
     schedule: str | None = None,
     interleave: int | None = None,
     custom_schedule: Any = None,
+    nonfinite: _nonfinite.NonFinite | str | None = None,
 ) -> tuple[Any, ...]:
     """Builds a placed training state and a compiled MPMD training step.
 
@@ -558,6 +601,15 @@ def parallelize_step(
         interleave: stages per submesh for ``"interleaved-1f1b"``.
         custom_schedule: for ``"custom"`` (implies it), one sequence of ops per submesh, as
             ``microbatch``'s ``custom_schedule``.
+        nonfinite: ``None`` (default: no check), ``"skip"`` or ``"raise"`` (or a
+            ``NonFinite``). The step then computes the global gradient norm and applies the
+            update only if it and the loss are finite; otherwise it returns the state it was
+            given, unchanged (``state.step`` included: it counts applied updates). With
+            ``"skip"`` it returns ``(loss, state)`` as usual (the loss shows the NaN/inf);
+            with ``"raise"`` it reads one scalar after each step and raises
+            ``NonFiniteError`` (``error.state``: the unchanged state). Either way
+            ``step_fn.last_check`` holds the last step's ``StepCheck(loss, grad_norm,
+            applied)`` as device scalars. Same program for both modes, compiled once.
 
     Returns:
         ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
@@ -569,8 +621,10 @@ def parallelize_step(
         ParallelizeArgumentError: a model, optimizer, ``loss_fn`` or ``rng`` of the wrong
             kind, neither or both batches, a batch leaf that is not an array, a non-scalar
             loss, a ``microbatches`` count that does not divide the batch, a ``schedule``
-            without ``microbatches``, or a batch ``replicate_inputs=False`` cannot split. The
-            step raises it when called with a state of another tree.
+            without ``microbatches``, a batch ``replicate_inputs=False`` cannot split, or a
+            ``nonfinite`` other than ``None``, ``"skip"``, ``"raise"``. The step raises it
+            when called with a state of another tree.
+        NonFiniteError: raised by the step (``nonfinite="raise"``), see above.
 
     Example:
         >>> import optax
@@ -592,12 +646,13 @@ def parallelize_step(
     """
     _check_model_and_optimizer(model, optimizer)
     _check_loss_fn(loss_fn)
+    mode = _nonfinite.normalize(nonfinite)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
     pipeline = _with_custom_schedule(
         _pipeline_options(microbatches, schedule, interleave, batch_shape), custom_schedule
     )
     devices, multi, result_mesh = _devices_of(mesh)
-    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline)
+    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline, mode)
     with multi if multi is not None else _config.context(), _devices.use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
         jitted = _jit.jit(setup.step, devices=devices, donate_argnums=(0,))
@@ -609,10 +664,13 @@ def parallelize_step(
             setup.batch_constraints = batch_sh
             jitted.clear_cache()  # the step now constrains its batch: a new program
             state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
+        if mode is not None and setup.pin_state(state_sh):
+            jitted.clear_cache()  # the step now keeps every leaf where it came in
+            state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
         state = _initializer.sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
-    step_fn = StepFn(jitted, multi)
+    step_fn = StepFn(jitted, multi, mode)
     if local_batch is None:
         return step_fn, state, result_mesh
 

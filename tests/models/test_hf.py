@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 import safetensors
+import safetensors.numpy
 
 import multimesh_flax as mm
 from models import cross_entropy_loss, hf, make_model
@@ -272,6 +273,31 @@ def test_truncated_and_missing_shard_files(tmp_path):
         hf.load(folder)
     shard.unlink()
     with pytest.raises(errors.PretrainedTensorError, match="model-00003-of-00006.*not in"):
+        hf.load(folder)
+
+
+def _break_tensor(folder, key, change):
+    """Rewrites `folder`'s model.safetensors with ``change(array)`` in place of tensor `key`."""
+    path = folder / "model.safetensors"
+    tensors = safetensors.numpy.load_file(str(path))
+    tensors[key] = change(tensors[key])
+    safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _three_inf(array):
+    return np.where(np.arange(array.size).reshape(array.shape) < 3, np.inf, array)
+
+
+def test_non_finite_and_integer_tensors(tmp_path):
+    folder = _copy("gpt2", tmp_path)
+    key = "transformer.h.1.mlp.c_fc.weight"
+    _break_tensor(folder, key, _three_inf)
+    with pytest.raises(
+        errors.PretrainedTensorError, match=rf"'{key}'.*model.safetensors.*holds 3 non-finite"
+    ):
+        hf.load(folder)
+    _break_tensor(folder, key, lambda a: np.ones(a.shape, np.int32))
+    with pytest.raises(errors.PretrainedTensorError, match=rf"'{key}'.*has dtype I32"):
         hf.load(folder)
 
 

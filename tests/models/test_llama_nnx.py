@@ -2,8 +2,10 @@
 pipelined training (2 stages, 1F1B, 4 microbatches) matches the single-device NNX run."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from flax import nnx
 
@@ -11,6 +13,7 @@ import multimesh_flax as mm
 from models import Llama, cross_entropy_loss, get_config
 from models.llama_nnx import LlamaNNX, load_linen_params
 from models.pipeline import make_multimesh
+from multimesh_flax import errors
 
 STEPS = 5
 CONFIG = get_config("llama-tiny", num_layers=4)
@@ -108,3 +111,11 @@ def test_pipelined_training_matches_single_device():
     ):
         for leaf in jax.tree_util.tree_leaves(nnx.state(getattr(model, name), nnx.Param)):
             assert _ids(leaf) == devices
+
+
+def test_sequences_past_max_len_raise():
+    with nnx.use_eager_sharding(False):
+        model = LlamaNNX(get_config("llama-tiny", num_layers=1, max_len=8), rngs=nnx.Rngs(0))
+    with pytest.raises(errors.SequenceLengthError, match=r"9 tokens.*`max_len` is 8"):
+        nnx.eval_shape(lambda m: m(jnp.zeros((1, 9), jnp.int32)), model)
+    assert nnx.eval_shape(lambda m: m(jnp.zeros((1, 8), jnp.int32)), model).shape == (1, 8, 264)

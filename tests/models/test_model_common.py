@@ -16,9 +16,11 @@ from models import (
     LlamaBlock,
     LlamaEmbed,
     LlamaHead,
+    get_config,
     init_cache,
     make_model,
 )
+from multimesh_flax import errors
 
 PRESETS = ["gpt-tiny", "llama-tiny"]
 LOGICAL_NAMES = {"batch", "length", "embed", "mlp", "heads", "kv_heads", "head_dim", "vocab"}
@@ -155,3 +157,18 @@ def test_decode_in_chunks_matches_full_forward(name):
     decoded = jnp.concatenate(pieces, axis=1)
     np.testing.assert_allclose(decoded, _forward(name), atol=1e-4)
     assert int(cache["blocks_0"]["attn"]["cache_index"]) == 16
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_sequences_past_max_len_raise_while_tracing(name):
+    config = get_config(name, max_len=16)
+    model = make_model(config)
+    too_long = jax.ShapeDtypeStruct((2, 17), jnp.int32)
+    key0 = jax.random.key(0)
+    with pytest.raises(errors.SequenceLengthError, match=r"17 tokens.*`max_len` is 16"):
+        jax.eval_shape(model.init, key0, too_long)
+    with pytest.raises(errors.SequenceLengthError, match="positions up to 17"):
+        positions = np.arange(14, 18)  # concrete: closed over, not an eval_shape argument
+        jax.eval_shape(lambda key: model.init(key, jnp.zeros((2, 4), jnp.int32), positions), key0)
+    fits = jax.eval_shape(model.init, key0, jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    assert "params" in fits

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
 from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.front import _donation
 from multimesh_flax.core.run import _dispatch
 from multimesh_flax.core.trace import _trace
 
@@ -167,7 +168,7 @@ class _Entry:
         self.devices = devices
         self.out_tree = traced.out_tree
         self.warm = False
-        self.donated: tuple[int, ...] = ()  # indices of the leaves the program may consume
+        self.donation: _donation.Donation | None = None  # None: the program consumes nothing
         self.build_seconds: dict[str, float] = {}  # "trace", "partition": wall time spent
 
     def partition(self) -> _partition.Partition:
@@ -290,9 +291,12 @@ class MpmdJit:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
+            if self.donate_argnums:
+                _donation.check_count(self.donate_argnums, len(args))
             donated = self._donated_leaves(args)
             entry = self._build(leaves, in_tree, statics, donated)
-            entry.donated = donated
+            if donated:
+                entry.donation = _donation.Donation(donated, leaves)
             self._cache[key] = entry
         return entry, leaves
 
@@ -300,22 +304,39 @@ class MpmdJit:
         if _config.get_flag("ignore_transforms"):
             return self.fun(*args, **kwargs)
         entry, leaves = self._entry(args, kwargs)
-        if entry.donated and _any_deleted(leaves, entry.donated):
-            raise self._consumed_error(args, kwargs, entry.donated)
-        with _devices.use_device_list(self.devices):
-            return entry(leaves)
+        donation = entry.donation
+        if donation is None:
+            with _devices.use_device_list(self.devices):
+                return entry(leaves)
+        # Claimed before the deleted check: no other thread can consume them in between.
+        claimed = donation.claim(leaves, lambda i: self._leaf_name(args, kwargs, i))
+        try:
+            if _any_deleted(leaves, donation.donated):
+                raise self._consumed_error(args, kwargs, donation.donated)
+            with _devices.use_device_list(self.devices):
+                return entry(leaves)
+        finally:
+            donation.release(claimed)
+
+    def _leaf_name(self, args: tuple[Any, ...], kwargs: dict[str, Any], index: int) -> str:
+        """How a user names flat dynamic leaf ``index``: ``args[0]['w']``, ``kwargs['x']``."""
+        positions = [i for i in range(len(args)) if i not in self.static_argnums]
+        dynamic = [args[i] for i in positions]
+        path, _ = jax.tree_util.tree_leaves_with_path((dynamic, kwargs))[index]
+        if path[0].idx == 1:
+            return "kwargs" + jax.tree_util.keystr(path[1:])
+        return f"args[{positions[path[1].idx]}]" + jax.tree_util.keystr(path[2:])
 
     def _consumed_error(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], donated: tuple[int, ...]
     ) -> errors.ConsumedArrayError:
         dynamic = [a for i, a in enumerate(args) if i not in self.static_argnums]
-        with_paths = jax.tree_util.tree_leaves_with_path((dynamic, kwargs))
-        path, leaf = next(
-            (p, x) for i, (p, x) in enumerate(with_paths) if i in donated and _deleted(x)
-        )
-        where = jax.tree_util.keystr(path[1:]) if path and path[0].idx == 0 else "a kwarg"
+        leaves = jax.tree_util.tree_leaves((dynamic, kwargs))
+        index = next(i for i in donated if _deleted(leaves[i]))
+        leaf = leaves[index]
         return errors.ConsumedArrayError(
-            f"Argument leaf `args{where}` ({leaf.dtype}{list(leaf.shape)}) was consumed by an "
+            f"Argument leaf `{self._leaf_name(args, kwargs, index)}` "
+            f"({leaf.dtype}{list(leaf.shape)}) was consumed by an "
             f"earlier call that donated it (`donate_argnums`={self.donate_argnums}): its "
             "buffer is deleted. Pass what that call returned instead: for a training step, "
             "`loss, state = step_fn(state, batch)` -- rebind `state` every step."
@@ -394,6 +415,11 @@ def jit(
         ParallelizeArgumentError: ``fun`` is not callable, or ``devices`` is empty.
         StaticArgumentError: ``static_argnums``/``donate_argnums`` are not non-negative
             ints (at call time also: an index beyond the arguments, an unhashable static).
+        DonationError: an argument both static and donated (at call time also: a donated
+            index beyond the positional arguments, one array passed in a donated and in
+            another position).
+        ConsumedArrayError: at call time, a donated array was consumed by an earlier call,
+            or is being consumed by a call in another thread.
 
     Example:
         >>> import multimesh_flax as mm
@@ -408,6 +434,9 @@ def jit(
             f"Expected `fun` to be a function, got {type(fun).__name__}: {fun!r}. Pass the "
             "function itself, not its result."
         )
+    static = _normalise_argnums(static_argnums, "static_argnums")
+    donate = _normalise_argnums(donate_argnums, "donate_argnums")
+    _donation.check_argnums(static, donate)
     if devices is not None:
         devices = _devices.as_device_array(devices, "devices")
         if devices.size == 0:
@@ -416,9 +445,4 @@ def jit(
                 "devices, or omit `devices` for the current MultiMesh or all devices."
             )
         _devices.check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
-    return MpmdJit(
-        fun,
-        devices,
-        _normalise_argnums(static_argnums, "static_argnums"),
-        _normalise_argnums(donate_argnums, "donate_argnums"),
-    )
+    return MpmdJit(fun, devices, static, donate)

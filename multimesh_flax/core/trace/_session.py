@@ -262,13 +262,30 @@ def current_session() -> TraceSession | None:
     return _thread.STATE.sessions[-1] if _thread.STATE.sessions else None
 
 
+# JAX caches the jaxprs it traces for ``jax.checkpoint``, an inner ``jax.jit``, loop and
+# custom-derivative bodies, keyed on the function and its avals. A body served from that
+# cache does not run its Python, so its tasks would never be entered in this session: their
+# markers would name the tasks of an earlier session (placed by the first ``jit`` only, the
+# next one silently falling back to one device). The cache key includes this user context,
+# set to a new value per session, so a session sees only the traces it made itself (calls
+# repeated within one session still share one trace). Entries left by earlier sessions age
+# out of JAX's LRU caches (2,048 entries each); trace_program's own wrapper is fresh anyway.
+_SESSION_CACHE_KEY = jax.make_user_context(None)
+_SESSION_UIDS = itertools.count(1)
+
+
 @contextlib.contextmanager
 def trace_session() -> Iterator[TraceSession]:
-    """Opens a session that records every task traced inside it."""
+    """Opens a session that records every task traced inside it.
+
+    Inside it JAX's trace caches miss for every function first traced outside it (see
+    ``_SESSION_CACHE_KEY``), so every task met is entered in this session.
+    """
     session = TraceSession()
     _thread.STATE.sessions.append(session)
     try:
-        yield session
+        with _SESSION_CACHE_KEY(next(_SESSION_UIDS)):
+            yield session
     finally:
         _thread.STATE.sessions.pop()
 

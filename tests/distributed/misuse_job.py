@@ -1,0 +1,48 @@
+"""One process of a misused 2-process job (run by ``launch``; see test_misuse.py).
+
+``python misuse_job.py MODE OUT_DIR``, every MODE runs the two-submesh MLP of ``mp_models``
+(stage 1 on process 0's devices, stage 2 on process 1's):
+
+* ``extra_step``: process 1 runs a third step after process 0 stopped after two;
+* ``host_values_one``: only process 0 reads the loss (held by process 1) with ``host_values``;
+* ``save_one``: only process 0 saves a checkpoint;
+* ``seeds``: each process draws the global batch with its own seed.
+"""
+
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from multimesh_flax.distributed import initialize
+
+    initialize(heartbeat_timeout=5)
+    import jax
+    import mp_models
+    import numpy as np
+
+    import multimesh_flax as mm
+    from multimesh_flax.distributed import host_values
+
+    mode, out_dir = sys.argv[1], sys.argv[2]
+    rank = jax.process_index()
+    step, init = mp_models.make_step(4)
+    x = mp_models.batch()
+    if mode == "seeds":
+        x = np.random.default_rng(rank).normal(size=x.shape).astype(x.dtype)
+    sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
+    params = init_params()
+    steps = 3 if mode == "extra_step" and rank == 1 else 2
+    for _ in range(steps):
+        loss, params = sharded_step(params, x)
+        jax.block_until_ready(params)
+    print(f"stepped at {time.time():.3f}", flush=True)
+    if rank == 0 and mode == "host_values_one":
+        host_values({"loss": loss})
+    if rank == 0 and mode == "save_one":
+        from multimesh_flax.checkpoint import Checkpointer
+
+        with Checkpointer(os.path.join(out_dir, "ckpt")) as ckpt:
+            ckpt.save(1, {"p0": params[0], "p1": params[1]})
+    print("finished", flush=True)
