@@ -641,6 +641,16 @@ CATALOGUE: list[Mistake] = [
       lambda env: env.step(env.state.params, env.x),
       E.ParallelizeArgumentError, ("got a dict", "state.replace(params=...)"),
       "pass the state the step returned", after=lambda env: env.check_step()),
+    M("step-other-state", "parallelize_step", "`step_fn(state, batch)` with the state of "
+      "another model (the same tree, wider kernels)",
+      lambda env: env.step(_widened(env.state), env.x),
+      E.ParallelizeArgumentError, ("differs in 4 leaves", "float32[4, 5] where the step "
+                                   "expects float32[4, 4]", "another model"),
+      "pass the state the step returned", after=lambda env: env.check_step()),
+    M("step-batch-empty", "parallelize_step", "a batch of 0 examples (a data loader that ran "
+      "dry) for a step with `microbatches=2`", lambda env: env.step(env.state, env.x[:0]),
+      E.ParallelizeArgumentError, ("shape (0, 4)", "at least one example", "skip empty"),
+      "skip empty batches", after=lambda env: env.check_step()),
     M("step-batch-uneven", "parallelize_step", "a batch of 5 for `microbatches=2`",
       lambda env: env.step(env.state, env.x[:5]),
       E.UnevenMicrobatchError, ("`microbatches`=2", "batch of 5", "multiple of 2"),
@@ -905,6 +915,11 @@ CATALOGUE: list[Mistake] = [
       lambda env: _cli(env, "train", "--out", str(env.file)),
       CommandLineExit, ("notes.txt'", "existing file", "another `--out`"),
       "choose another `--out` path"),
+    M("cli-resume-foreign", "CLI", "`mmflax train --resume --out DIR` of a checkpoint that "
+      "`mmflax train` did not write (no run settings in its metadata)",
+      lambda env: _cli(env, "train", "--resume", "--out", str(_foreign_run(env))),
+      CommandLineExit, ("no `mmflax train` settings", "found keys ['lr']", "another `--out`"),
+      "start a new run in another `--out`"),
     M("slice-index-type", "meshes", "`MultiMesh.slice(stage=1.0)` (a float index)",
       lambda env: env.multi.slice(stage=1.0),
       E.MeshIndexError, ("integer index", "float: stage=1.0", "stage=1"), "pass an int"),
@@ -1027,6 +1042,20 @@ def _outside(env):
         "layer_([0-9])", callback=lambda name, backprop: mm.Task(mesh_slice={"stage": int(name)})
     )
     return mm.jit(_scoped_layer)(env.x)  # not inside `with multi:`
+
+
+def _foreign_run(env: Env) -> Path:
+    """A run folder (made once, beside ``env.root``) whose checkpoint has other metadata."""
+    folder = env.root.parent / "foreign-run"
+    if not folder.exists():
+        checkpoint.save_checkpoint(folder / "checkpoint", 1, env.saved, metadata={"lr": 0.1})
+    return folder
+
+
+def _widened(state):
+    """``state`` with every parameter one column wider: a state made for another model."""
+    wider = lambda x: jnp.zeros((*x.shape[:-1], x.shape[-1] + 1), x.dtype)
+    return state.replace(params=jax.tree.map(wider, state.params))
 
 
 def _step_twice(env):

@@ -15,7 +15,8 @@
   two submeshes, printing where every array lives.
 
 Bad arguments print ``mmflax: <message>`` to stderr and exit with status 2, never a
-traceback; a failed ``--check-reference`` or a non-finite loss exits with status 1.
+traceback; a failed ``--check-reference``, a non-finite loss or a checkpoint that cannot be
+written (a read-only folder, a full disk) exits with status 1.
 ``mmflax train`` stopped by SIGINT or SIGTERM finishes the step in flight, saves, says where
 and exits with 130 or 143 (128 + the signal); ``--resume`` continues it. The work lives in `_train`,
 `_sample`, `_export` and `_demo`; this module parses, sets up the devices and prints.
@@ -442,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                 "choose a command: demo, train, sample, export or launch (see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
-    except NonFiniteTrainingError as e:  # the run failed, the arguments were fine
+    except (NonFiniteTrainingError, errors.CheckpointSaveError) as e:  # the arguments were fine
         print(f"mmflax: {e}", file=sys.stderr)
         return 1
     except (_ArgumentError, errors.MultiMeshError) as e:

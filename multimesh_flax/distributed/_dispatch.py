@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src.api_util import InternalFloatingPointError  # jax_debug_nans; no public name
 from jax.sharding import NamedSharding
 
 from multimesh_flax.distributed import _exchange, _inputs, _sequence, _watchdog, _wire
@@ -123,7 +124,11 @@ class ProcessDispatch:
         for index, op in enumerate(self.exe.ops):
             if op.kind == _RUN:
                 if self.mine(op.place):
-                    results = op.fn(*[env[s] for s in op.ins])
+                    try:
+                        results = op.fn(*[env[s] for s in op.ins])
+                    except InternalFloatingPointError as error:  # names the fragment instead
+                        values = [env[s] for s in op.ins]
+                        raise self.exe.floating_point_error(op, values, error) from None
                     for s, r in zip(op.outs, results, strict=True):
                         env[s] = r
                     jax.block_until_ready(results)  # see "Waiting" in the module docstring

@@ -49,7 +49,9 @@ ENV_PROCESS_ID = "MMFLAX_PROCESS_ID"
 ENV_DEVICES = "MMFLAX_DEVICES_PER_PROCESS"
 TIMED_OUT = 124  # exit status of a process killed at the launch timeout (as `timeout(1)`)
 _KILL_WAIT = 5.0  # seconds to wait for a killed process to be reaped
-_TERM_WAIT = 2.0  # seconds between SIGTERM and SIGKILL when the launcher itself is stopped
+# Seconds between SIGTERM and SIGKILL when the launcher itself is stopped: long enough for
+# `mmflax train` to finish its step and save (it handles SIGTERM so), short enough for a job.
+_TERM_WAIT = 10.0
 _PR_SET_PDEATHSIG = 1  # prctl(2) option: the signal a child gets when its parent dies
 
 
@@ -370,7 +372,7 @@ def _start_and_watch(
             stdin=subprocess.DEVNULL,
             text=True,
             bufsize=1,
-            process_group=0,  # its own group: see the module docstring
+            start_new_session=True,  # its own process group: see the module docstring
         )
         procs.append(proc)
         pump = threading.Thread(

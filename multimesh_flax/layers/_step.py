@@ -391,7 +391,7 @@ class _Setup:
         self.nonfinite = nonfinite  # None: no check; else the step also returns a StepCheck
         self.state_constraints: Any = None
         self.state_owners: Any = None
-        self.state_tree: Any = None
+        self.state_shapes: Any = None  # the state's tree of ShapeDtypeStruct
         self.batch_constraints: Any = None
         self.state_program: Any = None  # the state initializer, traced (derive_constraints)
 
@@ -426,7 +426,7 @@ class _Setup:
 
         self.state_constraints = per_leaf(param_sh)
         self.state_owners = per_leaf(param_owners)
-        self.state_tree = jax.tree_util.tree_structure(state)
+        self.state_shapes = state  # abstract: ShapeDtypeStructs
         return state
 
     def pin_state(self, shardings: Any) -> bool:
@@ -444,19 +444,26 @@ class _Setup:
         return any(c is None for c in current)
 
     def check_state(self, state: Any) -> None:
-        """Raises unless ``state`` has the tree of the state ``parallelize_step`` made."""
-        got = jax.tree_util.tree_structure(state)
-        if self.state_tree is not None and got != self.state_tree:
+        """Raises unless ``state`` has the tree, shapes and dtypes of the state
+        ``parallelize_step`` made (runs while tracing only)."""
+        if self.state_shapes is None:
+            return
+        differences = _state_differences(self.state_shapes, state)
+        if differences:
+            shown = "; ".join(differences[:3])
+            more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
             raise errors.ParallelizeArgumentError(
                 f"Expected `state` to be the TrainState that `parallelize_step` returned (or "
-                f"the one the previous step returned), got a {type(state).__name__} with "
-                f"{got.num_leaves} leaves where the step expects {self.state_tree.num_leaves}. "
-                "Call `step_fn(state, batch)` with that state; to change parameters use "
-                f"`state.replace(params=...)` with the same tree.{_restore_hint(state)}"
+                f"the one the previous step returned), got a {type(state).__name__} that "
+                f"differs in {len(differences)} leaves: {shown}{more}. It was made for another "
+                "model or optimizer. Call `step_fn(state, batch)` with that state; to change "
+                "parameters use `state.replace(params=...)` with the same tree."
+                f"{_restore_hint(state)}"
             )
 
     def step(self, state: Any, batch: Any) -> tuple[Any, ...]:
         self.check_state(state)  # runs while tracing only: free on later calls
+        _check_not_empty(batch)
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
@@ -468,6 +475,42 @@ class _Setup:
             return loss, _placement.constrain(new_state, self.state_constraints)
         new_state, checked = _nonfinite.guard(loss, grads, new_state, state)
         return loss, _placement.constrain(new_state, self.state_constraints), checked
+
+
+def _check_not_empty(batch: Any) -> None:
+    """Refuses a batch with a leaf of no examples (its mean loss would be NaN)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
+        if np.ndim(leaf) and np.shape(leaf)[0] == 0:
+            raise errors.ParallelizeArgumentError(
+                f"Expected a batch of at least one example, but `batch{jax.tree_util.keystr(path)}`"
+                f" has shape {tuple(np.shape(leaf))}: no examples. A data loader that ran dry "
+                "or a last partial batch filtered to nothing gives this; skip empty batches."
+            )
+
+
+def _state_differences(expected: Any, state: Any) -> list[str]:
+    """How ``state`` differs from the tree of ``ShapeDtypeStruct`` ``expected``, leaf by leaf:
+    ``"`.params['w']` missing"``, ``"`.step` unexpected"``, ``"`.params['w']`: float32[4, 2]
+    where the step expects float32[4, 4]"``."""
+
+    def by_path(tree: Any) -> dict[str, Any]:
+        return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+    def spec(x: Any) -> tuple[tuple[int, ...], str]:
+        dtype = x.dtype if hasattr(x, "dtype") else jax.numpy.result_type(x)
+        return tuple(np.shape(x)), str(dtype)
+
+    want, got = by_path(expected), by_path(state)
+    out = [f"`{p}` missing" for p in want if p not in got]
+    out += [f"`{p}` unexpected" for p in got if p not in want]
+    for path in [p for p in want if p in got]:
+        (shape, dtype), (shape_wanted, dtype_wanted) = spec(got[path]), spec(want[path])
+        if (shape, dtype) != (shape_wanted, dtype_wanted):
+            out.append(f"`{path}`: {dtype}{list(shape)} where the step expects "
+                       f"{dtype_wanted}{list(shape_wanted)}")  # fmt: skip
+    if not out and jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(expected):
+        out.append(f"its tree type {type(state).__name__} (the same paths, other containers)")
+    return out
 
 
 def _restore_hint(state: Any) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from multimesh_flax import checkpoint, errors
+from multimesh_flax import errors
 from multimesh_flax.distributed import launch
 
 JOB = Path(__file__).with_name("misuse_job.py")
@@ -150,10 +150,6 @@ def test_host_values_in_one_process_names_the_rule(tmp_path):
     assert time.time() - _stepped(result.output(0)) < FOUND_BOUND_S  # was 120 s
 
 
-@pytest.mark.skipif(
-    "collective_call" not in Path(checkpoint.__file__).read_text(),
-    reason="Checkpointer.save does not enter distributed.collective_call yet",
-)
 def test_save_in_one_process_names_the_rule(tmp_path):
     result = _launch(tmp_path, "save_one")
     assert result.returncodes == [76, 76] and not result.timed_out

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.extend.core as jex
+import jax.core
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -149,8 +149,14 @@ class _FastPath:
     """A program without tasks: one ``jax.jit`` of the program as traced (not traced again)."""
 
     def __init__(self, traced: _trace.TracedProgram, donate: tuple[int, ...]) -> None:
-        run = jex.jaxpr_as_fun(jex.ClosedJaxpr(traced.jaxpr, traced.consts))
-        self.jitted = jax.jit(lambda *leaves: tuple(run(*leaves)), donate_argnums=donate)
+        # Not ``jaxpr_as_fun``, which turns ``jax_debug_nans`` off: under that flag, jit's own
+        # op-by-op re-run must see the NaN to name its primitive and source line.
+        jaxpr, consts = traced.jaxpr, traced.consts
+
+        def run(*leaves: Any) -> tuple[Any, ...]:
+            return tuple(jax.core.eval_jaxpr(jaxpr, consts, *leaves))
+
+        self.jitted = jax.jit(run, donate_argnums=donate)
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
         return list(self.jitted(*leaves))

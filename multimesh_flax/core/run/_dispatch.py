@@ -33,11 +33,13 @@ from multimesh_flax.core.fragment._inputs import (
     input_sharding,
 )
 from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.run import _debug_nans
 from multimesh_flax.core.run._compile import compile_fragment
 from multimesh_flax.distributed import _dispatch as _processes
 
 RUN, PUT = 0, 1
 _PHASE_NAMES = {Phase.F: "fwd", Phase.B: "bwd"}  # in fragment names: ``block.fwd[0]#3``
+_PHASE_WORDS = {Phase.F: "forward", Phase.B: "backward", Phase.W: "backward, weight gradients"}
 
 
 class _OpUnit(NamedTuple):
@@ -446,7 +448,10 @@ class MpmdExecutable:
             start = time.perf_counter() if timeline is not None else 0.0
             values = [env[s] for s in op.ins]
             if op.kind == RUN:
-                results = op.fn(*values)
+                try:
+                    results = op.fn(*values)
+                except _debug_nans.InternalFloatingPointError as error:  # jax_debug_nans/_infs
+                    raise self.floating_point_error(op, values, error) from None
             else:
                 if op.shardings is None:
                     op.shardings = self._put_targets(op, values)
@@ -459,6 +464,33 @@ class MpmdExecutable:
                 jax.block_until_ready(results)
                 timeline.events.append(_event(op, index, call, start))
         return [env[s] for s in self.output_slots]
+
+    def floating_point_error(
+        self, op: _Op, values: Sequence[Any], error: Exception
+    ) -> FloatingPointError:
+        """What to raise when RUN op ``op``, called on ``values``, returned a NaN or inf that
+        ``jax_debug_nans`` or ``jax_debug_infs`` caught (``error``, JAX's internal error): a
+        ``FloatingPointError`` naming the fragment, its tasks, phases and devices, and the
+        operation and source line that produced the value (see ``_debug_nans``)."""
+        frag = next(f for f in self.fragments if self._fragment_name(f) == op.name)
+        where = f"fragment `{op.name}` ({self._fragment_tasks(frag)}) on devices {list(op.place)}"
+        return _debug_nans.floating_point_error(where, frag, values, getattr(error, "ty", "nan"))
+
+    def _fragment_tasks(self, frag: _partition.Fragment) -> str:
+        """``task `head`, backward`` for each part of a fragment (``glue``: none)."""
+        words = []
+        for part in frag.parts or (frag,):
+            if part.label is None:
+                words.append("glue outside every task")
+                continue
+            unit = part.unit
+            phase = unit.phase if unit is not None else part.label.phase
+            phase_words = _PHASE_WORDS[phase]
+            if unit is not None and phase is Phase.B and self._split(unit.region):
+                phase_words = "backward, activation gradients"
+            task = self.partition.traced.tasks[part.label.task].name
+            words.append(f"task `{task}`, {phase_words}")
+        return "; ".join(dict.fromkeys(words))
 
     # --- inspection ---
 
