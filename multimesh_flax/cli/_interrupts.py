@@ -7,6 +7,10 @@ ends. A second signal restores Python's default behaviour for both and re-raises
 (``KeyboardInterrupt`` for SIGINT, termination for SIGTERM): a user who presses Ctrl-C twice
 still gets out at once. On exit the previous handlers come back.
 
+In a multi-process job every process must leave the training loop after the same step (the
+next step is a collective), but a signal may reach them between different steps: `agreed`
+says whether *any* process saw it (one small collective).
+
 `exit_status` gives the conventional status of a process ended by a signal (128 + its
 number: 130 for SIGINT, 143 for SIGTERM).
 
@@ -29,6 +33,9 @@ import signal
 import threading
 from types import FrameType
 from typing import Any
+
+import jax
+import numpy as np
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -74,3 +81,22 @@ class StopRequests:
 
     def __exit__(self, *exc_info: object) -> None:
         self._restore()
+
+
+def agreed(flag: bool) -> bool:
+    """``flag`` in one process; in a multi-process job, whether any process raised it.
+
+    Every process must leave the loop after the same step (the next step is a collective),
+    but a signal may reach the processes between different steps.
+    """
+    return bool(agreed_each(np.asarray([flag]))[0])
+
+
+def agreed_each(flags: np.ndarray) -> np.ndarray:
+    """Element-wise "any process" of the boolean vector ``flags`` (one collective)."""
+    if jax.process_count() == 1:
+        return flags
+    from jax.experimental import multihost_utils
+
+    gathered = multihost_utils.process_allgather(flags.astype(np.int32))
+    return np.asarray(gathered).reshape(-1, flags.size).any(axis=0)

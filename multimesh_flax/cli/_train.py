@@ -51,7 +51,8 @@ from multimesh_flax import errors
 from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _recipe, _run_files, _sample
-from multimesh_flax.cli._interrupts import StopRequests
+from multimesh_flax.cli._interrupts import StopRequests, agreed
+from multimesh_flax.cli._nonfinite import Skipped, SkipWatch
 from multimesh_flax.cli._run_lock import RunLock
 from multimesh_flax.cli._run_options import (
     LAYOUT_KEYS,
@@ -60,7 +61,7 @@ from multimesh_flax.cli._run_options import (
     check_options,
     fresh_run_dir,
 )
-from multimesh_flax.cli._saving import SaveEvery
+from multimesh_flax.cli._saving import SaveEvery, Saver
 from multimesh_flax.cli.errors import NonFiniteTrainingError
 from multimesh_flax.distributed import host_values
 
@@ -111,76 +112,12 @@ class _Steps:
     last_batch: Any = None
     stopped_by: str | None = None  # the signal that ended the loop early, e.g. "SIGTERM"
     nonfinite: str | None = None  # what was NaN or infinite, where, if that ended the loop
-    skipping: bool = False  # --on-nonfinite skip: steps with non-finite values are skipped
-    skipped: list[int] = dataclasses.field(default_factory=list)  # the steps skipped
+    skipped: list[int] = dataclasses.field(default_factory=list)  # steps not applied
 
     @property
     def count(self) -> int:
         """Steps run."""
         return len(self.history["step"])
-
-
-class _Saver:
-    """Saves the training state into the run's checkpoint when due, and at the end.
-
-    ``maybe_save`` saves after a step when ``every`` says so (steps or seconds of training
-    since the last save); ``save`` saves unconditionally. Saves are asynchronous: the arrays
-    are copied to host before ``save`` returns, so the next step may donate them.
-    """
-
-    def __init__(
-        self, ckpt: Checkpointer, every: SaveEvery, metadata_at: Callable[[int], dict]
-    ) -> None:
-        self.ckpt = ckpt
-        self.every = every
-        self.metadata_at = metadata_at
-        self.last_step: int | None = ckpt.latest_step()
-        self._since_step = self.last_step or 0
-        self._since_time = time.perf_counter()
-
-    @property
-    def directory(self) -> str:
-        return str(self.ckpt.directory)
-
-    def due(self, step: int) -> bool:
-        """Whether a save is due after ``step``."""
-        elapsed = time.perf_counter() - self._since_time
-        return self.every.due(steps=step - self._since_step, seconds=elapsed)
-
-    def save(self, step: int, state: Any) -> str | None:
-        """Saves ``state`` as ``step`` unless a leaf is NaN or infinite; then says which."""
-        if step == self.last_step:
-            return None
-        bad = _nonfinite_leaves(state)
-        if bad:
-            shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-            return f"At step {step}, {len(bad)} leaves of the state are NaN or infinite ({shown})"
-        self.ckpt.save(step, state, self.metadata_at(step))
-        self.last_step, self._since_step = step, step
-        self._since_time = time.perf_counter()
-        return None
-
-    def kept(self) -> str:
-        """Which checkpoint the run keeps, in words."""
-        if self.last_step is None:
-            return f"no checkpoint was saved in '{self.directory}'"
-        return f"the last one saved, step {self.last_step}, stays in '{self.directory}'"
-
-
-def _nonfinite_leaves(state: Any) -> list[str]:
-    """Paths of the floating-point leaves of ``state`` holding a NaN or an infinity.
-
-    Reads each array's shards on this process's devices (the save copies them to host
-    anyway); in a multi-process job the processes agree on the answer.
-    """
-    paths, flags = [], []
-    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
-        if isinstance(leaf, jax.Array) and jax.numpy.issubdtype(leaf.dtype, np.inexact):
-            shards = (np.asarray(shard.data) for shard in leaf.addressable_shards)
-            paths.append(jax.tree_util.keystr(path))
-            flags.append(not all(np.isfinite(values).all() for values in shards))
-    flags = _agreed_each(np.asarray(flags, dtype=bool))
-    return [path for path, bad in zip(paths, flags, strict=True) if bad]
 
 
 def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
@@ -201,7 +138,7 @@ def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
             rng=rng,
             microbatches=options.microbatches,
             schedule=options.schedule,
-            nonfinite="raise" if options.on_nonfinite == "stop" else "skip",
+            nonfinite="skip",  # never a non-finite state; _nonfinite.SkipWatch reports it
         )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
@@ -218,38 +155,31 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
 
 
 def _run_steps(
-    step_fn: Any, state: Any, options: TrainOptions, start: int, saver: _Saver, stop: Any
+    step_fn: Any, state: Any, options: TrainOptions, start: int, saver: Saver, stop: Any
 ) -> _Steps:
     """Trains up to ``options.steps`` steps from global step ``start``, blocking on each.
 
-    Every loss is read back as it is produced (the loop blocks on each step anyway), so the
-    first non-finite one stops the run at its own step (`_check_finite`). Between steps the
-    loop saves when ``saver`` says a save is due, and ends early once ``stop`` (a
-    `StopRequests`) has caught SIGINT or SIGTERM.
+    Every loss is read back as it is produced (the loop blocks on each step anyway). A step
+    whose loss or gradient norm is not finite is not applied (the step is built with
+    ``nonfinite="skip"``); `SkipWatch` finds it, and ``--on-nonfinite stop`` ends the loop
+    there. Between steps the loop saves when ``saver`` says a save is due, and ends early
+    once ``stop`` (a `StopRequests`) has caught SIGINT or SIGTERM.
     """
     tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
     stream = _recipe.batch_stream(tokens, options.batch_size, options.seq_len, options.seed, start)
-    out = _Steps(state, _run_files.empty_history(), skipping=options.on_nonfinite == "skip")
+    out = _Steps(state, _run_files.empty_history())
+    watch = SkipWatch(step_fn)
     record_at = min(2, options.steps - 1)  # one step after warm-up
     per_step = options.batch_size * options.seq_len
     with tqdm(total=options.steps, desc="train", unit="step", disable=not options.progress) as bar:
         for i, batch in zip(range(options.steps), stream, strict=False):
-            if _agreed(stop.signal is not None):
+            if agreed(stop.signal is not None):
                 out.stopped_by = stop.signal_name
                 break
-            try:
-                loss = _one_step(step_fn, out, batch, start + i + 1, i == record_at)
-            except errors.NonFiniteError as e:  # --on-nonfinite stop: nothing was applied
-                out.state = e.state
-                out.nonfinite = f"Step {start + i + 1} has a non-finite {_what(e)}"
+            loss = _one_step(step_fn, out, batch, start + i + 1, i == record_at)
+            out.history["loss"].append(float(host_values(loss)))  # every process
+            if _skipped(out, watch.after(start + i + 1, out.history["loss"][-1]), options, bar):
                 break
-            out.nonfinite = _read_loss(out, loss, start + i + 1)
-            if out.nonfinite is not None:
-                break
-            if not _applied(step_fn):  # --on-nonfinite skip
-                out.skipped.append(start + i + 1)
-                skipped = f"step {start + i + 1}: non-finite loss or gradient norm, skipped"
-                bar.write(skipped, file=sys.stderr)
             if options.check_reference:
                 out.batches.append(batch)
             if (i + 1) % options.log_every == 0 or i + 1 == options.steps:
@@ -259,9 +189,23 @@ def _run_steps(
                 out.nonfinite = saver.save(start + i + 1, out.state)
                 if out.nonfinite is not None:
                     break
+        if out.nonfinite is None:
+            _skipped(out, watch.finish(), options, bar)
     if out.count:
         out.compile_s = out.history["step_time_s"][0]
     return out
+
+
+def _skipped(out: _Steps, found: Skipped | None, options: TrainOptions, bar: Any) -> bool:
+    """Records a step whose update was not applied; whether the loop must stop for it."""
+    if found is None:
+        return False
+    out.skipped.append(found.step)
+    if options.on_nonfinite == "stop":
+        out.nonfinite = found.message
+        return True
+    bar.write(f"{found.message} (--on-nonfinite skip)", file=sys.stderr)
+    return False
 
 
 def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) -> jax.Array:
@@ -279,50 +223,6 @@ def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) ->
     out.history["step_time_s"].append(elapsed)
     out.history["tokens_per_s"].append(batch["inputs"].size / elapsed)
     return loss
-
-
-def _read_loss(out: _Steps, loss: jax.Array, step: int) -> str | None:
-    """Records ``loss``; says what went wrong if it is NaN or infinite, else ``None``.
-
-    The step checks its loss and gradient norm itself (``nonfinite``); this is the same
-    check on what the host reads, for a step built without it.
-    """
-    value = float(host_values(loss))  # every process
-    out.history["loss"].append(value)
-    if math.isfinite(value) or out.skipping:
-        return None
-    return f"The loss of step {step} is {value}"
-
-
-def _what(error: errors.NonFiniteError) -> str:
-    """``"loss (nan) and gradient norm (nan)"``: the non-finite values of a step."""
-    values = {"loss": error.loss, "gradient norm": error.grad_norm}
-    return " and ".join(f"{k} ({v})" for k, v in values.items() if not math.isfinite(v))
-
-
-def _applied(step_fn: Any) -> bool:
-    """Whether the last step's update was applied (a step without the check: always)."""
-    check = getattr(step_fn, "last_check", None)
-    return check is None or bool(host_values(check.applied))
-
-
-def _agreed(flag: bool) -> bool:
-    """``flag`` in one process; in a multi-process job, whether any process raised it.
-
-    Every process must leave the loop after the same step (the next step is a collective),
-    but a signal may reach the processes between different steps.
-    """
-    return bool(_agreed_each(np.asarray([flag]))[0])
-
-
-def _agreed_each(flags: np.ndarray) -> np.ndarray:
-    """Element-wise "any process" of the boolean vector ``flags`` (one collective)."""
-    if jax.process_count() == 1:
-        return flags
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(flags.astype(np.int32))
-    return np.asarray(gathered).reshape(-1, flags.size).any(axis=0)
 
 
 def _show(bar: Any, history: dict[str, list[float]], window: int, tokens: int) -> None:
@@ -501,7 +401,7 @@ def _train_in(
         if jax.process_index() == 0:
             _run_files.write_settings(run_dir, _metadata(options, config, start, target))
         every = SaveEvery.parse(options.save_every)
-        saver = _Saver(ckpt, every, lambda step: _metadata(options, config, step, target))
+        saver = Saver(ckpt, every, lambda step: _metadata(options, config, step, target))
         host_start = host_values(state) if options.check_reference else None
         before = _samples(config, state.params, options)
         steps = _run_steps(step_fn, state, options, start, saver, stop)
@@ -522,8 +422,10 @@ def _train_in(
         _run_files.write_metrics(run_dir, metrics)
     if steps.nonfinite is not None:
         raise NonFiniteTrainingError(
-            f"{steps.nonfinite}: training stopped and nothing non-finite was saved "
-            f"({saver.kept()}). Lower `--lr` or raise `--warmup` in a new run, or check the data."
+            f"{steps.nonfinite}. Training stopped after step {start + steps.count}; "
+            f"{saver.kept()} (a state holding a NaN or an infinity is never saved). Lower "
+            "`--lr` or raise `--warmup` in a new run, check the data, or pass "
+            "`--on-nonfinite skip` to skip such steps."
         )
     return TrainResult(
         run_dir=run_dir,
