@@ -9,7 +9,7 @@ still gets out at once. On exit the previous handlers come back.
 
 In a multi-process job every process must leave the training loop after the same step (the
 next step is a collective), but a signal may reach them between different steps: `agreed`
-says whether *any* process saw it (one small collective).
+says whether *any* process saw it (through the coordinator's key-value store).
 
 `exit_status` gives the conventional status of a process ended by a signal (128 + its
 number: 130 for SIGINT, 143 for SIGTERM).
@@ -34,8 +34,9 @@ import threading
 from types import FrameType
 from typing import Any
 
-import jax
 import numpy as np
+
+from multimesh_flax.distributed import any_process
 
 HANDLED = (signal.SIGINT, signal.SIGTERM)
 
@@ -93,10 +94,5 @@ def agreed(flag: bool) -> bool:
 
 
 def agreed_each(flags: np.ndarray) -> np.ndarray:
-    """Element-wise "any process" of the boolean vector ``flags`` (one collective)."""
-    if jax.process_count() == 1:
-        return flags
-    from jax.experimental import multihost_utils
-
-    gathered = multihost_utils.process_allgather(flags.astype(np.int32))
-    return np.asarray(gathered).reshape(-1, flags.size).any(axis=0)
+    """Element-wise "any process" of the boolean vector ``flags`` (`distributed.any_process`)."""
+    return np.asarray(any_process(flags.tolist()), dtype=bool)

@@ -215,6 +215,8 @@ def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) ->
     with recording as timeline:
         loss, out.state = step_fn(out.state, batch)
         loss.block_until_ready()  # queued multi-device calls can deadlock on CPU
+        if jax.process_count() > 1:  # ... and so can host collectives behind a step's tail
+            jax.block_until_ready(out.state)
     elapsed = time.perf_counter() - began
     if record:
         out.timeline, out.recorded_step = timeline, step
