@@ -12,7 +12,7 @@ non-finite *loss* is seen at once (the loop reads every loss), a non-finite grad
 with a finite loss after the next step. ``--on-nonfinite stop`` then ends the run after the
 current step, whose state is finite; ``skip`` records the step and goes on.
 
-A multi-process job builds its step without the check (see `_train._build`): there only a
+A multi-process job builds its step without the check (see `_train._in_step_check`): there only a
 non-finite loss is seen, its update is already applied, and the run stops whatever
 ``--on-nonfinite`` says; the last finite checkpoint stays.
 """
