@@ -3,7 +3,10 @@
 `Attention` serves both model families: GPT uses it with biases and no rotary embedding,
 Llama without biases and with `apply_rotary` on queries and keys. When ``num_kv_heads <
 num_heads`` each key/value head is shared by a group of ``num_heads // num_kv_heads`` query
-heads (grouped-query attention).
+heads (grouped-query attention). The config's Llama variants switch on more: biases on the
+query/key/value projections only (``qkv_bias``, Qwen2), an RMSNorm over each query and key
+head before the rotation (``qk_norm``, Qwen3: parameters ``query_norm`` and ``key_norm``),
+and Llama 3.1's rescaled rotary frequencies (``rope_scaling``, `rope_frequencies`).
 
 KV cache. Called with ``decode=True``, the module keeps its keys and values in Flax's
 ``"cache"`` collection: ``cached_key`` and ``cached_value`` of shape ``(batch, cache_len,
@@ -31,28 +34,74 @@ from ._layers import (
     KV_HEADS,
     LENGTH,
     constrain,
+    head_rms_norm,
     partitioned,
 )
-from .configs import ModelConfig
+from .configs import ModelConfig, RopeScaling
 
 
-def apply_rotary(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+    """The ``head_dim // 2`` rotary frequencies ``theta ** (-2i / head_dim)``, float32.
+
+    With `scaling`, each frequency is rescaled as Llama 3.1 does (see `RopeScaling`): kept
+    for short wavelengths, divided by ``scaling.factor`` for long ones, blended in between.
+
+    Args:
+        head_dim: Width of one head (even).
+        theta: Base of the frequencies.
+        scaling: Llama 3.1's rope scaling, or ``None``.
+
+    Returns:
+        A float32 array of shape ``(head_dim // 2,)``.
+
+    Example:
+        >>> from models._attention import rope_frequencies
+        >>> from models.configs import RopeScaling
+        >>> rope_frequencies(4, 100.0).tolist()
+        [1.0, 0.10000000149011612]
+        >>> scaling = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=2.0,
+        ...                       original_max_len=8)
+        >>> # Wavelength 2 pi lies between 8 / 2 and 8 / 1: blended with s = 8 / (2 pi) - 1,
+        >>> # (1 - s) / 4 + s = 0.4549; wavelength 20 pi is past 8: divided by 4.
+        >>> [round(f, 4) for f in rope_frequencies(4, 100.0, scaling).tolist()]
+        [0.4549, 0.025]
+    """
+    half = head_dim // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    if scaling is None:
+        return freqs
+    return _llama3_scaled(freqs, scaling)
+
+
+def _llama3_scaled(freqs: jax.Array, scaling: RopeScaling) -> jax.Array:
+    context, low, high = scaling.original_max_len, scaling.low_freq_factor, scaling.high_freq_factor
+    wavelength = 2 * jnp.pi / freqs
+    smooth = (context / wavelength - low) / (high - low)
+    blended = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    scaled = jnp.where(wavelength > context / low, freqs / scaling.factor, blended)
+    return jnp.where(wavelength < context / high, freqs, scaled)
+
+
+def apply_rotary(
+    x: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling | None = None
+) -> jax.Array:
     """Rotates feature pairs of `x` by angles proportional to `positions` (RoPE).
 
     Feature ``i`` in the first half of the last axis is paired with feature ``i + D/2`` and
-    the pair is rotated by ``position * theta ** (-2i / D)``, so the dot product of a rotated
-    query and key depends only on their relative position.
+    the pair is rotated by ``position * theta ** (-2i / D)`` (those frequencies rescaled by
+    `scaling`, see `rope_frequencies`), so the dot product of a rotated query and key depends
+    only on their relative position.
 
     Args:
         x: Queries or keys, shape ``(batch, length, heads, head_dim)`` with even ``head_dim``.
         positions: Integer positions, shape ``(batch, length)``.
         theta: Base of the rotation frequencies.
+        scaling: Llama 3.1's rope scaling, or ``None``.
 
     Returns:
         An array like `x`.
     """
-    half = x.shape[-1] // 2
-    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = rope_frequencies(x.shape[-1], theta, scaling)
     angles = positions[..., None, None].astype(jnp.float32) * freqs  # (B, T, 1, half)
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -113,10 +162,13 @@ class Attention(nn.Module):
 
     Parameters: ``query`` (kernel ``(embed, heads, head_dim)``), ``key`` and ``value``
     (``(embed, kv_heads, head_dim)``), ``out`` (``(heads, head_dim, embed)``), each with a
-    bias of its output axes when `use_bias`.
+    bias of its output axes when `use_bias` (``query``, ``key`` and ``value`` also when
+    ``config.qkv_bias``); with ``config.qk_norm`` also ``query_norm`` and ``key_norm``
+    (RMSNorm scales of shape ``(head_dim,)``).
 
     Attributes:
-        config: Model hyperparameters (heads, widths, dtypes, dropout, rotary base).
+        config: Model hyperparameters (heads, widths, dtypes, dropout, rotary base and
+            scaling, ``qkv_bias``, ``qk_norm``).
         use_bias: Whether the four projections have biases (GPT) or not (Llama).
         use_rope: Whether to rotate queries and keys by position (Llama).
         out_std: Init scale of the ``out`` projection.
@@ -142,9 +194,12 @@ class Attention(nn.Module):
         q = self._project(x, cfg.num_heads, HEADS, "query")
         k = self._project(x, cfg.num_kv_heads, KV_HEADS, "key")
         v = self._project(x, cfg.num_kv_heads, KV_HEADS, "value")
+        if cfg.qk_norm:
+            q = head_rms_norm(cfg, name="query_norm")(q)
+            k = head_rms_norm(cfg, name="key_norm")(k)
         if self.use_rope:
-            q = apply_rotary(q, positions, cfg.rope_theta)
-            k = apply_rotary(k, positions, cfg.rope_theta)
+            q = apply_rotary(q, positions, cfg.rope_theta, cfg.rope_scaling)
+            k = apply_rotary(k, positions, cfg.rope_theta, cfg.rope_scaling)
         q_start = 0
         if decode:
             k, v, q_start = self._update_cache(k, v)
@@ -158,9 +213,8 @@ class Attention(nn.Module):
         assert cfg.head_dim is not None
         shape = (cfg.embed_dim, num_heads, cfg.head_dim)
         names = (EMBED, heads_axis, HEAD_DIM)
-        y = _Projection(cfg, shape, names, "bte,ehd->bthd", 2, self.use_bias, INIT_STD, name=name)(
-            x
-        )
+        bias = self.use_bias or cfg.qkv_bias
+        y = _Projection(cfg, shape, names, "bte,ehd->bthd", 2, bias, INIT_STD, name=name)(x)
         return constrain(y, (BATCH, LENGTH, heads_axis, HEAD_DIM))
 
     def _output(self, out: jax.Array) -> jax.Array:

@@ -114,6 +114,17 @@ def rms_norm(config: ModelConfig, **kwargs) -> nn.RMSNorm:
     )
 
 
+def head_rms_norm(config: ModelConfig, **kwargs) -> nn.RMSNorm:
+    """An RMSNorm over the last axis of ``(..., head_dim)`` queries or keys, scale named."""
+    return nn.RMSNorm(
+        epsilon=config.norm_eps,
+        dtype=config.dtype,
+        param_dtype=config.param_dtype,
+        scale_init=partitioned(nn.initializers.ones_init(), (HEAD_DIM,)),
+        **kwargs,
+    )
+
+
 def default_positions(shape: Sequence[int], positions: jax.typing.ArrayLike | None) -> jax.Array:
     """Positions of a ``(batch, length, ...)`` input: `positions`, else ``0 .. length-1``."""
     batch, length = shape[0], shape[1]
@@ -146,8 +157,14 @@ def check_length(
     ...)`` input (positions ``0 .. length-1``); with concrete `positions`, their largest
     value. Traced positions (a KV-cache decoding step inside ``jit``) are not checked here:
     `models.generate` checks prompt plus new tokens against ``max_len`` before decoding.
+
+    With a ``config.sliding_window``, a static length above the window is refused too (the
+    models attend to every earlier position, which equals the windowed attention only up to
+    the window's length). A KV cache is created by a call with its full length, so a cache
+    longer than the window is refused when it is made.
     """
     length = shape[1]
+    _check_window(config, length)
     if positions is None:
         last, got = length - 1, f"a sequence of {length} tokens (positions 0..{length - 1})"
     else:
@@ -161,6 +178,20 @@ def check_length(
         f"positions must stay below {config.max_len}. Use sequences of at most "
         f"{config.max_len} tokens (a shorter `seq_len`), or a config with a larger "
         f"`max_len` (e.g. `get_config(name, max_len={_at_least(last + 1)})`)."
+    )
+
+
+def _check_window(config: ModelConfig, length: int) -> None:
+    window = config.sliding_window
+    if window is None or length <= window:
+        return
+    family = config.family.value
+    raise errors.SequenceLengthError(
+        f"The {family} model got a sequence of {length} tokens, but its config's "
+        f"`sliding_window` is {window}: each token may attend only to the {window} latest "
+        "positions, and the reference attention, which sees every earlier position, computes "
+        f"the same only for sequences of at most {window} tokens. Use sequences of at most "
+        f"{window} tokens (a shorter `seq_len`, or a shorter prompt plus new tokens)."
     )
 
 

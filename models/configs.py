@@ -15,6 +15,12 @@ Presets:
 * ``llama-1b``: the shape of Llama 3.2 1B (16 layers, width 2048, 32 query heads sharing 8
   key/value heads, SwiGLU width 8192, rotary base 500000) with Llama 2's 32000-id vocabulary
   and an untied output head: about 1.1B parameters. Meant for GPUs; computes in bfloat16.
+
+The Llama family also covers the variants that `models.hf` reads from Hugging Face
+checkpoints, each switched on by a field that is off in every preset: Llama 3.1's rope
+scaling (`rope_scaling`, a `RopeScaling`), Qwen2's biases on the query/key/value projections
+(`qkv_bias`), Qwen3's per-head RMSNorm of queries and keys (`qk_norm`) and Mistral's
+attention window (`sliding_window`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 
 from multimesh_flax import errors
 
-__all__ = ["PRESETS", "Family", "ModelConfig", "get_config"]
+__all__ = ["PRESETS", "Family", "ModelConfig", "RopeScaling", "get_config"]
 
 
 class Family(enum.Enum):
@@ -37,6 +43,62 @@ class Family(enum.Enum):
 
     GPT = "gpt"
     LLAMA = "llama"
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rope scaling: stretches the long rotary wavelengths for a longer context.
+
+    Each rotary frequency ``f`` (wavelength ``w = 2 pi / f``) is rescaled against the context
+    length the model was first pretrained with, ``L = original_max_len``: a frequency whose
+    wavelength is shorter than ``L / high_freq_factor`` is kept, one longer than
+    ``L / low_freq_factor`` is divided by `factor`, and the ones in between are blended,
+    ``(1 - s) * f / factor + s * f`` with ``s = (L / w - low_freq_factor) /
+    (high_freq_factor - low_freq_factor)``. This is ``rope_type: "llama3"`` in a Hugging
+    Face ``config.json``.
+
+    Attributes:
+        factor: How much the longest wavelengths are stretched (8 in Llama 3.1), at least 1.
+        low_freq_factor: ``L / low_freq_factor`` is the wavelength above which frequencies
+            are divided by `factor`.
+        high_freq_factor: ``L / high_freq_factor`` is the wavelength below which frequencies
+            are kept; larger than `low_freq_factor`.
+        original_max_len: ``L``, the pretraining context (``original_max_position_embeddings``).
+
+    Example:
+        >>> from models import get_config
+        >>> from models.configs import RopeScaling
+        >>> scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        ...                       original_max_len=8192)
+        >>> get_config("llama-tiny", rope_scaling=scaling).rope_scaling.factor
+        8.0
+    """
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    def __post_init__(self):
+        if not isinstance(self.factor, (int, float)) or not self.factor >= 1.0:
+            raise errors.ModelConfigError(
+                f"`RopeScaling.factor` must be a number >= 1, got {self.factor!r}."
+            )
+        low, high = self.low_freq_factor, self.high_freq_factor
+        if not isinstance(low, (int, float)) or not isinstance(high, (int, float)):
+            raise errors.ModelConfigError(
+                f"`low_freq_factor` and `high_freq_factor` must be numbers, got {low!r} and "
+                f"{high!r}."
+            )
+        if not 0 < low < high:
+            raise errors.ModelConfigError(
+                f"Expected 0 < `low_freq_factor` < `high_freq_factor`, got {low!r} and {high!r} "
+                "(Llama 3.1 uses 1 and 4)."
+            )
+        if not isinstance(self.original_max_len, int) or self.original_max_len <= 0:
+            raise errors.ModelConfigError(
+                f"`original_max_len` must be a positive int, got {self.original_max_len!r}."
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +121,16 @@ class ModelConfig:
             active only when a model is called with ``deterministic=False``.
         norm_eps: Epsilon of LayerNorm (GPT) or RMSNorm (Llama).
         rope_theta: Base of the rotary position frequencies (Llama only).
+        rope_scaling: Llama 3.1's rescaling of those frequencies (a `RopeScaling`, or a
+            mapping of its fields); ``None``: none (Llama only).
+        qkv_bias: Whether the query, key and value projections have biases (Qwen2); the
+            output projection never has one (Llama only).
+        qk_norm: Whether queries and keys pass through an RMSNorm over ``head_dim``, one
+            scale shared by all heads, before the rotary embedding (Qwen3; Llama only).
+        sliding_window: Mistral's attention window: each token attends to at most this many
+            latest positions. The models attend to every earlier position, which is the
+            same computation for sequences no longer than the window, so a longer sequence
+            raises `SequenceLengthError`. ``None``: no window (Llama only).
         dtype: Dtype of the computation (activations).
         param_dtype: Dtype in which parameters are stored.
 
@@ -86,12 +158,18 @@ class ModelConfig:
     dropout_rate: float = 0.0
     norm_eps: float = 1e-5
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
 
     def __post_init__(self):
         if not isinstance(self.family, Family):
             object.__setattr__(self, "family", _to_family(self.family))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", _to_rope_scaling(self.rope_scaling))
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim is None:
@@ -105,6 +183,16 @@ def _to_family(value: Any) -> Family:
     except ValueError:
         valid = [f.value for f in Family]
         raise errors.ModelConfigError(f"`family` must be one of {valid}, got {value!r}.") from None
+
+
+def _to_rope_scaling(value: Mapping[str, Any]) -> RopeScaling:
+    fields = [f.name for f in dataclasses.fields(RopeScaling)]
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise errors.ModelConfigError(
+            f"Unknown `rope_scaling` field {unknown[0]!r}; valid fields: {', '.join(fields)}."
+        )
+    return RopeScaling(**value)
 
 
 def _default_head_dim(config: ModelConfig) -> int:
@@ -137,6 +225,32 @@ def _check_config(config: ModelConfig) -> None:
         raise errors.ModelConfigError(
             f"`dropout_rate` must be in [0, 1), got {config.dropout_rate!r}."
         )
+    _check_llama_features(config)
+
+
+def _check_llama_features(config: ModelConfig) -> None:
+    """The Llama-only fields: well-typed, and left at their defaults for GPT."""
+    if config.rope_scaling is not None and not isinstance(config.rope_scaling, RopeScaling):
+        raise errors.ModelConfigError(
+            f"`rope_scaling` must be a RopeScaling, a mapping of its fields or None, got "
+            f"{config.rope_scaling!r}."
+        )
+    window = config.sliding_window
+    if window is not None and (not isinstance(window, int) or window <= 0):
+        raise errors.ModelConfigError(
+            f"`sliding_window` must be a positive int or None, got {window!r}."
+        )
+    if config.family is Family.LLAMA:
+        return
+    defaults = {"rope_scaling": None, "qkv_bias": False, "qk_norm": False}
+    defaults["sliding_window"] = None
+    for field, default in defaults.items():
+        if getattr(config, field) != default:
+            raise errors.ModelConfigError(
+                f"`{field}`={getattr(config, field)!r} is a Llama-family feature; the GPT "
+                f"model does not implement it. Leave it at {default!r}, or use "
+                "`family=Family.LLAMA`."
+            )
 
 
 _PRESET_ARGS: dict[str, dict[str, Any]] = {

@@ -1,7 +1,11 @@
 """Llama style decoder: RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention.
 
-No layer has a bias and the output head ``lm_head`` has its own weights (untied). The model
-is a sequence of named stages, so a pipeline can cut it anywhere:
+No layer has a bias and the output head ``lm_head`` has its own weights (untied). The
+config's variant fields change the attention only (`models._attention.Attention`): Qwen2's
+query/key/value biases (``qkv_bias``), Qwen3's per-head query/key RMSNorm (``qk_norm``),
+Llama 3.1's rope scaling (``rope_scaling``) and Mistral's window (``sliding_window``, checked
+against the sequence length). The model is a sequence of named stages, so a pipeline can cut
+it anywhere:
 
 * `LlamaEmbed` -- the token table ``embed``; returns the residual stream.
 * `LlamaBlock` -- pre-norm block (``attn_norm``, ``attn``, ``mlp_norm``, ``mlp``). It needs

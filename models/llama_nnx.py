@@ -1,7 +1,8 @@
 """The Llama style decoder in Flax NNX, variable for variable the Linen `models.Llama`.
 
 Same architecture (RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention, untied
-``lm_head``, no biases) and the same variable paths as the Linen parameter tree:
+``lm_head``, no biases; with the config's variants: ``qkv_bias``, ``qk_norm``,
+``rope_scaling``, ``sliding_window``) and the same variable paths as the Linen parameter tree:
 ``stem/embed/embedding``, ``blocks_<i>/{attn_norm,attn,mlp_norm,mlp}/...`` (``attn/query``,
 ``key``, ``value``, ``out`` kernels of the same 3-D shapes, ``mlp/gate``, ``up``, ``down``) and
 ``head/{final_norm,lm_head}``. So :func:`load_linen_params` puts a Linen checkpoint into the
@@ -62,7 +63,8 @@ def _normal(std: float, names: tuple[str, ...]) -> Any:
 
 
 class _Projection(nnx.Module):
-    """``einsum(equation, x, kernel)`` with a 3-D ``kernel`` (Linen's ``_Projection``)."""
+    """``einsum(equation, x, kernel)`` with a 3-D ``kernel`` (Linen's ``_Projection``), plus
+    a ``bias`` over the two output axes when `use_bias` (the query/key/value projections)."""
 
     def __init__(
         self,
@@ -72,23 +74,33 @@ class _Projection(nnx.Module):
         equation: str,
         std: float,
         *,
+        use_bias: bool = False,
         rngs: nnx.Rngs,
     ) -> None:
         self.kernel = nnx.Param(_normal(std, names)(rngs.params(), shape, cfg.param_dtype))
+        zeros = nnx.with_partitioning(nnx.initializers.zeros_init(), names[1:])
+        bias = nnx.Param(zeros(rngs.params(), shape[1:], cfg.param_dtype)) if use_bias else None
+        self.bias = bias
         self.equation, self.dtype = equation, cfg.dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel.get_value().astype(self.dtype)
-        return jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+        y = jnp.einsum(self.equation, x.astype(self.dtype), kernel)
+        if self.bias is None:
+            return y
+        return y + self.bias.get_value().astype(self.dtype)
 
 
-def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+def _rms_norm(
+    cfg: ModelConfig, rngs: nnx.Rngs, width: int | None = None, name: str = EMBED
+) -> nnx.RMSNorm:
+    """RMSNorm over the residual stream, or over `width` features named `name`."""
     return nnx.RMSNorm(
-        cfg.embed_dim,
+        cfg.embed_dim if width is None else width,
         epsilon=cfg.norm_eps,
         dtype=cfg.dtype,
         param_dtype=cfg.param_dtype,
-        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (EMBED,)),
+        scale_init=nnx.with_partitioning(nnx.initializers.ones_init(), (name,)),
         rngs=rngs,
     )
 
@@ -108,33 +120,39 @@ def _linear(
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with rotary positions, no biases."""
+    """Causal grouped-query self-attention with rotary positions; biases on the query, key
+    and value projections only with ``qkv_bias``, a per-head RMSNorm of queries and keys
+    (``query_norm``, ``key_norm``) only with ``qk_norm``."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs) -> None:
         assert cfg.num_kv_heads is not None and cfg.head_dim is not None
         e, h, k, d = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        project = "bte,ehd->bthd"
+        project, bias = "bte,ehd->bthd", cfg.qkv_bias
         self.query = _Projection(
-            cfg, (e, h, d), (EMBED, HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+            cfg, (e, h, d), (EMBED, HEADS, HEAD_DIM), project, INIT_STD, use_bias=bias, rngs=rngs
         )
         self.key = _Projection(
-            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, use_bias=bias, rngs=rngs
         )
         self.value = _Projection(
-            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, rngs=rngs
+            cfg, (e, k, d), (EMBED, KV_HEADS, HEAD_DIM), project, INIT_STD, use_bias=bias, rngs=rngs
         )
         self.out = _Projection(
             cfg, (h, d, e), (HEADS, HEAD_DIM, EMBED), "bthd,hde->bte", residual_std(cfg), rngs=rngs
         )
+        self.query_norm = _rms_norm(cfg, rngs, d, HEAD_DIM) if cfg.qk_norm else None
+        self.key_norm = _rms_norm(cfg, rngs, d, HEAD_DIM) if cfg.qk_norm else None
         self.dropout = nnx.Dropout(cfg.dropout_rate, rngs=rngs)
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
 
     def __call__(self, x: jax.Array, positions: jax.Array, *, deterministic: bool) -> jax.Array:
         q = _constrain(self.query(x), (BATCH, LENGTH, HEADS, HEAD_DIM))
         k = _constrain(self.key(x), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
         v = _constrain(self.value(x), (BATCH, LENGTH, KV_HEADS, HEAD_DIM))
-        q = apply_rotary(q, positions, self.rope_theta)
-        k = apply_rotary(k, positions, self.rope_theta)
+        if self.query_norm is not None and self.key_norm is not None:
+            q, k = self.query_norm(q), self.key_norm(k)
+        q = apply_rotary(q, positions, self.rope_theta, self.rope_scaling)
+        k = apply_rotary(k, positions, self.rope_theta, self.rope_scaling)
         mask = causal_mask(q.shape[1], k.shape[1])
 
         def dropout(p: jax.Array) -> jax.Array:

@@ -123,3 +123,60 @@ def test_bad_fine_tuning_options_exit_2(extra, match, tmp_path):
 def test_init_from_a_folder_without_config_exits_2(tmp_path):
     code, _, stderr = _main("train", "--init-from", str(tmp_path), "--out", str(tmp_path / "r"))
     assert code == 2 and "config.json" in stderr
+
+
+# --- a Qwen3 checkpoint (per-head q/k norms, head_dim != width / heads) on a tensor axis ----
+
+QWEN3_LAYOUT = ["--stages", "2", "--data", "2", "--tensor", "2"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("qwen3") / "run"
+    init = str(FIXTURES / "qwen3")
+    code, stdout, stderr = _main(
+        "train", "--init-from", init, "--out", str(out), "--steps", "2", *TINY, *QWEN3_LAYOUT
+    )
+    assert code == 0, stderr
+    return out, json.loads((out / "metrics.json").read_text())
+
+
+def test_fine_tuning_qwen3_starts_from_the_checkpoint(qwen3_run):
+    _, metrics = qwen3_run
+    tokenizer = hf.HFTokenizer.from_folder(FIXTURES / "qwen3")
+    tokens = _recipe.corpus_tokens("shakespeare_sonnets", tokenizer)
+    batch = next(_recipe.batch_stream(tokens, 8, 32, seed=0))
+    config, params = hf.load(FIXTURES / "qwen3", dtype=np.float32)
+    assert config.qk_norm and config.head_dim == 16
+    logits = jax.jit(make_model(config).apply)({"params": params}, batch["inputs"])
+    want = float(cross_entropy_loss(logits, batch["targets"]))
+    losses = metrics["history"]["loss"]
+    np.testing.assert_allclose(losses[0], want, rtol=1e-5)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_export_of_fine_tuned_qwen3_is_a_qwen3_folder(qwen3_run, tmp_path):
+    out = qwen3_run[0]
+    folder = tmp_path / "hf"
+    code, _, stderr = _main("export", "--checkpoint", str(out), "--to", str(folder))
+    assert code == 0, stderr
+    assert (folder / "tokenizer.json").is_file()
+    # Fine-tuning moved the (tied) table and head apart: the export has its own lm_head.
+    reference = _keys_and_shapes(FIXTURES / "qwen3")
+    reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+    assert _keys_and_shapes(folder) == reference
+    saved = json.loads((folder / "config.json").read_text())
+    assert saved["architectures"] == ["Qwen3ForCausalLM"] and saved["head_dim"] == 16
+    assert saved["tie_word_embeddings"] is False
+    config, trained, _ = _sample.restore_params(out)
+    exported_config, exported = hf.load(folder)
+    assert exported_config == config
+    for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(exported), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_fine_tuning_mistral_past_its_sliding_window_exits_2(tmp_path):
+    init = str(FIXTURES / "mistral")
+    argv = ["train", "--init-from", init, "--out", str(tmp_path / "r"), "--steps", "1", *TINY]
+    code, _, stderr = _main(*argv, *LAYOUT)  # --seq-len 32, window 16
+    assert code == 2 and "`sliding_window` is 16" in stderr, stderr

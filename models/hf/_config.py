@@ -1,11 +1,17 @@
 """``config.json`` of a Hugging Face model folder <-> `ModelConfig`.
 
-`read_config` turns a GPT-2 (``GPT2LMHeadModel``) or Llama (``LlamaForCausalLM``) config
+`read_config` turns a GPT-2 (``GPT2LMHeadModel``), Llama (``LlamaForCausalLM``), Mistral
+(``MistralForCausalLM``), Qwen2 (``Qwen2ForCausalLM``) or Qwen3 (``Qwen3ForCausalLM``) config
 into our `ModelConfig` plus whether the output head is tied to the token table (GPT-2
-always is; Llama says so in ``tie_word_embeddings``). Every setting that changes the
-computation is checked against what `models.GPT`/`models.Llama` implement, so a checkpoint
-that would compute something else is refused instead of loading into wrong logits.
-`hf_config` writes the fields back in the same format.
+always is; the others say so in ``tie_word_embeddings``). The last four are all
+`models.Llama`, with the variant fields of `ModelConfig`: Qwen2 sets ``qkv_bias``, Qwen3
+``qk_norm`` (and usually a ``head_dim`` other than ``hidden_size / num_attention_heads``),
+Mistral ``sliding_window``, and any of them may carry Llama 3.1's rope scaling
+(`models.hf._rope`). Every setting that changes the computation is checked against what
+`models.GPT`/`models.Llama` implement, so a checkpoint that would compute something else is
+refused -- naming the field and its value (`models.hf._refusals` for whole architectures)
+-- instead of loading into wrong logits. `hf_config` writes the fields back, under the
+architecture whose computation the config describes (`export_architecture`).
 """
 
 from __future__ import annotations
@@ -20,10 +26,21 @@ import numpy as np
 from multimesh_flax import errors
 
 from ..configs import Family, ModelConfig
+from . import _refusals, _rope
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
-ARCHITECTURES = {GPT2: Family.GPT, LLAMA: Family.LLAMA}
+MISTRAL = "MistralForCausalLM"
+QWEN2 = "Qwen2ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+ARCHITECTURES = {
+    GPT2: Family.GPT,
+    LLAMA: Family.LLAMA,
+    MISTRAL: Family.LLAMA,
+    QWEN2: Family.LLAMA,
+    QWEN3: Family.LLAMA,
+}
+_MODEL_TYPES = {"gpt2": GPT2, "llama": LLAMA, "mistral": MISTRAL, "qwen2": QWEN2, "qwen3": QWEN3}
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -71,15 +88,16 @@ def _require(hf: dict[str, Any], name: str, allowed: tuple[Any, ...], path: Path
 
 def architecture(hf: dict[str, Any], path: Path) -> str:
     """The one supported name in ``architectures`` (or derived from ``model_type``)."""
-    by_type = {"gpt2": [GPT2], "llama": [LLAMA]}
-    names = hf.get("architectures") or by_type.get(str(hf.get("model_type")), [])
+    model_type = hf.get("model_type")
+    names = hf.get("architectures") or [_MODEL_TYPES.get(str(model_type), str(model_type))]
     known = [n for n in names if n in ARCHITECTURES]
     if not known:
+        reasons = "; ".join(_refusals.unsupported_features(hf))
         raise errors.UnsupportedArchitectureError(
-            f"{str(path)!r} describes architectures={names!r} "
-            f"(model_type={hf.get('model_type')!r}); `models.hf` reads only "
-            f"{' and '.join(ARCHITECTURES)}. Convert the model to one of those, or extend "
-            "`models.hf`."
+            f"{str(path)!r} describes architectures={names!r} (model_type={model_type!r}); "
+            f"`models.hf` reads only {', '.join(ARCHITECTURES)}. What this config asks for "
+            f"that those lack: {reasons}. Convert the model to one of those, or extend "
+            "`models.hf` and the reference models."
         )
     return known[0]
 
@@ -110,23 +128,35 @@ def _gpt2(hf: dict[str, Any], path: Path, dtype: Any) -> ModelConfig:
     )
 
 
-def _rope_theta(hf: dict[str, Any], path: Path) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        raise errors.UnsupportedArchitectureError(
-            f"{str(path)!r} sets rope_type={kind!r}; the reference Llama implements only the "
-            "'default' rotary embedding (no rope scaling). Use a checkpoint without it."
-        )
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+def _head_dim(hf: dict[str, Any], arch: str, embed: int, heads: int, path: Path) -> int:
+    # Qwen3Config defaults head_dim to 128; the others to hidden_size // num_attention_heads.
+    return _field(hf, "head_dim", path, 128 if arch == QWEN3 else embed // heads)
 
 
-def _llama(hf: dict[str, Any], path: Path, dtype: Any) -> ModelConfig:
+def _sliding_window(hf: dict[str, Any], arch: str, path: Path) -> int | None:
+    """Mistral's window (MistralConfig's default 4096 when absent, none when null)."""
+    if arch == MISTRAL:
+        return hf.get("sliding_window", 4096)
+    if arch in (QWEN2, QWEN3):
+        _require(hf, "use_sliding_window", (False,), path)
+        sliding = [t for t in hf.get("layer_types") or [] if t != "full_attention"]
+        if sliding:
+            raise errors.UnsupportedArchitectureError(
+                f"{str(path)!r} sets `layer_types` with {sliding[0]!r} layers; the reference "
+                "Llama implements only 'full_attention' layers. Use a checkpoint without them."
+            )
+    return None
+
+
+def _llama(hf: dict[str, Any], path: Path, dtype: Any, arch: str) -> ModelConfig:
     _require(hf, "hidden_act", ("silu",), path)
-    _require(hf, "attention_bias", (False,), path)
     _require(hf, "mlp_bias", (False,), path)
+    if arch in (LLAMA, QWEN3):  # their `attention_bias` puts a bias on the output too
+        _require(hf, "attention_bias", (False,), path)
     heads = _field(hf, "num_attention_heads", path)
     embed = _field(hf, "hidden_size", path)
+    max_len = _field(hf, "max_position_embeddings", path)
+    theta, scaling = _rope.read_rope(hf, path, max_len)
     return ModelConfig(
         Family.LLAMA,
         vocab_size=_field(hf, "vocab_size", path),
@@ -134,11 +164,15 @@ def _llama(hf: dict[str, Any], path: Path, dtype: Any) -> ModelConfig:
         embed_dim=embed,
         num_heads=heads,
         num_kv_heads=_field(hf, "num_key_value_heads", path, heads),
-        head_dim=_field(hf, "head_dim", path, embed // heads),
+        head_dim=_head_dim(hf, arch, embed, heads, path),
         mlp_dim=_field(hf, "intermediate_size", path),
-        max_len=_field(hf, "max_position_embeddings", path),
+        max_len=max_len,
         norm_eps=float(_field(hf, "rms_norm_eps", path, 1e-6)),
-        rope_theta=_rope_theta(hf, path),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        qkv_bias=arch == QWEN2,
+        qk_norm=arch == QWEN3,
+        sliding_window=_sliding_window(hf, arch, path),
         dtype=dtype,
         param_dtype=dtype,
     )
@@ -152,7 +186,7 @@ def read_config(folder: Path, dtype: Any) -> tuple[ModelConfig, bool]:
     try:
         if arch == GPT2:
             return _gpt2(hf, path, dtype), True
-        return _llama(hf, path, dtype), bool(hf.get("tie_word_embeddings", False))
+        return _llama(hf, path, dtype, arch), bool(hf.get("tie_word_embeddings", False))
     except errors.ModelConfigError as error:
         raise errors.PretrainedConfigError(
             f"{str(path)!r} describes an invalid model: {error}"
@@ -162,6 +196,31 @@ def read_config(folder: Path, dtype: Any) -> tuple[ModelConfig, bool]:
 def dtype_name(dtype: Any) -> str:
     """``"float32"``, ``"bfloat16"`` or ``"float16"`` for a numpy/JAX dtype."""
     return np.dtype(dtype).name
+
+
+def export_architecture(config: ModelConfig) -> str:
+    """The Hugging Face architecture that computes what `config` does.
+
+    GPT is GPT-2. In the Llama family ``qk_norm`` is Qwen3, ``qkv_bias`` Qwen2, a
+    ``sliding_window`` Mistral, anything else Llama (a Mistral without a window is a Llama,
+    and is written as one).
+    """
+    if config.family is Family.GPT:
+        return GPT2
+    features = [f for f in ("qkv_bias", "qk_norm") if getattr(config, f)]
+    if config.sliding_window is not None:
+        features.append("sliding_window")
+    if len(features) > 1:
+        raise errors.UnsupportedArchitectureError(
+            f"`config` combines {' and '.join(f'`{f}`' for f in features)}; no Hugging Face "
+            f"architecture that `models.hf` writes ({', '.join(ARCHITECTURES)}) has both. "
+            "Keep one of them to export."
+        )
+    if config.qk_norm:
+        return QWEN3
+    if config.qkv_bias:
+        return QWEN2
+    return LLAMA if config.sliding_window is None else MISTRAL
 
 
 def hf_config(config: ModelConfig, tied: bool, dtype: Any) -> dict[str, Any]:
@@ -181,9 +240,11 @@ def hf_config(config: ModelConfig, tied: bool, dtype: Any) -> dict[str, Any]:
             "activation_function": "gelu_new",
             "tie_word_embeddings": True,
         }
+    arch = export_architecture(config)
+    model_type = {v: k for k, v in _MODEL_TYPES.items()}[arch]
     return {
-        "architectures": [LLAMA],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         **common,
         "hidden_size": config.embed_dim,
         "num_hidden_layers": config.num_layers,
@@ -193,10 +254,17 @@ def hf_config(config: ModelConfig, tied: bool, dtype: Any) -> dict[str, Any]:
         "intermediate_size": config.mlp_dim,
         "max_position_embeddings": config.max_len,
         "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,
+        **_rope.hf_rope(config),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        **_ATTENTION_FIELDS[arch](config),
         "tie_word_embeddings": tied,
     }
+
+
+_ATTENTION_FIELDS = {
+    LLAMA: lambda c: {"attention_bias": False, "mlp_bias": False},
+    MISTRAL: lambda c: {"sliding_window": c.sliding_window},
+    QWEN2: lambda c: {"use_sliding_window": False, "sliding_window": None},
+    QWEN3: lambda c: {"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+}
+"""The attention fields of each architecture's ``config.json`` that a config decides."""

@@ -1,4 +1,10 @@
-"""Llama (``LlamaForCausalLM``) tensors <-> the parameters of `models.Llama`.
+"""Llama-family tensors <-> the parameters of `models.Llama`.
+
+``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
+share one key layout (``model.layers.<i>.self_attn.q_proj.weight``, ...). Qwen2 adds
+biases to ``q_proj``/``k_proj``/``v_proj`` (``(heads * head_dim,)`` -> our ``(heads,
+head_dim)`` biases, config ``qkv_bias``); Qwen3 adds ``q_norm``/``k_norm`` weights of shape
+``(head_dim,)`` (our ``query_norm``/``key_norm`` scales, config ``qk_norm``).
 
 Llama stores ``torch.nn.Linear`` weights ``(out, in)``; ours are ``(in, out)``, with the
 attention projections split per head: ``q_proj`` ``(heads * head_dim, embed)`` becomes the
@@ -24,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..configs import ModelConfig
-from ._layout import Rule, same, transposed, transposed_reshaped
+from ._layout import Rule, reshaped, same, transposed, transposed_reshaped
 
 IGNORED = re.compile(r"^(lm_head\.weight|.*\.rotary_emb\.inv_freq)$")
 """Keys a Llama checkpoint may hold that carry no parameter (a tied head, rotary buffers)."""
@@ -39,13 +45,24 @@ def _attention(config: ModelConfig, i: int) -> list[Rule]:
     e, h, k, d = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
     assert k is not None and d is not None
     p, b = f"model.layers.{i}.self_attn", (f"blocks_{i}", "attn")
-    out = transposed_reshaped(f"{p}.o_proj.weight", (e, h * d), (*b, "out", "kernel"), (h, d, e))
-    return [
+    out = [
         transposed_reshaped(f"{p}.q_proj.weight", (h * d, e), (*b, "query", "kernel"), (e, h, d)),
         transposed_reshaped(f"{p}.k_proj.weight", (k * d, e), (*b, "key", "kernel"), (e, k, d)),
         transposed_reshaped(f"{p}.v_proj.weight", (k * d, e), (*b, "value", "kernel"), (e, k, d)),
-        out,
     ]
+    if config.qkv_bias:
+        out += [
+            reshaped(f"{p}.q_proj.bias", (h * d,), (*b, "query", "bias"), (h, d)),
+            reshaped(f"{p}.k_proj.bias", (k * d,), (*b, "key", "bias"), (k, d)),
+            reshaped(f"{p}.v_proj.bias", (k * d,), (*b, "value", "bias"), (k, d)),
+        ]
+    if config.qk_norm:
+        out += [
+            same(f"{p}.q_norm.weight", (d,), (*b, "query_norm", "scale")),
+            same(f"{p}.k_norm.weight", (d,), (*b, "key_norm", "scale")),
+        ]
+    o_proj = f"{p}.o_proj.weight"
+    return [*out, transposed_reshaped(o_proj, (e, h * d), (*b, "out", "kernel"), (h, d, e))]
 
 
 def _block(config: ModelConfig, i: int) -> list[Rule]:
@@ -73,7 +90,7 @@ def _tied_embedding(vocab: int, embed: int) -> Rule:
 
 
 def rules(config: ModelConfig, tied: bool) -> list[Rule]:
-    """Every tensor of a Llama checkpoint for `config`, in stage order."""
+    """Every tensor of a Llama-family checkpoint for `config`, in stage order."""
     v, e = config.vocab_size, config.embed_dim
     if tied:
         out = [_tied_embedding(v, e)]

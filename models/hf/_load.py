@@ -136,7 +136,11 @@ def load(
     dtype: Any = None,
     vocab_multiple: int | None = None,
 ) -> tuple[ModelConfig, dict]:
-    """Reads a Hugging Face GPT-2 or Llama folder into our config and parameter tree.
+    """Reads a Hugging Face GPT-2, Llama, Mistral, Qwen2 or Qwen3 folder into our config
+    and parameter tree.
+
+    Mistral's ``sliding_window`` is kept in the config; the model then refuses sequences
+    longer than the window (`SequenceLengthError`) rather than attend past it.
 
     Args:
         path: A folder with ``config.json`` and ``model.safetensors`` (or sharded files with
@@ -154,7 +158,9 @@ def load(
 
     Raises:
         PretrainedConfigError: No folder, no or unreadable ``config.json``, no weights.
-        UnsupportedArchitectureError: Not GPT-2/Llama, or a feature our models lack.
+        UnsupportedArchitectureError: Another architecture (the message lists what it
+            asks for that our models lack), or a feature our models lack (a rope type other
+            than ``"llama3"``, Llama's ``attention_bias``, Qwen's sliding-window layers, ...).
         PretrainedTensorError: A missing, extra, wrongly shaped or unreadable tensor, one
             with a non-floating dtype (``I32``, ...), or one holding NaN or inf values.
         InvalidTaskError: `stages` does not divide the layer count.
@@ -166,6 +172,9 @@ def load(
         ('llama', 2, 50000.0)
         >>> params["blocks_0"]["attn"]["key"]["kernel"].shape
         (32, 2, 8)
+        >>> qwen3, _ = hf.load("tests/fixtures/hf/qwen3")
+        >>> qwen3.qk_norm, qwen3.head_dim, qwen3.embed_dim // qwen3.num_heads
+        (True, 16, 8)
     """
     return _read(Path(path), stages, dtype, vocab_multiple, lambda _c, _p, array: array)
 

@@ -139,6 +139,9 @@ def save(
     Raises:
         PretrainedConfigError: `path` exists and `overwrite` is false.
         PretrainedTensorError: `params` is not the tree of ``make_model(config)``.
+        UnsupportedArchitectureError: `config` combines Llama-family variants that no
+            Hugging Face architecture `models.hf` writes has together (e.g. ``qkv_bias``
+            and ``qk_norm``).
         VocabularySplitError: `vocab_size` is not below ``config.vocab_size``.
 
     Example:
@@ -149,6 +152,7 @@ def save(
         >>> sorted(p.name for p in out.iterdir())
         ['config.json', 'model.safetensors']
     """
+    _config.export_architecture(config)  # refuses a config that no architecture computes
     _check_params(config, params)
     config, params = _trim(config, params, vocab_size)
     tied = _is_tied(config, params)

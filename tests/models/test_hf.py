@@ -2,8 +2,9 @@
 
 The references are the logits that `transformers` itself computed on the fixture checkpoints
 (``tests/fixtures/make_hf_fixtures.py``): GPT-2 with a tied head, Llama with grouped-query
-heads, a non-default ``rope_theta`` and an untied head saved as a sharded checkpoint, and a
-tied Llama stored in bfloat16.
+heads, a non-default ``rope_theta`` and an untied head saved as a sharded checkpoint, a
+tied Llama stored in bfloat16, and the Llama-family variants (Llama 3.1 rope scaling, Qwen2
+untied and tied, Qwen3, Mistral; their own features are tested in ``test_hf_families.py``).
 """
 
 import json
@@ -23,7 +24,7 @@ from models.pipeline import make_multimesh
 from multimesh_flax import errors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "hf"
-NAMES = ["gpt2", "llama", "llama-tied"]
+NAMES = ["gpt2", "llama", "llama-tied", "llama3", "qwen2", "qwen2-tied", "qwen3", "mistral"]
 LAYOUTS = {1: (1, 2, 4), 2: (2, 2, 2), 4: (4, 2, 1)}  # stages -> (stages, data, model)
 TOL = 1e-4
 
@@ -239,14 +240,16 @@ def test_folder_without_config(tmp_path):
 
 def test_unsupported_architecture_and_features(tmp_path):
     folder = _copy("llama", tmp_path)
-    _edit_config(folder, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(errors.UnsupportedArchitectureError, match="MistralForCausalLM"):
+    _edit_config(folder, architectures=["MixtralForCausalLM"], num_local_experts=8)
+    with pytest.raises(
+        errors.UnsupportedArchitectureError, match=r"MixtralForCausalLM.*`num_local_experts`=8"
+    ):
         hf.load(folder)
     _edit_config(folder, architectures=["LlamaForCausalLM"], attention_bias=True)
     with pytest.raises(errors.UnsupportedArchitectureError, match="attention_bias"):
         hf.load(folder)
-    _edit_config(folder, attention_bias=False, rope_parameters={"rope_type": "llama3"})
-    with pytest.raises(errors.UnsupportedArchitectureError, match="llama3"):
+    _edit_config(folder, attention_bias=False, rope_parameters={"rope_type": "yarn"})
+    with pytest.raises(errors.UnsupportedArchitectureError, match="'yarn'"):
         hf.load(folder)
 
 
