@@ -14,9 +14,12 @@ Nothing in `multimesh_flax` imports this package; it uses the public library (``
 * `_run_options`: the settings of a run (`TrainOptions`): defaults, resuming, checks
   before any work.
 * `_recipe`: what a run is made of: model, optimizer, loss, tokenizer and batches.
+* `_data`: batches of ``--dataset`` (packed windows, held-out split, a grain stream), over
+  `_text_files` (reading ``.txt``/``.jsonl``/``.parquet``) and `_token_cache` (tokens in a
+  memory-mapped file); `_evaluation`: the held-out loss.
 * `_run_files`: the run folder's files besides the checkpoint (``metrics.json``,
   ``loss.png``, ``samples.txt``).
-* `errors`: the errors only the application raises (`RunOptionError`).
+* `errors`: the errors only the application raises (`RunOptionError`, `DataFileError`, ...).
 
 ``python -m multimesh_flax.cli`` is the same as the ``mmflax`` script.
 """

@@ -6,6 +6,8 @@
   an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
   ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama checkpoint instead
   (`models.hf`), on any stage layout, tokenizing with its ``tokenizer.json`` when it has one.
+  ``--dataset PATH`` trains on the user's own ``.txt``/``.jsonl``/``.parquet`` files instead
+  of the shipped corpus (`_data`), ``--eval-fraction F`` holding part of them out.
 * ``mmflax train --processes N`` runs the same training as N local processes of one
   ``jax.distributed`` job (``--devices`` split between them); ``mmflax launch -n N
   [--devices-per-process K] -- COMMAND...`` runs any such script (`multimesh_flax.distributed`).
@@ -100,6 +102,32 @@ def _add_train(sub: Any) -> None:
     add("--warmup", type=int, help=f"linear warm-up steps ({d.warmup})")
     add("--seed", type=int, help=f"seed of parameters and batches ({d.seed})")
     add("--corpus", help=f"shipped corpus: {', '.join(CORPUS_NAMES)} ({d.corpus})")
+    add(
+        "--dataset",
+        metavar="PATH",
+        help="train on your own text instead of --corpus: a .txt file (one document), a .jsonl "
+        "file (one JSON object per line), a .parquet file, or a folder of such files; "
+        "tokenized once into the run folder's data_cache/, packed into --seq-len + 1 windows "
+        "with an end-of-text id between documents",
+    )
+    add(
+        "--text-field",
+        metavar="NAME",
+        help=f"the JSONL field / Parquet column holding the text ({d.text_field})",
+    )
+    add(
+        "--eval-fraction",
+        type=float,
+        metavar="F",
+        help="hold out this share (0 < F < 1) of --dataset's windows and report the held-out "
+        "loss and perplexity before and after training (default: none)",
+    )
+    add(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="also evaluate every N steps (default: before and after training only)",
+    )
     add("--out", help="run folder (default: runs/<date-time>; with --resume: the newest run)")
     add("--resume", action="store_true", help="continue the run in --out from its checkpoint")
     add(

@@ -1,10 +1,11 @@
 """The files of an ``mmflax train`` run folder, apart from the checkpoint.
 
 * ``metrics.json``: the run's settings, the per-step history (loss, step time, tokens/s),
+  the held-out evaluations of a ``--dataset`` run (``eval_history``: step, loss, perplexity),
   a summary, the parameter bytes per device, the recorded and simulated pipeline bubble, the
   reference check and the samples; one entry per invocation in ``"invocations"``.
-* ``loss.png``: the loss curve of every step so far, with a smoothed line and a dashed line
-  where a resumed invocation started.
+* ``loss.png``: the loss curve of every step so far, with a smoothed line, the held-out
+  loss where it was measured, and a dashed line where a resumed invocation started.
 * ``samples.txt``: text generated before and after this invocation's training.
 * ``run.json``: the settings of the run, written when an invocation starts, so that
   ``--resume`` can restart a run none of whose saves finished (`write_settings`).
@@ -33,6 +34,7 @@ TIMELINE_PNG = "timeline.png"
 SAMPLES = "samples.txt"
 SETTINGS = "run.json"
 HISTORY_KEYS = ("step", "loss", "step_time_s", "tokens_per_s")
+EVAL_KEYS = ("step", "loss", "perplexity")
 
 
 def empty_history() -> dict[str, list[float]]:
@@ -60,6 +62,24 @@ def previous_metrics(run_dir: Path, upto_step: int) -> tuple[dict[str, list], li
     trimmed = {key: [history.get(key, [])[i] for i in keep] for key in HISTORY_KEYS}
     invocations = [v for v in metrics.get("invocations", []) if v["end_step"] <= upto_step]
     return trimmed, invocations
+
+
+def empty_evals() -> dict[str, list[float]]:
+    """``{key: []}`` for every series of held-out evaluations."""
+    return {key: [] for key in EVAL_KEYS}
+
+
+def previous_evals(run_dir: Path, before_step: int) -> dict[str, list[float]]:
+    """The evaluations in ``run_dir``'s metrics at steps before ``before_step``.
+
+    An evaluation at ``before_step`` itself is dropped: the resumed invocation repeats it.
+    """
+    try:
+        evals = json.loads((run_dir / METRICS).read_text()).get("eval_history", {})
+        keep = [i for i, step in enumerate(evals.get("step", [])) if step < before_step]
+        return {key: [evals[key][i] for i in keep] for key in EVAL_KEYS}
+    except (OSError, ValueError, AttributeError, KeyError, IndexError):
+        return empty_evals()  # no metrics yet, or unreadable (`previous_metrics` says so)
 
 
 def write_metrics(run_dir: Path, metrics: Mapping[str, Any]) -> Path:
@@ -107,9 +127,13 @@ def _smooth(values: Sequence[float], window: int) -> np.ndarray:
 
 
 def plot_loss(
-    history: Mapping[str, Sequence[float]], path: Path, title: str, resumed_at: Sequence[int]
+    history: Mapping[str, Sequence[float]],
+    path: Path,
+    title: str,
+    resumed_at: Sequence[int],
+    evals: Mapping[str, Sequence[float]] | None = None,
 ) -> None:
-    """Draws the loss per step (and a moving average) into the PNG ``path``."""
+    """Draws the loss per step, a moving average and held-out ``evals`` into ``path``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -121,6 +145,8 @@ def plot_loss(
     if losses:
         window = max(1, len(losses) // 20)
         axes.plot(steps, _smooth(losses, window), color="#246", label=f"mean of {window}")
+    if evals and evals["step"]:
+        axes.plot(evals["step"], evals["loss"], "o-", color="#d80", label="held-out loss")
     for step in resumed_at:
         axes.axvline(step, color="#c44", linestyle="--", linewidth=0.8)
     axes.set_xlabel("step")

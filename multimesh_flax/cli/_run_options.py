@@ -3,7 +3,8 @@
 `TrainOptions` holds every setting (the fields are the ``mmflax train`` options). Settings
 fall in three groups: `RUN_KEYS` define the run (model, data, optimizer) and a resumed run
 keeps them; `LAYOUT_KEYS` define the parallel layout, which a resumed run may change (the
-parameter tree does not depend on it); the rest (``steps``, ``out``, ...) are per invocation.
+parameter tree does not depend on it); `KEPT_KEYS` (``eval_every``) are kept unless given
+again; the rest (``steps``, ``out``, ...) are per invocation.
 
 `resolve_options` fills what the user left unset -- with the defaults, or with ``resume``
 with the settings saved in the run's checkpoint -- and `check_options` rejects
@@ -24,7 +25,7 @@ from typing import Any
 from models import CORPUS_NAMES, PRESETS, ModelConfig
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer, latest_step
-from multimesh_flax.cli import _recipe, _run_files, _sample, _saving
+from multimesh_flax.cli import _data, _recipe, _run_files, _sample, _saving
 from multimesh_flax.cli.errors import RunOptionError
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
@@ -39,8 +40,13 @@ RUN_KEYS = (
     "seed",
     "corpus",
     "init_from",
+    "dataset",
+    "text_field",
+    "eval_fraction",
 )
 """Settings that define a run: a resumed run keeps them."""
+KEPT_KEYS = ("eval_every",)
+"""Settings a resumed run keeps unless they are given again."""
 LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule")
 """Settings of the parallel layout: a resumed run may change them."""
 RUNS_DIR = Path("runs")
@@ -61,7 +67,13 @@ class TrainOptions:
         batch_size, seq_len: windows per batch and tokens per window.
         lr, warmup: AdamW's rate, reached linearly over ``warmup`` steps, then constant.
         seed: seeds the parameters and the batch stream.
-        corpus: one of `models.CORPUS_NAMES`.
+        corpus: one of `models.CORPUS_NAMES`, read as random windows (without ``dataset``).
+        dataset: a ``.txt``, ``.jsonl`` or ``.parquet`` file or a folder of them to train on
+            instead of ``corpus`` (`_data`); stored as an absolute path.
+        text_field: the JSONL field or Parquet column holding a ``dataset``'s text.
+        eval_fraction: the share of ``dataset``'s windows held out for evaluation (``None``:
+            none); evaluated before the first step, every ``eval_every`` steps and at the end.
+        eval_every: steps between evaluations (``None``: before and after training only).
         out: the run folder; ``resume`` continues the run saved there.
         check_reference: also train the unstaged model on one device and compare losses.
         log_every: steps between loss read-outs (the bar's postfix).
@@ -96,6 +108,10 @@ class TrainOptions:
     init_from: str | None = None
     save_every: str = _saving.DEFAULT
     on_nonfinite: str = "stop"
+    dataset: str | None = None
+    text_field: str = "text"
+    eval_fraction: float | None = None
+    eval_every: int | None = None
 
     @property
     def layout(self) -> str:
@@ -151,7 +167,7 @@ def _saved_options(run_dir: Path) -> dict[str, Any]:
         with Checkpointer(checkpoint, read_only=True) as ckpt:
             metadata = ckpt.metadata()
     try:
-        saved = {**metadata["run"], **metadata["layout"]}
+        saved = {**metadata["run"], **metadata["layout"], **metadata.get("kept", {})}
     except (KeyError, TypeError):
         raise errors.CheckpointMetadataError(
             f"The checkpoint in '{checkpoint}' has no `mmflax train` settings in its metadata "
@@ -179,6 +195,9 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
             "choose the model. Drop `--model` to fine-tune the checkpoint, or `--init-from` to "
             "train the preset from scratch."
         )
+    _check_data_choice(chosen)
+    if chosen.get("dataset") is not None:
+        chosen["dataset"] = str(Path(chosen["dataset"]).absolute())
     if chosen.get("resume"):
         run_dir = _resume_dir(chosen.get("out"))
         saved = _saved_options(run_dir)
@@ -201,9 +220,17 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
     return options
 
 
+def _check_data_choice(chosen: Mapping[str, Any]) -> None:
+    if "dataset" in chosen and "corpus" in chosen:
+        raise _fail(
+            f"`--corpus` {chosen['corpus']!r} and `--dataset` {chosen['dataset']!r} both choose "
+            "the training text. Drop one of them."
+        )
+
+
 def _check_ranges(options: TrainOptions) -> None:
     positive = ("layers", "stages", "data", "tensor", "microbatches", "steps", "batch_size")
-    for key in (*positive, "seq_len", "log_every"):
+    for key in (*positive, "seq_len", "log_every", "eval_every"):
         value = getattr(options, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             raise _fail(f"Expected `{_flag(key)}` to be a positive integer, got {value!r}.")
@@ -222,6 +249,22 @@ def _check_ranges(options: TrainOptions) -> None:
     _saving.SaveEvery.parse(options.save_every)
     if options.corpus not in CORPUS_NAMES:
         raise _fail(f"Unknown `--corpus` {options.corpus!r}; choose one of {CORPUS_NAMES}.")
+    _check_evaluation(options)
+
+
+def _check_evaluation(options: TrainOptions) -> None:
+    if options.eval_fraction is not None and options.dataset is None:
+        raise _fail(
+            f"`--eval-fraction` {options.eval_fraction} holds out part of a `--dataset`, but "
+            "none was given (the shipped `--corpus` has no held-out split). Pass `--dataset "
+            "PATH`, or drop `--eval-fraction`."
+        )
+    _data.check_eval_fraction(options.eval_fraction)
+    if options.eval_every is not None and options.eval_fraction is None:
+        raise _fail(
+            f"`--eval-every` {options.eval_every} evaluates on held-out windows, but no "
+            "`--eval-fraction` holds any out. Add e.g. `--eval-fraction 0.05`."
+        )
 
 
 def _check_model(options: TrainOptions) -> ModelConfig:

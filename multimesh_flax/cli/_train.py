@@ -24,6 +24,12 @@ depend on it -- and continues the same batch stream and learning-rate schedule, 
 plus N resumed steps give the losses of 2N uninterrupted ones (bit for bit on one layout).
 A checkpoint records the step its invocation was going to (``target_step``): ``--resume``
 after an interruption runs the steps left.
+
+Without ``--dataset`` a run draws random windows of the shipped ``--corpus``
+(`_recipe.batch_stream`). With it, batches come from `_data` (packed windows of the user's
+files, a grain stream whose iterator state every checkpoint records and ``--resume``
+restores), and with ``--eval-fraction`` an `_evaluation.Evaluator` measures the held-out
+loss before the first step, every ``--eval-every`` steps and after the last.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import logging
 import math
 import statistics
@@ -50,11 +57,12 @@ from models.pipeline import make_multimesh
 from multimesh_flax import errors
 from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax.checkpoint import Checkpointer
-from multimesh_flax.cli import _recipe, _run_files, _sample
+from multimesh_flax.cli import _data, _evaluation, _recipe, _run_files, _sample
 from multimesh_flax.cli._interrupts import StopRequests, agreed
 from multimesh_flax.cli._nonfinite import Skipped, SkipWatch
 from multimesh_flax.cli._run_lock import RunLock
 from multimesh_flax.cli._run_options import (
+    KEPT_KEYS,
     LAYOUT_KEYS,
     RUN_KEYS,
     TrainOptions,
@@ -113,6 +121,8 @@ class _Steps:
     stopped_by: str | None = None  # the signal that ended the loop early, e.g. "SIGTERM"
     nonfinite: str | None = None  # what was NaN or infinite, where, if that ended the loop
     skipped: list[int] = dataclasses.field(default_factory=list)  # steps not applied
+    evals: dict[str, list[float]] = dataclasses.field(default_factory=_run_files.empty_evals)
+    shown_rate: float | None = None  # the tokens/s the progress bar shows
 
     @property
     def count(self) -> int:
@@ -120,8 +130,35 @@ class _Steps:
         return len(self.history["step"])
 
 
-def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
-    """``(step_fn, state, placement)`` for the layout in ``options``."""
+@dataclasses.dataclass
+class _Built:
+    """The compiled step of a run and what it was built from."""
+
+    step_fn: Any
+    state: Any
+    placement: Any
+    model: Any
+    multi: mm.MultiMesh
+
+
+@dataclasses.dataclass
+class _Feed:
+    """Where a run's batches come from: the stream, its data and how batches are placed."""
+
+    stream: Any  # an iterator of batches; with ``--dataset`` a `_data.BatchStream`
+    data: _data.TextData | None = None
+    cache_key: str | None = None
+    place: Callable[[Any], Any] = lambda batch: batch  # one process: the step places them
+
+    def state(self) -> dict[str, Any] | None:
+        """What a checkpoint records of the stream (``None`` for the shipped corpus)."""
+        if self.data is None:
+            return None
+        return {"iterator": self.stream.get_state(), "cache_key": self.cache_key}
+
+
+def _build(options: TrainOptions, config: ModelConfig) -> _Built:
+    """The step, state and placement for the layout in ``options``."""
     multi = make_multimesh(options.stages, options.data, options.tensor)
     model = _recipe.make_model(config, options.stages)
     example = _recipe.example_batch(options.batch_size, options.seq_len)
@@ -142,7 +179,7 @@ def _build(options: TrainOptions, config: ModelConfig) -> tuple[Any, Any, Any]:
         )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
-    return step_fn, state, placement
+    return _Built(step_fn, state, placement, model, multi)
 
 
 def _in_step_check() -> str | None:
@@ -166,7 +203,14 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
 
 
 def _run_steps(
-    step_fn: Any, state: Any, options: TrainOptions, start: int, saver: Saver, stop: Any
+    step_fn: Any,
+    state: Any,
+    options: TrainOptions,
+    start: int,
+    saver: Saver,
+    stop: Any,
+    feed: _Feed,
+    evaluate: _evaluation.Evaluator | None = None,
 ) -> _Steps:
     """Trains up to ``options.steps`` steps from global step ``start``, blocking on each.
 
@@ -174,27 +218,32 @@ def _run_steps(
     whose loss or gradient norm is not finite is not applied (the step is built with
     ``nonfinite="skip"``); `SkipWatch` finds it, and ``--on-nonfinite stop`` ends the loop
     there. Between steps the loop saves when ``saver`` says a save is due, and ends early
-    once ``stop`` (a `StopRequests`) has caught SIGINT or SIGTERM.
+    once ``stop`` (a `StopRequests`) has caught SIGINT or SIGTERM. A batch is drawn from
+    ``feed`` only for a step that runs, so the stream's state always matches the steps.
+    With ``evaluate``, the held-out loss is measured before the first step, every
+    ``eval_every`` steps and after the last.
     """
-    tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
-    stream = _recipe.batch_stream(tokens, options.batch_size, options.seq_len, options.seed, start)
     out = _Steps(state, _run_files.empty_history())
     watch = SkipWatch(step_fn)
     record_at = min(2, options.steps - 1)  # one step after warm-up
     per_step = options.batch_size * options.seq_len
     with tqdm(total=options.steps, desc="train", unit="step", disable=not options.progress) as bar:
-        for i, batch in zip(range(options.steps), stream, strict=False):
+        _evaluate(evaluate, out, start, bar)
+        for i in range(options.steps):
             if agreed(stop.signal is not None):
                 out.stopped_by = stop.signal_name
                 break
-            loss = _one_step(step_fn, out, batch, start + i + 1, i == record_at)
+            batch = next(feed.stream)
+            loss = _one_step(step_fn, out, feed.place(batch), start + i + 1, i == record_at)
             out.history["loss"].append(float(host_values(loss)))  # every process
             if _skipped(out, watch.after(start + i + 1, out.history["loss"][-1]), options, bar):
                 break
             if options.check_reference:
                 out.batches.append(batch)
+            if options.eval_every and (start + i + 1) % options.eval_every == 0:
+                _evaluate(evaluate, out, start + i + 1, bar)
             if (i + 1) % options.log_every == 0 or i + 1 == options.steps:
-                _show(bar, out.history, options.log_every, per_step)
+                _show(bar, out, options.log_every, per_step)
             bar.update()
             if i + 1 < options.steps and saver.due(start + i + 1):
                 out.nonfinite = saver.save(start + i + 1, out.state)
@@ -202,6 +251,8 @@ def _run_steps(
                     break
         if out.nonfinite is None:
             _skipped(out, watch.finish(), options, bar)
+        if out.nonfinite is None and out.stopped_by is None:
+            _evaluate(evaluate, out, start + out.count, bar)
     if out.count:
         out.compile_s = out.history["step_time_s"][0]
     return out
@@ -239,12 +290,33 @@ def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) ->
     return loss
 
 
-def _show(bar: Any, history: dict[str, list[float]], window: int, tokens: int) -> None:
-    """Shows the latest loss and the recent tokens/s on the progress bar."""
-    recent = history["step_time_s"][-window:]
-    bar.set_postfix(
-        loss=f"{history['loss'][-1]:.3f}", tok_s=f"{tokens / statistics.median(recent):,.0f}"
-    )
+def _evaluate(evaluate: Any, out: _Steps, step: int, bar: Any) -> None:
+    """Measures the held-out loss at ``step`` (once per step) and shows it on the bar."""
+    if evaluate is None or step in out.evals["step"]:
+        return
+    loss, perplexity = evaluate(out.state.params)
+    for key, value in zip(_run_files.EVAL_KEYS, (step, loss, perplexity), strict=True):
+        out.evals[key].append(value)
+    bar.set_postfix(_postfix(out, out.shown_rate), refresh=False)
+
+
+def _postfix(out: _Steps, tokens_per_s: float | None = None) -> dict[str, str]:
+    """The bar's postfix: the latest loss, tokens/s and held-out loss and perplexity."""
+    shown = {}
+    if out.history["loss"]:
+        shown["loss"] = f"{out.history['loss'][-1]:.3f}"
+    if tokens_per_s is not None:
+        shown["tok_s"] = f"{tokens_per_s:,.0f}"
+    if out.evals["loss"]:
+        shown["eval_loss"] = f"{out.evals['loss'][-1]:.3f}"
+        shown["eval_ppl"] = f"{out.evals['perplexity'][-1]:.2f}"
+    return shown
+
+
+def _show(bar: Any, out: _Steps, window: int, tokens: int) -> None:
+    """Shows the latest loss, the recent tokens/s and the latest evaluation on the bar."""
+    out.shown_rate = tokens / statistics.median(out.history["step_time_s"][-window:])
+    bar.set_postfix(_postfix(out, out.shown_rate))
 
 
 def _steady_tokens_per_s(steps: _Steps, start: int, tokens: int) -> float:
@@ -303,13 +375,16 @@ def _compare(losses: list[float], reference: list[float]) -> dict[str, Any]:
     }
 
 
-def _samples(config: ModelConfig, params: Any, options: TrainOptions) -> dict[str, Any]:
+def _samples(
+    config: ModelConfig, params: Any, options: TrainOptions, data: _data.TextData | None
+) -> dict[str, Any]:
+    """Text generated from ``params``, and how much of it the training text contains."""
     model = _recipe.make_model(config)
     params = _on_one_device(params)
     prompt = _sample.DEFAULT_PROMPT
     tokenizer = _recipe.make_tokenizer(options.init_from)
     count = _sample.default_tokens(prompt, options.seq_len, tokenizer)
-    corpus = load_corpus(options.corpus)
+    corpus = load_corpus(options.corpus) if data is None else data.head_text(tokenizer)
     texts = {
         kind: _sample.generate_text(
             model, params, prompt, count, temperature=t, seed=0, tokenizer=tokenizer
@@ -356,17 +431,26 @@ def _jsonable(value: Any) -> Any:
 
 
 def _metadata(
-    options: TrainOptions, config: ModelConfig, step: int, target_step: int
+    options: TrainOptions,
+    config: ModelConfig,
+    step: int,
+    target_step: int,
+    data: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint records besides the state; ``target_step`` is where this invocation
-    was going, so that ``--resume`` after an interruption finishes it."""
-    return {
+    was going, so that ``--resume`` after an interruption finishes it; ``data``: the state
+    of a ``--dataset`` stream after ``step`` (`_Feed.state`)."""
+    metadata = {
         "run": {key: getattr(options, key) for key in RUN_KEYS},
         "layout": {key: getattr(options, key) for key in LAYOUT_KEYS},
+        "kept": {key: getattr(options, key) for key in KEPT_KEYS},
         "step": step,
         "target_step": target_step,
         "config": {f.name: _jsonable(getattr(config, f.name)) for f in dataclasses.fields(config)},
     }
+    if data is not None:
+        metadata["data"] = data
+    return metadata
 
 
 def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
@@ -392,9 +476,32 @@ def train(options: TrainOptions, report: Report = logger.info) -> TrainResult:
     began = time.perf_counter()
     config = check_options(options, jax.device_count())
     run_dir = Path(options.out or fresh_run_dir()).absolute()  # orbax needs absolute paths
+    prepared = _prepare_data(options, run_dir, report)  # bad files fail here, leaving nothing
     lock = RunLock(run_dir) if jax.process_index() == 0 else contextlib.nullcontext()
     with lock, StopRequests() as stop:
-        return _train_in(run_dir, options, config, report, stop, began)
+        return _train_in(run_dir, options, config, report, stop, began, prepared)
+
+
+def _prepare_data(options: TrainOptions, run_dir: Path, report: Report) -> Any:
+    """``(TextData, Tokens)`` of ``--dataset`` (tokens cached in the run folder), or ``None``."""
+    if options.dataset is None:
+        return None
+    data, tokens = _data.prepare_dataset(
+        options.dataset,
+        _recipe.make_tokenizer(options.init_from),
+        text_field=options.text_field,
+        seq_len=options.seq_len,
+        batch_size=options.batch_size,
+        eval_fraction=options.eval_fraction,
+        run_dir=run_dir,
+    )
+    how = "tokenized into" if tokens.rebuilt else "reusing the tokens cached in"
+    report(
+        f"dataset {options.dataset}: {tokens.documents} documents, {tokens.ids.size} tokens "
+        f"({how} {tokens.folder}); {data.train_count} training and {data.held_out_count} "
+        f"held-out windows of {options.seq_len + 1} tokens, {data.tail_tokens} tokens left over"
+    )
+    return data, tokens
 
 
 def _train_in(
@@ -404,27 +511,35 @@ def _train_in(
     report: Report,
     stop: StopRequests,
     began: float,
+    prepared: Any,
 ) -> TrainResult:
     """`train` with the run folder locked and signals caught."""
     compiled = compilation_counter()
-    step_fn, state, placement = _build(options, config)
+    built = _build(options, config)
+    step_fn, placement = built.step_fn, built.placement
     report(str(placement))
     with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
-        state, start = _resume(ckpt, state, options, run_dir, report)
+        state, start = _resume(ckpt, built.state, options, run_dir, report)
+        feed = _make_feed(options, built, prepared, start, ckpt, report)
+        data = feed.data
         target = start + options.steps
         if jax.process_index() == 0:
             _run_files.write_settings(run_dir, _metadata(options, config, start, target))
         every = SaveEvery.parse(options.save_every)
-        saver = Saver(ckpt, every, lambda step: _metadata(options, config, step, target))
+        saver = Saver(ckpt, every, lambda s: _metadata(options, config, s, target, feed.state()))
         host_start = host_values(state) if options.check_reference else None
-        before = _samples(config, state.params, options)
-        steps = _run_steps(step_fn, state, options, start, saver, stop)
+        before = _samples(config, state.params, options, data)
+        evaluate = None
+        if data is not None and options.eval_fraction is not None:
+            batches = data.eval_batches(options.batch_size)
+            evaluate = _evaluation.Evaluator(built.model, built.multi, batches)
+        steps = _run_steps(step_fn, state, options, start, saver, stop, feed, evaluate)
         steps.compilation = compiled()  # building and training; sampling compiles more
         if steps.count:  # never a non-finite state: `save` refuses it
             problem = saver.save(start + steps.count, steps.state)
             steps.nonfinite = steps.nonfinite or problem
         finished = steps.nonfinite is None and steps.stopped_by is None
-        after = _samples(config, steps.state.params, options) if finished else None
+        after = _samples(config, steps.state.params, options, data) if finished else None
         reference = None
         if host_start is not None and finished:
             ref = reference_losses(config, host_start, steps.batches)
@@ -432,6 +547,9 @@ def _train_in(
     bubble = _timeline(steps, step_fn, run_dir / _run_files.TIMELINE_PNG)
     metrics = _finish(options, run_dir, steps, start, placement, bubble, reference, before, after)
     metrics["summary"]["wall_s"] = time.perf_counter() - began
+    if data is not None:
+        metrics["data"] = {"cache_key": feed.cache_key, **data.describe()}
+        metrics["summary"]["eval_programs"] = evaluate.programs if evaluate else None
     if jax.process_index() == 0:  # in a multi-process job, process 0 writes the run folder
         _run_files.write_metrics(run_dir, metrics)
     if steps.nonfinite is not None:
@@ -452,6 +570,53 @@ def _train_in(
         stopped_by=steps.stopped_by,
         saved_step=saver.last_step,
     )
+
+
+def _make_feed(
+    options: TrainOptions,
+    built: _Built,
+    prepared: Any,
+    start: int,
+    ckpt: Checkpointer,
+    report: Report,
+) -> _Feed:
+    """The batches from step ``start`` on: the shipped corpus, or the ``--dataset`` stream
+    moved to the state the checkpoint of step ``start`` recorded.
+
+    In a multi-process job each process reads only the rows its devices hold (`_data`).
+
+    Raises:
+        CheckpointMetadataError: the checkpoint of a ``--dataset`` run lacks the stream's state.
+    """
+    batch, seq = options.batch_size, options.seq_len
+    if prepared is None:
+        tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
+        return _Feed(_recipe.batch_stream(tokens, batch, seq, options.seed, start))
+    data, tokens = prepared
+    feed = _Feed(None, data, tokens.key)
+    rows = None
+    if jax.process_count() > 1:
+        with built.multi:
+            example = _recipe.example_batch(batch, seq)
+            (_, shardings), _ = built.step_fn.jitted.input_shardings(built.state, example)
+        rows = _data.rows_of_process(list(shardings.values()), (batch, seq), jax.process_index())
+        feed.place = functools.partial(_data.place_batch, shardings=shardings)
+    feed.stream = data.train_stream(batch, options.seed, rows)
+    if start > 0:
+        saved = ckpt.metadata(start).get("data")
+        if saved is None:
+            raise errors.CheckpointMetadataError(
+                f"The checkpoint of step {start} in '{ckpt.directory}' records no `--dataset` "
+                "stream state, so the run cannot continue its batches. Start a new run with "
+                "another `--out`."
+            )
+        if saved["cache_key"] != tokens.key:
+            report(
+                f"the `--dataset` files changed since step {start} was saved: continuing the "
+                "stream's position over the new tokens"
+            )
+        feed.stream.set_state(saved["iterator"])
+    return feed
 
 
 def _resume(
@@ -496,6 +661,9 @@ def _finish(
     history, invocations = _run_files.previous_metrics(run_dir, start)
     for key in _run_files.HISTORY_KEYS:
         history[key] += steps.history[key]
+    evals = _run_files.previous_evals(run_dir, start)
+    for key in _run_files.EVAL_KEYS:
+        evals[key] += steps.evals[key]
     end = start + steps.count
     invocations.append({"start_step": start, "end_step": end, "layout": options.layout})
     resumed_at = [v["start_step"] for v in invocations if v["start_step"] > 0]
@@ -503,7 +671,7 @@ def _finish(
     prompt = _sample.DEFAULT_PROMPT
     header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
     if jax.process_index() == 0:
-        _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at)
+        _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at, evals)
         if after is not None:
             texts = {"before": before["texts"], "after": after["texts"]}
             _run_files.write_samples(run_dir, texts, header)
@@ -512,6 +680,7 @@ def _finish(
         "devices": {"platform": jax.devices()[0].platform, "count": jax.device_count()},
         "summary": _summary(options, steps, start),
         "history": history,
+        **({"eval_history": evals} if evals["step"] else {}),
         "invocations": invocations,
         "placement": {
             "bytes_per_device": {str(d): b for d, b in placement.bytes_per_device().items()},
@@ -528,6 +697,13 @@ def _summary(options: TrainOptions, steps: _Steps, start: int) -> dict[str, Any]
     losses = steps.history["loss"]
     finite = [x for x in losses if math.isfinite(x)]
     tokens = options.batch_size * options.seq_len
+    evaluated = {}
+    if steps.evals["step"]:
+        evaluated = {
+            "first_eval_loss": steps.evals["loss"][0],
+            "last_eval_loss": steps.evals["loss"][-1],
+            "last_eval_perplexity": steps.evals["perplexity"][-1],
+        }
     return {
         "start_step": start,
         "end_step": start + steps.count,
@@ -541,4 +717,5 @@ def _summary(options: TrainOptions, steps: _Steps, start: int) -> dict[str, Any]
         "compile_s": steps.compile_s,
         "xla_compiles": steps.compilation.get("compiles"),
         "compile_cache_hits": steps.compilation.get("cache_hits"),
+        **evaluated,
     }

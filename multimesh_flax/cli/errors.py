@@ -19,7 +19,8 @@ class RunOptionError(MultiMeshError, ValueError):
     from the device count, a batch that ``--microbatches`` x ``--data`` does not divide, a
     ``--tensor`` size that does not divide the heads or widths, a ``--devices`` count after
     JAX already started with another, a ``--resume`` that changes the model or data of the
-    saved run, or a fresh ``--out`` that already holds a run. The message names the option,
+    saved run, a fresh ``--out`` that already holds a run, or an ``--eval-fraction`` outside
+    (0, 1) or without a ``--dataset`` to hold out from. The message names the option,
     the value received and the values that would work.
     """
 
@@ -41,4 +42,26 @@ class NonFiniteTrainingError(MultiMeshError, ValueError):
     applied and no non-finite state was saved, so the run's checkpoint holds the last finite
     state saved before it. Lower ``--lr`` (or raise ``--warmup``) in a new run, check the
     data, or pass ``--on-nonfinite skip`` to skip such steps and go on.
+    """
+
+
+class DataFileError(MultiMeshError, ValueError):
+    """A ``--dataset`` file of ``mmflax train`` cannot be read as documents of text.
+
+    The path does not exist, names a file of another type, or a folder with no ``.txt``,
+    ``.jsonl`` or ``.parquet`` file; or a file cannot be opened, is empty, holds bytes that
+    are not UTF-8 text (a binary file), or (JSONL, Parquet) lacks the ``--text-field``. The
+    message names the file (and the line), what was expected and what was found. Fix or
+    remove the file, or pass the right ``--text-field``. Raised before anything is compiled,
+    and nothing is left behind in the run folder.
+    """
+
+
+class DataSizeError(MultiMeshError, ValueError):
+    """The ``--dataset`` of ``mmflax train`` holds too few tokens for the run's settings.
+
+    Training needs at least one batch of ``--batch-size`` windows of ``--seq-len`` + 1
+    tokens after the ``--eval-fraction`` is held out, and the held-out part at least one
+    window. The message gives the token and window counts found and the counts needed; add
+    text, or lower ``--batch-size``, ``--seq-len`` or ``--eval-fraction``.
     """
