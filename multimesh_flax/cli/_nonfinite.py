@@ -11,10 +11,6 @@ step: about a fifth of the default job's step time on the CPU.
 non-finite *loss* is seen at once (the loop reads every loss), a non-finite gradient norm
 with a finite loss after the next step. ``--on-nonfinite stop`` then ends the run after the
 current step, whose state is finite; ``skip`` records the step and goes on.
-
-A multi-process job builds its step without the check (see `_train._in_step_check`): there only a
-non-finite loss is seen, its update is already applied, and the run stops whatever
-``--on-nonfinite`` says; the last finite checkpoint stays.
 """
 
 from __future__ import annotations
@@ -26,18 +22,10 @@ from multimesh_flax.distributed import host_values
 
 
 class Skipped(NamedTuple):
-    """A step with a non-finite loss or gradient norm, and what happened to its update.
-
-    Attributes:
-        step: the step.
-        message: ``"Step 3 has a non-finite loss (nan); its update was not applied"``.
-        applied: whether the update was applied anyway (a step built without the check):
-            the state is then not finite, and training cannot go on from it.
-    """
+    """A step whose update was not applied, and why (``"Step 3 has a non-finite loss ..."``)."""
 
     step: int
     message: str
-    applied: bool = False
 
 
 class SkipWatch:
@@ -55,8 +43,6 @@ class SkipWatch:
     def after(self, step: int, loss: float) -> Skipped | None:
         """Called after ``step`` with its ``loss``: the step found skipped, if any."""
         check = self.step_fn.last_check
-        if check is None:  # a step built without the check: only its loss tells
-            return None if math.isfinite(loss) else _unchecked(step, loss)
         if not math.isfinite(loss):
             self._pending = None
             return _describe(step, check)
@@ -80,11 +66,3 @@ def _describe(step: int, check: Any) -> Skipped:
     values = {"loss": loss, "gradient norm": norm}
     bad = " and ".join(f"{k} ({v})" for k, v in values.items() if not math.isfinite(v))
     return Skipped(step, f"Step {step} has a non-finite {bad}; its update was not applied")
-
-
-def _unchecked(step: int, loss: float) -> Skipped:
-    message = (
-        f"Step {step} has a non-finite loss ({loss}); its update was applied (a multi-process "
-        "job's step has no in-step check)"
-    )
-    return Skipped(step, message, applied=True)

@@ -175,22 +175,11 @@ def _build(options: TrainOptions, config: ModelConfig) -> _Built:
             rng=rng,
             microbatches=options.microbatches,
             schedule=options.schedule,
-            nonfinite=_in_step_check(),
+            nonfinite="skip",  # never a non-finite state; _nonfinite.SkipWatch reports it
         )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
     return _Built(step_fn, state, placement, model, multi)
-
-
-def _in_step_check() -> str | None:
-    """``parallelize_step``'s ``nonfinite`` for this run: ``"skip"`` in one process.
-
-    Across processes the check's extra cross-process transfers (the loss's and the gradient
-    norm's flag, sent to every stage) hung the 2-process training test under load, inside a
-    transfer's collective; until that is understood such a job reads only its losses (a
-    non-finite one stops the run; a non-finite state is never saved).
-    """
-    return "skip" if jax.process_count() == 1 else None
 
 
 def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
@@ -262,9 +251,8 @@ def _skipped(out: _Steps, found: Skipped | None, options: TrainOptions, bar: Any
     """Records a step whose update was not applied; whether the loop must stop for it."""
     if found is None:
         return False
-    if not found.applied:
-        out.skipped.append(found.step)
-    if options.on_nonfinite == "stop" or found.applied:
+    out.skipped.append(found.step)
+    if options.on_nonfinite == "stop":
         out.nonfinite = found.message
         return True
     bar.write(f"{found.message} (--on-nonfinite skip)", file=sys.stderr)
@@ -553,11 +541,11 @@ def _train_in(
     if jax.process_index() == 0:  # in a multi-process job, process 0 writes the run folder
         _run_files.write_metrics(run_dir, metrics)
     if steps.nonfinite is not None:
-        skip = ", or pass `--on-nonfinite skip` to skip such steps" if _in_step_check() else ""
         raise NonFiniteTrainingError(
             f"{steps.nonfinite}. Training stopped after step {start + steps.count}; "
             f"{saver.kept()} (a state holding a NaN or an infinity is never saved). Lower "
-            f"`--lr` or raise `--warmup` in a new run, or check the data{skip}."
+            "`--lr` or raise `--warmup` in a new run, check the data, or pass "
+            "`--on-nonfinite skip` to skip such steps."
         )
     return TrainResult(
         run_dir=run_dir,

@@ -20,6 +20,15 @@ program over the union of the source and destination devices, in one of two form
   so every destination device receives the whole value (exact: adding zeros); each destination
   process then reshards locally to the target sharding.
 
+**One collective at a time.** A transfer returns only when its collective has finished in
+this process, so at most one cross-process collective is in flight per process (fragments
+are already waited for, see ``_dispatch``). With several in flight (the non-finite check
+sends one flag to every stage), the resumed 2-process training run hung in 2 of 2 tries on
+the busy 2-core host (jax 0.10.2, gloo), both processes inside a broadcast's ``psum``; the
+likely cause is collectives of different device sets occupying the CPU client's few worker
+threads while waiting for peers queued behind each other. With this wait: see the tests of
+``mmflax train --processes 2``, which run with the check.
+
 Both forms are compiled once per (mesh, layout) and reused every call. Donation and frees are
 unaffected: each process only holds the buffers of its own devices, and the runtime frees its
 slots as in one process.
@@ -166,6 +175,7 @@ def _layout_wire(
     out = _collective(stacked, wire_spec, "ppermute")(
         _global(wire_shape, wire_sharding, buffers, aval.dtype)
     )
+    jax.block_until_ready(out)  # see "one collective at a time" in the module docstring
     received = _shards(out, set(target.mesh.devices.flat))
     if not _local(_flat(target)):
         return None
@@ -191,12 +201,13 @@ def _broadcast_wire(
         out = _collective(mesh, spec, "psum")(
             _global(shape, NamedSharding(mesh, spec), buffers, aval.dtype)
         )
+        jax.block_until_ready(out)  # see "one collective at a time" in the module docstring
     if not _local(_flat(target)):
         return None
     received = _shards(out, set(_flat(target)))
     replicated = NamedSharding(target.mesh, PartitionSpec())
     whole = assemble(aval, replicated, [received[d] for d in _local(_flat(target))])
-    return _reshard(whole, target)
+    return jax.block_until_ready(_reshard(whole, target))  # a collective if target spans processes
 
 
 def transfer(
