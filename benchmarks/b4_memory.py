@@ -14,6 +14,13 @@ Llama on 2 stages, whose untied output head makes its two stages equally heavy):
 * **Peak live bytes per device** while a step is dispatched: the runtime's values (inputs,
   activations kept for the backward, gradients) counted op by op with its frees, per
   schedule -- where GPipe and 1F1B differ.
+* **Recomputation and precision** (``parallelize_step(..., recompute=..., precision=...)``),
+  on the first pipelined GPT configuration: the same three measurements for
+  ``recompute`` ``None`` / ``"full"`` / ``"dots"``, and parameter, optimizer-state and peak
+  bytes per device for ``precision`` ``"fp32"`` / ``"bf16"`` / ``"pure-bf16"``. The
+  bfloat16 rows also set the model config's compute ``dtype`` to bfloat16 (the reference
+  models fix their compute dtype, which ``precision`` does not override); their parameters
+  stay float32 in ``"bf16"``.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 import multimesh_flax as mm
 from benchmarks import _common
+from models.pipeline import make_multimesh
 
 SECTION = "B4"
 TARGET = 1.05
@@ -135,6 +144,19 @@ def _blocks_only(runner: _common.MpmdRunner) -> dict[int, int]:
     return device_bytes(blocks)
 
 
+def _walk_step(runner: _common.MpmdRunner) -> dict[str, Any]:
+    """:func:`walk` over one step of ``runner``, whose state becomes the step's new state."""
+    exe = runner.executable
+    tree = jax.tree_util.tree_structure(runner.state)
+    leaves = [*jax.tree_util.tree_leaves(runner.state), *jax.tree_util.tree_leaves(runner.batch)]
+    walked = walk(exe, leaves)
+    runner.state = jax.tree_util.tree_unflatten(tree, walked.pop("outputs")[1:])
+    walked["forward_outputs"] = sum(
+        len(op.outs) for op in exe.ops if op.kind == 0 and ".fwd" in op.name
+    )
+    return walked
+
+
 def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> dict[str, Any]:
     from benchmarks import b1_step_time
 
@@ -143,11 +165,7 @@ def measure(workload: _common.Workload, stages: int, m: int, schedule: str) -> d
     placement = _tabulated(runner, workload, stages).bytes_per_device()
     opt = device_bytes(runner.state.opt_state)
     total = {d: params.get(d, 0) + opt.get(d, 0) for d in sorted(set(params) | set(opt))}
-    exe = runner.executable
-    tree = jax.tree_util.tree_structure(runner.state)
-    leaves = [*jax.tree_util.tree_leaves(runner.state), *jax.tree_util.tree_leaves(runner.batch)]
-    walked = walk(exe, leaves)
-    runner.state = jax.tree_util.tree_unflatten(tree, walked.pop("outputs")[1:])
+    walked = _walk_step(runner)
     result = {
         "name": runner.name,
         "stages": stages,
@@ -226,6 +244,124 @@ def _rows(r: dict[str, Any], preset: str) -> list[dict[str, Any]]:
     return rows
 
 
+# --- recomputation and precision --------------------------------------------------------------
+
+RECOMPUTE = (None, "full", "dots")
+PRECISION = ("fp32", "bf16", "pure-bf16")
+
+
+def _build(
+    workload: _common.Workload, stages: int, m: int, schedule: str, **options: Any
+) -> _common.MpmdRunner:
+    """``_common.build_mpmd`` with ``parallelize_step`` options (``recompute``,
+    ``precision``), warmed by one step."""
+    data, model = _common.stage_layout(workload, stages, m)
+    multi = make_multimesh(stages, data, model, devices=jax.devices()[: _common.DEVICES])
+    batch = workload.batch_data()
+    step_fn, state, _ = mm.parallelize_step(
+        workload.family()(workload.config(), stages=stages),
+        workload.make_optimizer(),
+        multi,
+        batch,
+        loss_fn=_common.loss_fn,
+        microbatches=m,
+        schedule=schedule,
+        **options,
+    )
+    runner = _common.MpmdRunner(_common.mpmd_name(workload, stages, m, schedule), step_fn,
+                                state, batch, multi)  # fmt: skip
+    _common.warm(runner, steps=1)
+    return runner
+
+
+def _summary(params: dict[int, int], opt: dict[int, int], walked: dict[str, Any]) -> dict:
+    return {
+        "params_max": max(params.values()),
+        "opt_state_max": max(opt.values()),
+        "peak_above_state_max": max(walked["peak_above_inputs_per_device"].values()),
+        "peak_with_temp_above_state_max": max(
+            walked["peak_with_temp_per_device"][d]
+            - (walked["peak_live_bytes_per_device"][d] - walked["peak_above_inputs_per_device"][d])
+            for d in walked["peak_with_temp_per_device"]
+        ),
+        "max_fragment_temp_bytes": walked["max_fragment_temp_bytes"],
+        "forward_outputs": walked["forward_outputs"],
+        "peak_above_inputs_per_device": walked["peak_above_inputs_per_device"],
+    }
+
+
+def _measure_built(runner: _common.MpmdRunner) -> dict[str, Any]:
+    params, opt = device_bytes(runner.state.params), device_bytes(runner.state.opt_state)
+    summary = _summary(params, opt, _walk_step(runner))
+    _common.release(runner)
+    return summary
+
+
+def _bf16_compute(workload: _common.Workload) -> _common.Workload:
+    return dataclasses.replace(workload, overrides=(*workload.overrides, ("dtype", jnp.bfloat16)))
+
+
+def measure_options(
+    workload: _common.Workload, stages: int, m: int, schedule: str, plain: dict[str, Any]
+) -> dict[str, Any]:
+    """Bytes per device for every ``recompute`` and ``precision`` option; ``plain`` is
+    :func:`measure`'s result for the same configuration (no recomputation, float32). Smoke
+    runs measure ``"full"`` only."""
+    base = _summary({0: plain["params"]["max"]}, {0: plain["opt_state"]["max"]}, plain)
+    out: dict[str, Any] = {"recompute": {"None": base}, "precision": {"fp32": base}}
+    for policy in RECOMPUTE[1:2] if _common.SMOKE else RECOMPUTE[1:]:
+        runner = _build(workload, stages, m, schedule, recompute=policy)
+        out["recompute"][policy] = _measure_built(runner)
+    for dtype in () if _common.SMOKE else PRECISION[1:]:
+        runner = _build(_bf16_compute(workload), stages, m, schedule, precision=dtype)
+        out["precision"][dtype] = _measure_built(runner)
+    return out
+
+
+def _ratio_rows(metric: str, value: int, base: int, baseline: str | None) -> list[dict]:
+    """``value / base`` as a row (target: below 1); none for the baseline itself."""
+    if baseline is None:
+        return []
+    ratio = round(value / base, 3)
+    return [_common.row(SECTION, f"{metric} / {baseline}", ratio, target="< 1", passed=ratio < 1)]
+
+
+def _option_rows(options: dict[str, Any], label: str) -> list[dict[str, Any]]:
+    """Rows per recomputation policy and per precision: bytes per device (maxima over the
+    devices) and their ratios to the plain float32 program."""
+    rows = []
+    base = options["recompute"]["None"]
+    for policy, r in options["recompute"].items():
+        name = f"{label} recompute={policy}"
+        baseline = None if policy == "None" else "recompute=None"
+        peak, temp = r["peak_above_state_max"], r["peak_with_temp_above_state_max"]
+        rows += [
+            _common.row(SECTION, f"{name}: peak live bytes above the state, per device", peak,
+                        unit="B"),
+            *_ratio_rows(f"{name}: peak live bytes", peak, base["peak_above_state_max"],
+                         baseline),
+            _common.row(SECTION, f"{name}: peak with the running fragment's temp memory, "
+                        "above the state", temp, unit="B"),
+            *_ratio_rows(f"{name}: peak with temp", temp, base["peak_with_temp_above_state_max"],
+                         baseline),
+            _common.row(SECTION, f"{name}: values the forward fragments hand on",
+                        r["forward_outputs"]),
+        ]  # fmt: skip
+    for dtype, r in options["precision"].items():
+        name = f"{label} precision={dtype}"
+        baseline = None if dtype == "fp32" else "fp32"
+        peak = r["peak_above_state_max"]
+        rows += [
+            _common.row(SECTION, f"{name}: parameter / optimizer bytes per device (max)",
+                        f"{r['params_max']:,} / {r['opt_state_max']:,}"),
+            _common.row(SECTION, f"{name}: peak live bytes above the state, per device", peak,
+                        unit="B"),
+            *_ratio_rows(f"{name}: peak live bytes", peak, base["peak_above_state_max"],
+                         baseline),
+        ]  # fmt: skip
+    return rows
+
+
 def run(quick: bool) -> dict[str, Any]:
     configs = [(_common.TINY, 2, 4, "1f1b"), (LLAMA, 2, 4, "1f1b")]
     if _common.SMOKE:
@@ -242,4 +378,14 @@ def run(quick: bool) -> dict[str, Any]:
         r["workload"] = workload.describe()
         results.append(r)
         rows += _rows(r, workload.preset)
-    return {"description": __doc__.splitlines()[0], "configs": results, "rows": rows}
+    workload, s, m, sched = configs[0]
+    options = measure_options(workload, s, m, sched, results[0])
+    options["config"] = {"preset": workload.preset, "stages": s, "microbatches": m,
+                         "schedule": sched}  # fmt: skip
+    rows += _option_rows(options, f"{workload.preset} S={s} m={m} {sched}")
+    return {
+        "description": __doc__.splitlines()[0],
+        "configs": results,
+        "memory_options": options,
+        "rows": rows,
+    }

@@ -130,6 +130,17 @@ class TaskCallbackError(MultiMeshError, TypeError):
     """
 
 
+class RecomputePolicyError(MultiMeshError, ValueError):
+    """A ``recompute`` option (of ``task``, ``Task`` or ``parallelize_step``) is not a policy.
+
+    Accepted: ``None`` (unset: inherit), ``False``/``"none"`` (off), ``True``/``"full"``
+    (keep only the task's inputs), ``"dots"`` (also keep matrix products without batch
+    dimensions), or a ``jax.checkpoint_policies`` callable such as
+    ``jax.checkpoint_policies.checkpoint_dots``. A misspelt name or another type raises this
+    instead of silently keeping every activation.
+    """
+
+
 # --- compiler switches (context, autoshard, strict, ...) ------------------------------------
 
 
@@ -435,7 +446,9 @@ class SequenceLengthError(MultiMeshError, ValueError):
     model was configured (or pretrained) for. The check runs while the model is traced, on
     the static sequence length (and on concrete ``positions``), so it fires before the first
     step. Train or evaluate on shorter sequences (``seq_len``), or use a config with a
-    larger ``max_len`` (``get_config(name, max_len=...)``).
+    larger ``max_len`` (``get_config(name, max_len=...)``). A config with a
+    ``sliding_window`` (Mistral) also refuses sequences longer than the window, which the
+    reference attention (over every earlier position) would compute differently.
     """
 
 
@@ -453,10 +466,14 @@ class PretrainedConfigError(MultiMeshError, ValueError):
 class UnsupportedArchitectureError(MultiMeshError, ValueError):
     """A Hugging Face checkpoint describes a model the reference models cannot reproduce.
 
-    ``models.hf`` reads ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` checkpoints with the
-    features ``models.GPT`` and ``models.Llama`` implement. Another architecture, or a
-    feature such as rope scaling, attention biases in Llama or an exact-erf GELU in GPT-2,
-    raises this; the message names the ``config.json`` field and the supported values.
+    ``models.hf`` reads ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM``,
+    ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM`` checkpoints with the features
+    ``models.GPT`` and ``models.Llama`` implement. Another architecture, or a feature such
+    as a rope type other than Llama 3.1's, Llama's ``attention_bias`` (a bias on the output
+    projection too), Qwen's sliding-window layers or an exact-erf GELU in GPT-2, raises
+    this; the message names the ``config.json`` fields and values (for another
+    architecture: what it asks for that the reference models lack). ``models.hf.save``
+    raises it for a config that no architecture it writes computes.
     """
 
 

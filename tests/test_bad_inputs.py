@@ -368,6 +368,14 @@ CATALOGUE: list[Mistake] = [
       lambda env: mm.task(lambda x: x, devices=jax.devices()[:2], device_axes=("x", "y")),
       E.MeshShapeError, ("shape (2,)", "('x', 'y')", "one name per axis"),
       "give one name per axis of `devices`"),
+    M("task-recompute-name", "tasks", "`task(fun, recompute='all')` (a misspelt policy)",
+      lambda env: mm.task(lambda x: x, mesh=TM(devices=[0]), recompute="all"),
+      E.RecomputePolicyError, ("str: 'all'", "'dots'", "jax.checkpoint_policies"),
+      "pass `None`, `False`/`'none'`, `True`/`'full'`, `'dots'` or a checkpoint policy"),
+    M("task-recompute-type", "tasks", "`task(nn.Dense, recompute=1.5)` (not a policy)",
+      lambda env: mm.task(nn.Dense, mesh=TM(devices=[0]), recompute=1.5),
+      E.RecomputePolicyError, ("float: 1.5", "`recompute='full'`"),
+      "pass a policy name or a checkpoint policy"),
     M("task-not-callable", "tasks", "`task(3, ...)` (not a function)",
       lambda env: mm.task(3, mesh=TM(devices=[0])),
       E.TaskTypeError, ("int: 3", "Pass the function itself"), "pass a function"),
@@ -624,6 +632,16 @@ CATALOGUE: list[Mistake] = [
       lambda env: mm.parallelize_step(_Net(), optax.sgd(0.1), global_batch=env.x,
                                       microbatches=2, schedule="zb"),
       E.InvalidScheduleError, ("'zb'", "'zero-bubble-h2'"), "use one of the names"),
+    M("step-recompute", "parallelize_step", "`recompute='selective'` (not a policy)",
+      lambda env: mm.parallelize_step(_Net(), optax.sgd(0.1), global_batch=env.x,
+                                      recompute="selective"),
+      E.RecomputePolicyError, ("'selective'", "'dots'", "`recompute='full'`"),
+      "pass `None`, `False`, `True`/`'full'`, `'dots'` or a checkpoint policy"),
+    M("step-precision", "parallelize_step", "`precision='fp16'`",
+      lambda env: mm.parallelize_step(_Net(), optax.sgd(0.1), global_batch=env.x,
+                                      precision="fp16"),
+      E.ParallelizeArgumentError, ("str: 'fp16'", "'pure-bf16'", "precision='bf16'"),
+      "pass `'fp32'`, `'bf16'` or `'pure-bf16'`"),
     M("step-mesh-type", "parallelize_step", "`mesh=[0, 1]`",
       lambda env: mm.parallelize_step(_Net(), optax.sgd(0.1), [0, 1], env.x),
       E.ParallelizeArgumentError, ("list: [0, 1]", "`MultiMesh(axis_sizes="),
@@ -802,15 +820,23 @@ CATALOGUE: list[Mistake] = [
       E.SequenceLengthError, ("129 tokens", "`max_len` is 128", "shorter `seq_len`",
                               "max_len=256"),
       "use shorter sequences or a config with a larger `max_len`"),
+    M("model-sliding-window", "models", "a Llama with `sliding_window` 16 applied to 17 tokens",
+      lambda env: jax.eval_shape(
+          _models().Llama(_models().get_config("llama-tiny", sliding_window=16)).init, _key(),
+          jax.ShapeDtypeStruct((2, 17), jnp.int32)),
+      E.SequenceLengthError, ("17 tokens", "`sliding_window` is 16", "at most 16 tokens"),
+      "use sequences no longer than the window"),
     # --- pretrained checkpoints (models.hf) ---
     M("hf-no-config", "pretrained checkpoints", "`hf.load` of a folder without config.json",
       lambda env: _hf().load(_hf_folder(env, "no-config")),
       E.PretrainedConfigError, ("config.json", "save_pretrained"),
       "point at the folder `save_pretrained` wrote"),
-    M("hf-architecture", "pretrained checkpoints", "`hf.load` of a Mistral checkpoint",
+    M("hf-architecture", "pretrained checkpoints", "`hf.load` of a Gemma checkpoint",
       lambda env: _hf().load(_hf_folder(env, "architecture")),
-      E.UnsupportedArchitectureError, ("MistralForCausalLM", "GPT2LMHeadModel and Llama"),
-      "convert the model to GPT-2 or Llama"),
+      E.UnsupportedArchitectureError, ("GemmaForCausalLM", "Qwen3ForCausalLM",
+                                       "`hidden_activation`='gelu_pytorch_tanh'",
+                                       "sqrt(`hidden_size`)"),
+      "convert the model to a supported architecture; the message lists what Gemma needs"),
     M("hf-missing-tensor", "pretrained checkpoints", "config.json says 5 layers, weights hold 4",
       lambda env: _hf().load(_hf_folder(env, "missing-tensor")),
       E.PretrainedTensorError, ("'transformer.h.4.ln_1.weight'", "missing", "Fix config.json"),
@@ -920,6 +946,52 @@ CATALOGUE: list[Mistake] = [
       lambda env: _cli(env, "train", "--resume", "--out", str(_foreign_run(env))),
       CommandLineExit, ("no `mmflax train` settings", "found keys ['lr']", "another `--out`"),
       "start a new run in another `--out`"),
+    # --- issue 35: users' own data in `mmflax train --dataset` ---
+    M("cli-dataset-missing", "CLI", "`mmflax train --dataset missing.jsonl`",
+      lambda env: _cli(env, "train", "--dataset", str(env.root / "missing.jsonl")),
+      CommandLineExit, ("missing.jsonl' does not exist", ".txt, .jsonl or .parquet"),
+      "pass an existing file or folder"),
+    M("cli-dataset-folder", "CLI", "`mmflax train --dataset DIR` (a folder without text files)",
+      lambda env: _cli(env, "train", "--dataset",
+                       str(_data_file(env, "csv/notes.csv", b"a,b").parent)),
+      CommandLineExit, ("to hold .txt, .jsonl or .parquet files, found none",),
+      "point `--dataset` at such files"),
+    M("cli-dataset-empty", "CLI", "`mmflax train --dataset empty.txt` (an empty file)",
+      lambda env: _cli(env, "train", "--dataset", str(_data_file(env, "empty.txt", b""))),
+      CommandLineExit, ("empty.txt', found an empty file", "fill it"),
+      "remove or fill the file"),
+    M("cli-dataset-binary", "CLI", "`mmflax train --dataset image.txt` (bytes, not UTF-8 text)",
+      lambda env: _cli(env, "train", "--dataset",
+                       str(_data_file(env, "image.txt", b"\x89PNG\r\n\x1a\n\x00"))),
+      CommandLineExit, ("Expected UTF-8 text", "byte 0x89 at offset 0", "Convert it to UTF-8"),
+      "convert the file to UTF-8 text or remove it"),
+    M("cli-dataset-field", "CLI", "`mmflax train --dataset a.jsonl` whose line lacks `text`",
+      lambda env: _cli(env, "train", "--dataset", str(_data_file(
+          env, "field.jsonl", b'{"text": "a"}\n{"body": "b"}\n'))),
+      CommandLineExit, ("line 2 of", "string field 'text', got ['body']", "`--text-field`"),
+      "pass `--text-field` or fix the line"),
+    M("cli-dataset-small", "CLI", "`mmflax train --dataset` of 100 bytes (under one batch)",
+      lambda env: _cli(env, "train", "--dataset", str(_data_file(env, "small.txt", b"x" * 99))),
+      CommandLineExit, ("`--batch-size` 32", "got 100 tokens: 1 training windows",
+                        "lower `--batch-size` or `--seq-len`"),
+      "add text, or lower `--batch-size` or `--seq-len`"),
+    M("cli-eval-fraction-range", "CLI", "`mmflax train --dataset F --eval-fraction 1.5`",
+      lambda env: _cli(env, "train", "--dataset", str(_data_file(env, "small.txt", b"x" * 99)),
+                       "--eval-fraction", "1.5"),
+      CommandLineExit, ("strictly between 0 and 1", "got 1.5", "--eval-fraction 0.05"),
+      "pass a fraction inside (0, 1)"),
+    M("cli-eval-fraction-empty", "CLI", "`--eval-fraction 0.001` of a 3-window `--dataset` "
+      "(no window held out)",
+      lambda env: _cli(env, "train", "--dataset", str(_data_file(env, "small.txt", b"x" * 99)),
+                       "--batch-size", "2", "--microbatches", "1", "--data", "2",
+                       "--seq-len", "32", "--eval-fraction", "0.001"),
+      CommandLineExit, ("`--eval-fraction` 0.001", "holds out no window",
+                        "Raise `--eval-fraction`"),
+      "raise `--eval-fraction`, or add text"),
+    M("cli-eval-without-dataset", "CLI", "`mmflax train --eval-fraction 0.1` (no `--dataset`)",
+      lambda env: _cli(env, "train", "--eval-fraction", "0.1"),
+      CommandLineExit, ("no held-out split", "Pass `--dataset PATH`"),
+      "pass `--dataset`, or drop `--eval-fraction`"),
     M("slice-index-type", "meshes", "`MultiMesh.slice(stage=1.0)` (a float index)",
       lambda env: env.multi.slice(stage=1.0),
       E.MeshIndexError, ("integer index", "float: stage=1.0", "stage=1"), "pass an int"),
@@ -1044,6 +1116,15 @@ def _outside(env):
     return mm.jit(_scoped_layer)(env.x)  # not inside `with multi:`
 
 
+def _data_file(env: Env, name: str, content: bytes) -> Path:
+    """A ``--dataset`` file (made once, beside ``env.root``) holding ``content``."""
+    path = env.root.parent / "datasets" / name
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content)
+    return path
+
+
 def _foreign_run(env: Env) -> Path:
     """A run folder (made once, beside ``env.root``) whose checkpoint has other metadata."""
     folder = env.root.parent / "foreign-run"
@@ -1158,7 +1239,8 @@ def _hf_folder(env: Env, kind: str) -> Path:
         _break_tensor(folder / "model.safetensors", "transformer.h.1.mlp.c_fc.weight", kind)
         return folder
     changes = {
-        "architecture": {"architectures": ["MistralForCausalLM"], "model_type": "mistral"},
+        "architecture": {"architectures": ["GemmaForCausalLM"], "model_type": "gemma",
+                         "hidden_activation": "gelu_pytorch_tanh"},
         "missing-tensor": {"n_layer": 5},
         "extra-tensor": {"n_layer": 2},
         "shape": {"n_positions": 32},

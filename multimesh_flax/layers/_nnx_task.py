@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _registry, _rules, _task
+from multimesh_flax.core.declare import _config, _recompute, _registry, _rules, _task
 from multimesh_flax.core.trace import _colour, _session
 
 TASK_SHARDING = "task_sharding"  # Variable metadata: where a task-born variable lives
@@ -197,45 +197,48 @@ def construct(cls: type, node: nnx.Module, *args: Any, **kwargs: Any) -> None:
 # --- calls ------------------------------------------------------------------------------
 
 
-def _call_eager(module: nnx.Module, spec: _task.Task, call: Callable[[], Any], args: Any) -> Any:
+def _call_eager(module: nnx.Module, spec: _task.Task, method: Callable[..., Any], args: Any) -> Any:
     mesh = resolve(module, spec).mesh
     replicated = NamedSharding(mesh, PartitionSpec())
     moved = jax.tree_util.tree_map(
         lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, args
     )
     with _config.ignore_transforms():
-        return call(*moved[0], **moved[1])
+        return method(module, *moved[0], **moved[1])
 
 
 def call_as_task(
-    module: nnx.Module, spec: _task.Task, call: Callable[..., Any], args: Any, kwargs: Any
+    module: nnx.Module, spec: _task.Task, method: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
-    """Runs ``call(*args, **kwargs)`` (the wrapped ``__call__``) as ``spec``'s task."""
+    """Runs ``method(module, *args, **kwargs)`` (the wrapped ``__call__``, unbound) as
+    ``spec``'s task."""
     if _config.get_flag("ignore_transforms"):
-        return call(*args, **kwargs)
+        return method(module, *args, **kwargs)
     traced = _session.current_session() is not None or _session.contains_tracer((args, kwargs))
     if not traced:
-        return _call_eager(module, spec, call, (args, kwargs))
+        return _call_eager(module, spec, method, (args, kwargs))
     resolved = resolve(module, spec)
     with _session.enter_task(resolved):
-        return _call_with_placed_variables(module, resolved, call, args, kwargs)
+        return _call_with_placed_variables(module, resolved, method, args, kwargs)
 
 
 def _call_with_placed_variables(
     module: nnx.Module,
     resolved: _session.ResolvedTask,
-    call: Callable[..., Any],
+    method: Callable[..., Any],
     args: Any,
     kw: Any,
 ) -> Any:
-    """``call`` with the module's variables read through constraints on the task's submesh
-    (their values are restored afterwards unless the call wrote them)."""
+    """``method(module, ...)`` with the module's variables read through constraints on the
+    task's submesh (their values are restored afterwards unless the call wrote them),
+    recomputed in the backward pass when the task's policy says so."""
     variables = own_variables(module)
     originals = [v.get_value() for _, v in variables]
     place_variables(module, resolved, record=False)
     read = [v.get_value() for _, v in variables]
+    fun, transform = _recompute.nnx_transform(module, method)
     try:
-        return call(*args, **kw)
+        return _recompute.call(fun, args, kw, resolved.task.recompute, transform)
     finally:
         for (_, v), original, constrained in zip(variables, originals, read, strict=True):
             if v.get_value() is constrained:  # not written by the call itself
@@ -245,17 +248,19 @@ def _call_with_placed_variables(
 # --- name-based tasks (register_task) ------------------------------------------------------
 
 
-def _call_as_registered(module: nnx.Module, call: Callable[..., Any], args: Any, kw: Any) -> Any:
-    """Runs a call of a module matched by ``register_task`` as the matched task."""
+def _call_as_registered(module: nnx.Module, method: Callable[..., Any], args: Any, kw: Any) -> Any:
+    """Runs ``method(module, ...)`` of a module matched by ``register_task`` as the matched
+    task."""
     session = _session.current_session()
     if _config.get_flag("ignore_transforms") or session is None:
-        return call(*args, **kw)
+        return method(module, *args, **kw)
     state = _colour._state(session)
     resolved = state.resolve(type(module).registered_match, False)
+    state.modules.add(resolved.uid)
     if _session.current_task() is resolved:
-        return call(*args, **kw)
+        return method(module, *args, **kw)
     with _session.enter_task(resolved):
-        return _call_with_placed_variables(module, resolved, call, args, kw)
+        return _call_with_placed_variables(module, resolved, method, args, kw)
 
 
 _REGISTERED_CLASSES: dict[tuple[type, str, Any], type] = {}
@@ -267,7 +272,7 @@ def _registered_class(block: type, path: str, match: Any) -> type:
     if key not in _REGISTERED_CLASSES:
 
         def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-            return _call_as_registered(self, super(cls, self).__call__, args, kwargs)
+            return _call_as_registered(self, block.__call__, args, kwargs)
 
         namespace = {
             "__call__": __call__,
@@ -310,7 +315,7 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
 
 def _make_task_class(block: type[nnx.Module], spec: _task.Task) -> type[nnx.Module]:
     def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
-        return call_as_task(self, spec, super(cls, self).__call__, args, kwargs)
+        return call_as_task(self, spec, block.__call__, args, kwargs)
 
     namespace = {
         "__call__": __call__,
@@ -344,7 +349,8 @@ def task(
         name: the task's display name (default: ``block``'s class name).
         task: a ready ``Task``; exclusive with ``kwargs``.
         **kwargs: ``mesh`` (a ``TaskMesh`` or ``jax.sharding.Mesh``), ``mesh_slice``,
-            ``devices`` with ``device_axes``, ``logical_axes``, or any ``Task`` field.
+            ``devices`` with ``device_axes``, ``logical_axes``, or any ``Task`` field
+            (``recompute="full"``: the backward recomputes the block's activations).
 
     Returns:
         A subclass of ``block`` named ``Task[<Block>]`` with ``block``'s constructor.

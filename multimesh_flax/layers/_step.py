@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -37,10 +38,10 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
+from multimesh_flax.core.declare import _config, _devices, _multimesh, _recompute, _registry
 from multimesh_flax.core.front import _initializer, _jit, _parallelize
 from multimesh_flax.core.trace import _microbatch, _session
-from multimesh_flax.layers import _nonfinite, _placement
+from multimesh_flax.layers import _nonfinite, _placement, _precision
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
 
@@ -197,8 +198,11 @@ class _Model:
             )
         return loss, {**model_state, **updates}
 
-    def value_and_grad(self, params: Any, model_state: Any, batch: Any, step: Any) -> Any:
-        """``((loss, new model_state), grads)`` of :meth:`loss` with respect to ``params``.
+    def value_and_grad(
+        self, params: Any, model_state: Any, batch: Any, step: Any, cast: Any = None
+    ) -> Any:
+        """``((loss, new model_state), grads)`` of :meth:`loss` with respect to ``params``;
+        ``cast(grads)`` (if given) is applied to each microbatch's gradients before the mean.
 
         Microbatched, each microbatch's gradient is taken inside the loop and the step
         averages them: JAX then differentiates one microbatch's body, traced once, instead
@@ -206,9 +210,11 @@ class _Model:
         cost to every trace with ``m >= 2``). A model with mutable collections (batch
         statistics) is differentiated as a whole: its microbatches are traced one by one.
         """
+        cast = cast or (lambda grads: grads)
         if self.pipeline is None or model_state:
             grad_fn = jax.value_and_grad(_checked_loss(self.loss), has_aux=True)
-            return grad_fn(params, model_state, batch, step)
+            value, grads = grad_fn(params, model_state, batch, step)
+            return value, cast(grads)
         step_key = self._step_key(step)
 
         def one(chunk: Any) -> Any:
@@ -217,7 +223,7 @@ class _Model:
                 return self.loss_fn(model_fn, chunk[0]), None
 
             (value, _), grads = jax.value_and_grad(_checked_loss(loss_of), has_aux=True)(params)
-            return value, grads
+            return value, cast(grads)
 
         loss, grads = self._microbatched(one, batch, trace_once=True)
         return (loss, model_state), grads
@@ -385,10 +391,14 @@ class _Setup:
         rng: Any,
         pipeline: _Microbatching | None = None,
         nonfinite: _nonfinite.NonFinite | None = None,
+        recompute: _recompute.Recompute | None = None,
+        precision: _precision.Precision = _precision.Precision.FP32,
     ) -> None:
         self.runner = _Model(model, loss_fn, rng, pipeline)
         self.model, self.optimizer = model, optimizer
         self.nonfinite = nonfinite  # None: no check; else the step also returns a StepCheck
+        self.recompute = recompute  # every task's policy unless it sets its own
+        self.precision = precision
         self.state_constraints: Any = None
         self.state_owners: Any = None
         self.state_shapes: Any = None  # the state's tree of ShapeDtypeStruct
@@ -399,7 +409,7 @@ class _Setup:
         with _config.ignore_transforms():
             variables = nn.meta.unbox(self.runner.init_variables(_zeros(batch_shape)))
         variables = dict(variables)
-        params = variables.pop("params", {})
+        params = _precision.stored(self.precision, variables.pop("params", {}))
         return TrainState.create(
             apply_fn=self.model.apply, params=params, tx=self.optimizer, model_state=variables
         )
@@ -467,14 +477,26 @@ class _Setup:
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
-        (loss, model_state), grads = self.runner.value_and_grad(
-            state.params, state.model_state, batch, state.step
-        )
+        with _recompute.step_policy(self.recompute):
+            (loss, model_state), grads = self._value_and_grad(state, batch)
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
         if self.nonfinite is None:
             return loss, _placement.constrain(new_state, self.state_constraints)
         new_state, checked = _nonfinite.guard(loss, grads, new_state, state)
         return loss, _placement.constrain(new_state, self.state_constraints), checked
+
+    def _value_and_grad(self, state: Any, batch: Any) -> Any:
+        """The runner's ``value_and_grad`` in the step's precision (``_precision``)."""
+        if self.precision is _precision.Precision.FP32:
+            return self.runner.value_and_grad(state.params, state.model_state, batch, state.step)
+        params, cast = state.params, None
+        if self.precision is _precision.Precision.BF16:
+            params = _precision.to_compute(state.params)
+            cast = functools.partial(_precision.like, reference=state.params)
+        (loss, model_state), grads = self.runner.value_and_grad(
+            params, state.model_state, _precision.to_compute(batch), state.step, cast
+        )
+        return (loss.astype(jax.numpy.float32), model_state), grads
 
 
 def _check_not_empty(batch: Any) -> None:
@@ -612,6 +634,8 @@ def parallelize_step(
     interleave: int | None = None,
     custom_schedule: Any = None,
     nonfinite: _nonfinite.NonFinite | str | None = None,
+    recompute: Any = None,
+    precision: _precision.Precision | str | None = None,
 ) -> tuple[Any, ...]:
     """Builds a placed training state and a compiled MPMD training step.
 
@@ -653,6 +677,22 @@ def parallelize_step(
             ``NonFiniteError`` (``error.state``: the unchanged state). Either way
             ``step_fn.last_check`` holds the last step's ``StepCheck(loss, grad_norm,
             applied)`` as device scalars. Same program for both modes, compiled once.
+        recompute: the recomputation policy of every task of the model that sets none
+            itself (``task(..., recompute=...)`` wins; this wins over the
+            ``enable_recomputation`` switch): ``None`` (unset), ``False``/``"none"``,
+            ``True``/``"full"`` (the backward keeps only each task's inputs), ``"dots"``
+            (also matrix products without batch dimensions,
+            ``jax.checkpoint_policies.dots_with_no_batch_dims_saveable``) or a
+            ``jax.checkpoint_policies`` callable. Values and gradients are unchanged; each
+            stage keeps fewer activations between its forward and backward units.
+        precision: ``"fp32"`` (default, no casts), ``"bf16"`` (float32 parameters and
+            optimizer state; parameters and float batch leaves cast to bfloat16 at the
+            step's entry, so activations and transfers between stages are bfloat16;
+            gradients cast back to float32 per microbatch; float32 loss) or
+            ``"pure-bf16"`` (``parallelize_step`` casts the initial parameters to bfloat16
+            and builds the optimizer state from them; the step casts float batch leaves;
+            float32 loss). A :class:`Precision` works too. Modules that fix their compute
+            dtype keep it (see ``multimesh_flax.layers._precision``).
 
     Returns:
         ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
@@ -665,8 +705,10 @@ def parallelize_step(
             kind, neither or both batches, a batch leaf that is not an array, a non-scalar
             loss, a ``microbatches`` count that does not divide the batch, a ``schedule``
             without ``microbatches``, a batch ``replicate_inputs=False`` cannot split, or a
-            ``nonfinite`` other than ``None``, ``"skip"``, ``"raise"``. The step raises it
-            when called with a state of another tree.
+            ``nonfinite`` other than ``None``, ``"skip"``, ``"raise"``, or a ``precision``
+            other than ``"fp32"``, ``"bf16"``, ``"pure-bf16"``. The step raises it when
+            called with a state of another tree.
+        RecomputePolicyError: ``recompute`` is not a policy.
         NonFiniteError: raised by the step (``nonfinite="raise"``), see above.
 
     Example:
@@ -686,16 +728,27 @@ def parallelize_step(
         >>> loss, state = step(state, jnp.ones((8, 3)))
         >>> int(state.step)
         1
+
+        Mixed precision with recomputation: bfloat16 compute, float32 state and loss.
+
+        >>> step16, state16, _ = mm.layers.parallelize_step(
+        ...     Net(), optax.sgd(0.1), global_batch=jnp.ones((8, 3)), precision="bf16",
+        ...     recompute="full")
+        >>> loss16, state16 = step16(state16, jnp.ones((8, 3)))
+        >>> str(loss16.dtype), str(state16.params["Dense_1"]["kernel"].dtype)
+        ('float32', 'float32')
     """
     _check_model_and_optimizer(model, optimizer)
     _check_loss_fn(loss_fn)
     mode = _nonfinite.normalize(nonfinite)
+    policy = _recompute.make_recompute(recompute)
+    dtype = _precision.normalize(precision)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
     pipeline = _with_custom_schedule(
         _pipeline_options(microbatches, schedule, interleave, batch_shape), custom_schedule
     )
     devices, multi, result_mesh = _devices_of(mesh)
-    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline, mode)
+    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline, mode, policy, dtype)
     with multi if multi is not None else _config.context(), _devices.use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
         jitted = _jit.jit(setup.step, devices=devices, donate_argnums=(0,))

@@ -41,7 +41,7 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _task
+from multimesh_flax.core.declare import _config, _recompute, _task
 from multimesh_flax.core.trace import _colour, _session
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
@@ -104,12 +104,13 @@ def resolve_path(spec: _task.Task, path: ModulePath) -> _session.ResolvedTask:
 
 
 def call_as_task(
-    module: nn.Module, spec: _task.Task, call: Callable[..., Any], args: Any = ((), {})
+    module: nn.Module, spec: _task.Task, method: Callable[..., Any], args: Any = ((), {})
 ) -> Any:
-    """Runs ``call(*args[0], **args[1])`` (the wrapped module's method) as ``spec``'s task."""
+    """Runs ``method(module, *args[0], **args[1])`` (the wrapped module's method, unbound)
+    as ``spec``'s task, recomputed in the backward pass when its policy says so."""
     positional, keywords = args
     if _config.get_flag("ignore_transforms"):
-        return call(*positional, **keywords)
+        return method(module, *positional, **keywords)
     if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
@@ -117,12 +118,13 @@ def call_as_task(
     if _session.current_session() is None and not _is_traced(module, args):
         positional, keywords = _eager_inputs(module, spec, args)
         with _config.ignore_transforms():
-            return call(*positional, **keywords)  # eager: the wrapped module's values
+            return method(module, *positional, **keywords)  # eager: the wrapped module's values
     if _session.current_session() is None:
         _session.warn_foreign_trace(spec.name or "task")
     resolved = resolve_path(spec, tuple(module.path))
+    fun, transform = _recompute.linen_transform(module, method)
     with _session.enter_task(resolved), _colour.flax_rules(resolved):
-        return call(*positional, **keywords)
+        return _recompute.call(fun, positional, keywords, spec.recompute, transform)
 
 
 def _is_traced(module: nn.Module, args: Any) -> bool:
@@ -182,9 +184,7 @@ def _class_name(cls: type, name: str) -> Iterator[None]:
 
 def _make_task_class(model: type[nn.Module], spec: _task.Task) -> type[nn.Module]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return call_as_task(
-            self, spec, lambda *a, **k: super(cls, self).__call__(*a, **k), (args, kwargs)
-        )
+        return call_as_task(self, spec, model.__call__, (args, kwargs))
 
     def __post_init__(self: nn.Module) -> None:
         # Auto-name like the wrapped module (``Dense_0``, not ``Task[Dense]_0``) so that the
@@ -235,8 +235,10 @@ def task(
             ``layer_0``, else the module class name).
         task: a ready ``Task``; exclusive with ``kwargs``.
         **kwargs: ``mesh`` (a ``TaskMesh`` or ``jax.sharding.Mesh``), ``devices`` (array or
-            list of jax devices) with ``device_axes``, ``logical_axes``, or any ``Task`` field.
-            Without ``logical_axes`` the mesh axis names are the logical names.
+            list of jax devices) with ``device_axes``, ``logical_axes``, or any ``Task`` field
+            (``recompute="full"``: the backward recomputes the module's activations, through
+            Flax's lifted ``nn.checkpoint``). Without ``logical_axes`` the mesh axis names are
+            the logical names.
 
     Returns:
         A subclass of ``model`` named ``Task[<Model>]``, constructed with ``model``'s fields.

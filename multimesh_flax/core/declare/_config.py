@@ -7,7 +7,7 @@ at once:
   ``parallelize``, ``jit`` and ``with multi_mesh:``);
 * :func:`enable_fast_path` -- a program with no tasks compiles to one plain ``jax.jit``;
 * :func:`enable_recomputation` -- task backward passes recompute their forward
-  (``jax.checkpoint``) instead of keeping activations;
+  (``jax.checkpoint``) instead of keeping activations, for every task kind;
 * :func:`ignore_transforms` -- every multimesh transformation becomes the identity, for
   debugging and as the numerical reference;
 * ``strict`` (through :func:`context` only) -- a ``PlacementWarning`` (a pattern that matched
@@ -123,9 +123,12 @@ def enable_fast_path(enable: bool = True) -> contextlib.AbstractContextManager[N
 def enable_recomputation(enable: bool = True) -> contextlib.AbstractContextManager[None]:
     """(En|dis)ables recomputation of task forward passes during their backward pass.
 
-    Task bodies traced inside this context are wrapped in ``jax.checkpoint``: the backward
-    pass keeps only the task's inputs and recomputes its activations, trading compute for
-    memory.
+    Task bodies traced inside this context -- task functions, Linen ``Task[Module]`` and NNX
+    ``Task[Block]`` alike -- are wrapped in ``jax.checkpoint`` (the ``"full"`` policy): the
+    backward pass keeps only the task's inputs and recomputes its activations, trading
+    compute for memory. A task's own ``recompute`` and ``parallelize_step(...,
+    recompute=...)`` take precedence over this switch
+    (``multimesh_flax.core.declare._recompute``).
 
     Example:
         >>> import multimesh_flax as mm

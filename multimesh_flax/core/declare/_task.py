@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _devices
+from multimesh_flax.core.declare import _devices, _recompute
 from multimesh_flax.core.declare._rules import Rule, normalise_rules
 
 
@@ -35,12 +35,21 @@ class Task:
         split_backprop: ``(critical_suffix, noncritical_suffix)`` names of the two halves of
             the backward task (activation gradients, weight gradients).
         loop_dependent_mesh_slice: ``i -> {axis: index}``, the slice microbatch ``i`` uses.
+        recompute: what the task's backward keeps (``multimesh_flax.core.declare._recompute``):
+            ``None`` (unset: ``parallelize_step``'s ``recompute``, else the
+            ``enable_recomputation`` switch), ``False``/``"none"`` (off), ``True``/``"full"``
+            (only the inputs), ``"dots"`` (also matrix products without batch dimensions)
+            or a ``jax.checkpoint_policies`` callable. Stored as a ``Recompute``. A
+            registered task recomputes the Flax and NNX modules it matches; code matched
+            only by a ``jax.named_scope`` name has no call to wrap, so a ``recompute`` of
+            its own raises ``RecomputePolicyError`` when traced (a step-wide policy warns).
 
     Raises:
         InvalidTaskError: both ``mesh`` and ``mesh_slice``, a ``name`` that is not a string,
             or a ``mesh_slice`` that is not a mapping.
         TaskTypeError: ``mesh`` is neither a ``TaskMesh`` nor a ``jax.sharding.Mesh``.
         LogicalRulesError: malformed ``logical_axes`` or ``extra_axes``.
+        RecomputePolicyError: ``recompute`` is not one of the forms above.
 
     Example:
         >>> import multimesh_flax as mm
@@ -57,8 +66,10 @@ class Task:
     extra_axes: Sequence[Rule] | None = None
     split_backprop: tuple[str, str] | None = None
     loop_dependent_mesh_slice: Callable[[int], Mapping[str, int]] | None = None
+    recompute: Any = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute", _recompute.make_recompute(self.recompute))
         if self.name is not None and not isinstance(self.name, str):
             raise errors.InvalidTaskError(
                 f"Expected `name` to be a string, got {type(self.name).__name__}: {self.name!r}. "

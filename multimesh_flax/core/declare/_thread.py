@@ -20,6 +20,7 @@ class _ThreadState(threading.local):
         self.contexts: list[Any] = []  # _registry: entered ``Context``s, innermost last
         self.device_lists: list[tuple[Any, ...]] = []  # _devices: ``jit(devices=...)`` lists
         self.multi_meshes: list[Any] = []  # _multimesh: entered ``MultiMesh``es
+        self.recompute: list[Any] = []  # _recompute: step-wide policies, innermost last
         # trace
         self.sessions: list[Any] = []  # _session: open ``TraceSession``s, innermost last
         self.task_stack: list[Any] = []  # _session: ``ResolvedTask``s being traced

@@ -11,10 +11,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import jax
-
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config
+from multimesh_flax.core.declare import _config, _recompute
 from multimesh_flax.core.declare._task import Task, make_task
 from multimesh_flax.core.front._jit import jit
 from multimesh_flax.core.trace._session import (
@@ -39,7 +37,8 @@ def task(
         fun: the function to run as a task.
         name: display name (default: ``fun.__name__``).
         task: a ready ``Task``; exclusive with ``kwargs``.
-        **kwargs: ``Task`` fields (``mesh``, ``logical_axes``, ``mesh_slice``, ...), or
+        **kwargs: ``Task`` fields (``mesh``, ``logical_axes``, ``mesh_slice``,
+            ``recompute``, ...), or
             ``devices`` (an array of jax devices, or of integer positions in the executable's
             device list as in ``TaskMesh``) with ``device_axes``.
 
@@ -56,6 +55,14 @@ def task(
         >>> y = g(jnp.zeros(3))
         >>> y.tolist(), [d.id for d in y.devices()]
         ([1.0, 1.0, 1.0], [1])
+
+        With ``recompute`` the backward recomputes the task's activations instead of
+        keeping them (same values):
+
+        >>> h = mm.task(lambda x: jnp.sin(jnp.sin(x)), mesh=mm.TaskMesh(devices=[0]),
+        ...             recompute="full")
+        >>> round(float(mm.jit(jax.grad(lambda x: h(x).sum()))(jnp.ones(2))[0]), 4)
+        0.36
     """
     if not callable(fun):
         raise errors.TaskTypeError(
@@ -76,9 +83,8 @@ def task(
             return eager_cache["jit"](*args, **kw)
         if current_session() is None:
             warn_foreign_trace(display)
-        body = jax.checkpoint(fun) if _config.get_flag("enable_recomputation") else fun
         with enter_task(resolve_task(spec, display)):
-            return body(*args, **kw)
+            return _recompute.call(fun, args, kw, spec.recompute)
 
     run_task.task = spec  # type: ignore[attr-defined]
     return run_task

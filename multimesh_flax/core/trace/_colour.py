@@ -36,7 +36,15 @@ from jax._src import source_info_util
 from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _registry, _task, _thread, _warnings
+from multimesh_flax.core.declare import (
+    _config,
+    _devices,
+    _recompute,
+    _registry,
+    _task,
+    _thread,
+    _warnings,
+)
 from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _session
 
@@ -84,6 +92,7 @@ class _SessionState:
         self.origin = learnt.origin
         self.matches = learnt.matches
         self.labels = learnt.labels
+        self.modules = learnt.modules
 
     def match(self, *names: str) -> _registry.Match | None:
         """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
@@ -226,9 +235,10 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
     match = state.match(*module_names(context.module))
     if match is not None:
         resolved = state.resolve(match, False)
+        state.modules.add(resolved.uid)
         if _session.current_task() is not resolved:
             with _session.enter_task(resolved), flax_rules(resolved):
-                return next_fun(*args, **kwargs)
+                return _call_registered(next_fun, args, kwargs, context, resolved)
     else:
         resolved = current_task()  # a matched named scope around this module
         active = _thread.STATE.flax_rules[-1] if _thread.STATE.flax_rules else None
@@ -236,6 +246,22 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
             with flax_rules(resolved):
                 return next_fun(*args, **kwargs)
     return next_fun(*args, **kwargs)
+
+
+def _call_registered(
+    next_fun: Any, args: Any, kwargs: Any, context: Any, resolved: _session.ResolvedTask
+) -> Any:
+    """A matched module's ``__call__``, recomputed in the backward pass when the registered
+    task's policy says so (other methods run as they are)."""
+    if (
+        context.method_name != "__call__"
+        or not _recompute.effective(resolved.task.recompute).enabled
+    ):
+        return next_fun(*args, **kwargs)
+    fun, transform = _recompute.linen_transform(
+        context.module, lambda clone, *a, **k: clone(*a, **k)
+    )
+    return _recompute.call(fun, args, kwargs, resolved.task.recompute, transform)
 
 
 @contextlib.contextmanager
@@ -322,7 +348,37 @@ def label_equations(
             keep = mine is None or label == mine
             out.append(label if keep else mine)
     warn_unmatched(state, stacks)
+    _check_scope_recompute(state, {label.task for label in out if label is not None})
     return out
+
+
+def _check_scope_recompute(state: _SessionState, uids: set[int]) -> None:
+    """Refuses (or, for a step-wide policy, warns about) recomputation of a task matched
+    only by ``jax.named_scope`` names: a scope has no call to wrap in ``jax.checkpoint``.
+
+    Raises:
+        RecomputePolicyError: such a task sets ``recompute`` itself.
+    """
+    for uid in sorted(uids & state.origin.keys() - state.modules):
+        task, name = state.session.tasks[uid].task, state.origin[uid].name
+        if not _recompute.effective(task.recompute).enabled:
+            continue
+        advice = (
+            "a named scope has no call to wrap in `jax.checkpoint`. Wrap the scoped code in a "
+            "function task (`mm.task(fun, ..., recompute=...)`) or a Flax module, or "
+            "`jax.checkpoint` it yourself."
+        )
+        if task.recompute is not None:
+            raise errors.RecomputePolicyError(
+                f"Expected a task with `recompute` to run a Flax module or function, got the "
+                f"task registered for {state.origin[uid].registration.pattern.pattern!r}, "
+                f"matched only by the named scope {name!r}: {advice}"
+            )
+        _warnings.warn_placement(
+            ("scope-recompute", name),
+            f"The task of named scope {name!r} is not recomputed although recomputation is "
+            f"on for the step: {advice}",
+        )
 
 
 def warn_inactive(stacks: Sequence[str]) -> None:

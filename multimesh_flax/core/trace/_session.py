@@ -167,6 +167,7 @@ class RegisteredTasks:
         default_factory=dict
     )  # scope or module names -> the winning registration
     labels: dict[str, Label | None] = dataclasses.field(default_factory=dict)  # by name stack
+    modules: set[int] = dataclasses.field(default_factory=set)  # uids entered by a Flax module
 
 
 _CALL_UIDS = itertools.count(1)  # process-wide, so scope names never collide across traces
