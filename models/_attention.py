@@ -19,6 +19,7 @@ their own, so a whole prompt can be pre-filled in one call and tokens then added
 
 from __future__ import annotations
 
+import einops
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -117,15 +118,14 @@ def causal_mask(q_len: int, kv_len: int, q_start: jax.typing.ArrayLike = 0) -> j
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dropout) -> jax.Array:
     """Softmax attention of ``(B, T, H, D)`` queries over ``(B, S, K, D)`` keys/values."""
-    batch, length, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    q = q.reshape(batch, length, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    q = q * jnp.asarray(head_dim**-0.5, q.dtype)
+    # Query heads in groups of G: head ``k * G + g`` attends with key/value head ``k``.
+    q = einops.rearrange(q, "b t (k g) d -> b t k g d", k=k.shape[2])
+    q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
     logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = dropout(jax.nn.softmax(logits, axis=-1).astype(v.dtype))
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(batch, length, num_heads, head_dim)
+    return einops.rearrange(out, "b t k g d -> b t (k g) d")
 
 
 class _Projection(nn.Module):

@@ -15,14 +15,18 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import einops
 import numpy as np
 
 from ..configs import ModelConfig
-from ._layout import Rule, reshaped, same
+from ._layout import Rule, rearranged, same
 
 PREFIX = "transformer."
 IGNORED = re.compile(r"^(lm_head\.weight|.*\.attn\.(masked_)?bias)$")
 """Keys a GPT-2 checkpoint may hold that carry no parameter (the tied head, causal masks)."""
+
+_OUT_KERNEL = "(heads head_dim) embed -> heads head_dim embed"
+"""``Conv1D`` weights are already ``(in, out)``: ``c_proj`` only splits its input into heads."""
 
 
 def canonical_key(key: str) -> str:
@@ -35,28 +39,21 @@ def canonical_key(key: str) -> str:
 def _fused_qkv(prefix: str, config: ModelConfig, i: int, part: str) -> Rule:
     e, h, d = config.embed_dim, config.num_heads, config.head_dim
     assert d is not None
-    hd = h * d
-    names = ("query", "key", "value")
-    ours = tuple((f"blocks_{i}", "attn", n, part) for n in names)
-    if part == "kernel":
-        shape: tuple[int, ...] = (e, 3 * hd)
+    ours = tuple((f"blocks_{i}", "attn", n, part) for n in ("query", "key", "value"))
+    # The kernel has a leading input axis; the bias has none.
+    in_axis, shape = ("embed ", (e, 3 * h * d)) if part == "kernel" else ("", (3 * h * d,))
+    fused = f"{in_axis}(qkv heads head_dim)"
+    split = f"qkv {in_axis}heads head_dim"
 
-        def split(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-            return [np.ascontiguousarray(a).reshape(e, h, d) for a in np.split(xs[0], 3, 1)]
+    def to_ours(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        parts = einops.rearrange(xs[0], f"{fused} -> {split}", qkv=3, heads=h)
+        return [np.ascontiguousarray(x) for x in parts]
 
-        def fuse(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-            return [np.concatenate([x.reshape(e, hd) for x in xs], axis=1)]
-    else:
-        shape = (3 * hd,)
-
-        def split(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-            return [a.reshape(h, d) for a in np.split(xs[0], 3)]
-
-        def fuse(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-            return [np.concatenate([x.reshape(hd) for x in xs])]
+    def to_hf(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        return [einops.rearrange(list(xs), f"{split} -> {fused}")]
 
     hf_name = "weight" if part == "kernel" else "bias"
-    return Rule((f"{prefix}.attn.c_attn.{hf_name}",), (shape,), ours, split, fuse)
+    return Rule((f"{prefix}.attn.c_attn.{hf_name}",), (shape,), ours, to_ours, to_hf)
 
 
 def _norm(hf: str, e: int, ours: tuple[str, ...]) -> list[Rule]:
@@ -67,11 +64,12 @@ def _block(config: ModelConfig, i: int) -> list[Rule]:
     e, m, h, d = config.embed_dim, config.mlp_dim, config.num_heads, config.head_dim
     assert d is not None
     p, b = f"{PREFIX}h.{i}", f"blocks_{i}"
+    c_proj = f"{p}.attn.c_proj.weight"
     return [
         *_norm(f"{p}.ln_1", e, (b, "attn_norm")),
         _fused_qkv(p, config, i, "kernel"),
         _fused_qkv(p, config, i, "bias"),
-        reshaped(f"{p}.attn.c_proj.weight", (h * d, e), (b, "attn", "out", "kernel"), (h, d, e)),
+        rearranged(c_proj, (h * d, e), (b, "attn", "out", "kernel"), _OUT_KERNEL, heads=h),
         same(f"{p}.attn.c_proj.bias", (e,), (b, "attn", "out", "bias")),
         *_norm(f"{p}.ln_2", e, (b, "mlp_norm")),
         same(f"{p}.mlp.c_fc.weight", (e, m), (b, "mlp", "fc", "kernel")),

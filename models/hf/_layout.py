@@ -2,7 +2,8 @@
 
 A `Rule` ties one or more Hugging Face tensors (by key, with their expected shapes) to one
 or more of our parameters (by path in the `GPT`/`Llama` tree) with two NumPy functions, one
-each way. Most rules are one tensor to one parameter with a transpose or reshape; GPT-2's
+each way. Most rules are one tensor to one parameter whose axes an einops pattern regroups or
+reorders (`rearranged`, e.g. ``"(heads head_dim) embed -> embed heads head_dim"``); GPT-2's
 fused ``c_attn`` is one tensor to three (query, key, value), and a tied Llama head is one
 tensor (``embed_tokens``) to two (``embed`` and ``lm_head``). The family modules
 (`models.hf._gpt2`, `models.hf._llama`) list their rules; `models.hf._load` and
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import einops
 import numpy as np
 
 Path = tuple[str, ...]
@@ -46,31 +48,32 @@ def same(hf: str, shape: tuple[int, ...], ours: Path) -> Rule:
 
 def transposed(hf: str, shape: tuple[int, int], ours: Path) -> Rule:
     """A ``torch.nn.Linear`` weight ``(out, in)`` <-> our ``(in, out)`` kernel."""
-    flip: Convert = lambda xs: [np.ascontiguousarray(xs[0].T)]
-    return Rule((hf,), (shape,), (ours,), flip, flip)
+    return rearranged(hf, shape, ours, "d_out d_in -> d_in d_out")
 
 
-def reshaped(hf: str, shape: tuple[int, ...], ours: Path, our_shape: tuple[int, ...]) -> Rule:
-    """A tensor whose flat HF shape is split into more axes on our side (no data moves)."""
+def rearranged(hf: str, shape: tuple[int, ...], ours: Path, pattern: str, **sizes: int) -> Rule:
+    """A tensor whose axes an einops `pattern` regroups or reorders, HF's side on the left.
+
+    The way back is `pattern` read right to left; `sizes` name the lengths that splitting a
+    grouped axis needs (``head_dim=...`` for ``"(heads head_dim) embed -> ..."``).
+
+    Example:
+        >>> rule = rearranged("w", (6, 4), ("k",), "(heads head_dim) e -> e heads head_dim",
+        ...                   head_dim=3)
+        >>> ours = rule.to_ours([np.arange(24).reshape(6, 4)])[0]
+        >>> ours.shape, ours[1, 0].tolist()
+        ((4, 2, 3), [1, 5, 9])
+        >>> np.array_equal(rule.to_hf([ours])[0], np.arange(24).reshape(6, 4))
+        True
+    """
+    hf_axes, our_axes = pattern.split("->")
+    back = f"{our_axes} -> {hf_axes}"
     return Rule(
         (hf,),
         (shape,),
         (ours,),
-        lambda xs: [xs[0].reshape(our_shape)],
-        lambda xs: [xs[0].reshape(shape)],
-    )
-
-
-def transposed_reshaped(
-    hf: str, shape: tuple[int, int], ours: Path, our_shape: tuple[int, ...]
-) -> Rule:
-    """A ``Linear`` weight ``(out, in)``, transposed to ``(in, out)``, then reshaped."""
-    return Rule(
-        (hf,),
-        (shape,),
-        (ours,),
-        lambda xs: [np.ascontiguousarray(xs[0].T).reshape(our_shape)],
-        lambda xs: [np.ascontiguousarray(xs[0].reshape(shape[::-1]).T)],
+        lambda xs: [np.ascontiguousarray(einops.rearrange(xs[0], pattern, **sizes))],
+        lambda xs: [np.ascontiguousarray(einops.rearrange(xs[0], back, **sizes))],
     )
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import einops
 import numpy as np
 
 from ..configs import ModelConfig
-from ._layout import Rule, reshaped, same, transposed, transposed_reshaped
+from ._layout import Rule, rearranged, same, transposed
 
 IGNORED = re.compile(r"^(lm_head\.weight|.*\.rotary_emb\.inv_freq)$")
 """Keys a Llama checkpoint may hold that carry no parameter (a tied head, rotary buffers)."""
@@ -41,20 +42,26 @@ def canonical_key(key: str) -> str:
     return key
 
 
+# torch's ``(out, in)`` projection weights (and Qwen2's biases) <-> our per-head parameters.
+_QKV_KERNEL = "(heads head_dim) embed -> embed heads head_dim"
+_QKV_BIAS = "(heads head_dim) -> heads head_dim"
+_OUT_KERNEL = "embed (heads head_dim) -> heads head_dim embed"
+
+
 def _attention(config: ModelConfig, i: int) -> list[Rule]:
     e, h, k, d = config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim
     assert k is not None and d is not None
     p, b = f"model.layers.{i}.self_attn", (f"blocks_{i}", "attn")
     out = [
-        transposed_reshaped(f"{p}.q_proj.weight", (h * d, e), (*b, "query", "kernel"), (e, h, d)),
-        transposed_reshaped(f"{p}.k_proj.weight", (k * d, e), (*b, "key", "kernel"), (e, k, d)),
-        transposed_reshaped(f"{p}.v_proj.weight", (k * d, e), (*b, "value", "kernel"), (e, k, d)),
+        rearranged(f"{p}.q_proj.weight", (h * d, e), (*b, "query", "kernel"), _QKV_KERNEL, heads=h),
+        rearranged(f"{p}.k_proj.weight", (k * d, e), (*b, "key", "kernel"), _QKV_KERNEL, heads=k),
+        rearranged(f"{p}.v_proj.weight", (k * d, e), (*b, "value", "kernel"), _QKV_KERNEL, heads=k),
     ]
     if config.qkv_bias:
         out += [
-            reshaped(f"{p}.q_proj.bias", (h * d,), (*b, "query", "bias"), (h, d)),
-            reshaped(f"{p}.k_proj.bias", (k * d,), (*b, "key", "bias"), (k, d)),
-            reshaped(f"{p}.v_proj.bias", (k * d,), (*b, "value", "bias"), (k, d)),
+            rearranged(f"{p}.q_proj.bias", (h * d,), (*b, "query", "bias"), _QKV_BIAS, heads=h),
+            rearranged(f"{p}.k_proj.bias", (k * d,), (*b, "key", "bias"), _QKV_BIAS, heads=k),
+            rearranged(f"{p}.v_proj.bias", (k * d,), (*b, "value", "bias"), _QKV_BIAS, heads=k),
         ]
     if config.qk_norm:
         out += [
@@ -62,7 +69,7 @@ def _attention(config: ModelConfig, i: int) -> list[Rule]:
             same(f"{p}.k_norm.weight", (d,), (*b, "key_norm", "scale")),
         ]
     o_proj = f"{p}.o_proj.weight"
-    return [*out, transposed_reshaped(o_proj, (e, h * d), (*b, "out", "kernel"), (h, d, e))]
+    return [*out, rearranged(o_proj, (e, h * d), (*b, "out", "kernel"), _OUT_KERNEL, heads=h)]
 
 
 def _block(config: ModelConfig, i: int) -> list[Rule]:
@@ -80,7 +87,8 @@ def _block(config: ModelConfig, i: int) -> list[Rule]:
 
 def _tied_embedding(vocab: int, embed: int) -> Rule:
     def both(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        return [xs[0], np.ascontiguousarray(xs[0].T)]
+        head = einops.rearrange(xs[0], "vocab embed -> embed vocab")
+        return [xs[0], np.ascontiguousarray(head)]
 
     def table(xs: Sequence[np.ndarray]) -> list[np.ndarray]:
         return [xs[0]]
