@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _registry
 from multimesh_flax.core.front import _parallelize
-from multimesh_flax.core.trace import _colour
+from multimesh_flax.core.trace import _colour, _session
 from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement, _placement_report
 
 # Keyword arguments of ``nnx.tabulate`` (everything else goes to the model's call).
@@ -170,5 +170,6 @@ def _summary(model: nnx.Module, args: Any, options: Any, call_kwargs: Any) -> st
     def run(state: Any, inputs: Any) -> None:
         tables.append(nnx.tabulate(nnx.merge(graphdef, state), *inputs, **options, **call_kwargs))
 
-    jax.eval_shape(run, _abstract(state), _abstract(args))
+    with _session.shape_only_trace():  # NNX's table traces the model; nothing is placed there
+        jax.eval_shape(run, _abstract(state), _abstract(args))
     return tables[0]

@@ -14,17 +14,21 @@ metadata into ``nnx.Optimizer`` state, so the optimizer state of a parameter kno
 Inside a trace (``nnx.eval_shape``, ``nnx.jit``, an enclosing constructor under them) the
 constructor only adds the constraints and the metadata.
 
-**Calls.** Inside ``multimesh_flax.jit`` (or any trace with tracers) a call runs as the task:
-the task's marker scope, its rules for ``with_sharding_constraint``, and its variables read
-through constraints on its submesh, forward and backward. Called eagerly, it is the plain
-module run on the task's submesh (array arguments move there). Under ``ignore_transforms`` it
-is exactly ``Block``.
+**Calls** go through the one task call (``core/front/_task_call``), as function and Linen
+tasks do. Inside ``multimesh_flax.jit`` a call runs as the task: the task's marker scope, its
+rules for ``with_sharding_constraint`` and Flax's logical API, and its variables read through
+constraints on its submesh, forward and backward. Traced by ``jax.jit``/``nnx.jit`` it warns
+(``PlacementWarning``), like the other kinds. Called eagerly, it is the plain module run on the
+task's submesh (array arguments move there). Under ``ignore_transforms`` it is exactly
+``Block``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -34,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _recompute, _registry, _rules, _task
+from multimesh_flax.core.front import _task_call
 from multimesh_flax.core.trace import _colour, _session
 
 TASK_SHARDING = "task_sharding"  # Variable metadata: where a task-born variable lives
@@ -197,48 +202,63 @@ def construct(cls: type, node: nnx.Module, *args: Any, **kwargs: Any) -> None:
 # --- calls ------------------------------------------------------------------------------
 
 
-def _call_eager(module: nnx.Module, spec: _task.Task, method: Callable[..., Any], args: Any) -> Any:
-    mesh = resolve(module, spec).mesh
-    replicated = NamedSharding(mesh, PartitionSpec())
-    moved = jax.tree_util.tree_map(
-        lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, args
-    )
-    with _config.ignore_transforms():
-        return method(module, *moved[0], **moved[1])
-
-
 def call_as_task(
     module: nnx.Module, spec: _task.Task, method: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
     """Runs ``method(module, *args, **kwargs)`` (the wrapped ``__call__``, unbound) as
-    ``spec``'s task."""
-    if _config.get_flag("ignore_transforms"):
-        return method(module, *args, **kwargs)
-    traced = _session.current_session() is not None or _session.contains_tracer((args, kwargs))
-    if not traced:
-        return _call_eager(module, spec, method, (args, kwargs))
-    resolved = resolve(module, spec)
-    with _session.enter_task(resolved):
-        return _call_with_placed_variables(module, resolved, method, args, kwargs)
+    ``spec``'s task, through the one task call (``core/front/_task_call.call``)."""
+    if spec.name is None:
+        spec = dataclasses.replace(spec, name=type(module).wrapped_module.__name__)
+    return _task_call.call(_task_call_of(module, spec, method), args, kwargs)
 
 
-def _call_with_placed_variables(
-    module: nnx.Module,
-    resolved: _session.ResolvedTask,
-    method: Callable[..., Any],
-    args: Any,
-    kw: Any,
-) -> Any:
-    """``method(module, ...)`` with the module's variables read through constraints on the
-    task's submesh (their values are restored afterwards unless the call wrote them),
-    recomputed in the backward pass when the task's policy says so."""
+def _task_call_of(
+    module: nnx.Module, spec: _task.Task, method: Callable[..., Any]
+) -> _task_call.TaskCall:
+    """The NNX adapter: one task per instance per trace, the module's variable values
+    reveal a trace, the variables are read through constraints on the submesh inside the
+    task, recomputation checkpoints over the module's state (split and merged), and an
+    eager call runs the module op by op on the submesh."""
+    fun, transform = _recompute.nnx_transform(module, method)
+    return _task_call.TaskCall(
+        spec=spec,
+        body=fun,
+        eager=_eager_runner(module, spec, method),
+        transform=transform,
+        key=("nnx", getattr(module, _INSTANCE_KEY, id(module))),
+        state=[v.get_value() for _, v in own_variables(module)],
+        place=lambda resolved: _placed_variables(module, resolved),
+    )
+
+
+def _eager_runner(
+    module: nnx.Module, spec: _task.Task, method: Callable[..., Any]
+) -> _task_call.EagerRunner:
+    """An eager NNX call: the wrapped method op by op, transforms off, its array arguments
+    moved onto the task's submesh (replicated), where the module's variables were born."""
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        replicated = NamedSharding(resolve(module, spec).mesh, PartitionSpec())
+        moved_args, moved_kwargs = jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
+            (args, kwargs),
+        )
+        with _config.ignore_transforms():
+            return method(module, *moved_args, **moved_kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _placed_variables(module: nnx.Module, resolved: _session.ResolvedTask) -> Iterator[None]:
+    """The module's variables read through constraints on the task's submesh; their values
+    are restored afterwards unless the call wrote them."""
     variables = own_variables(module)
     originals = [v.get_value() for _, v in variables]
     place_variables(module, resolved, record=False)
     read = [v.get_value() for _, v in variables]
-    fun, transform = _recompute.nnx_transform(module, method)
     try:
-        return _recompute.call(fun, args, kw, resolved.task.recompute, transform)
+        yield
     finally:
         for (_, v), original, constrained in zip(variables, originals, read, strict=True):
             if v.get_value() is constrained:  # not written by the call itself
@@ -259,8 +279,7 @@ def _call_as_registered(module: nnx.Module, method: Callable[..., Any], args: An
     state.modules.add(resolved.uid)
     if _session.current_task() is resolved:
         return method(module, *args, **kw)
-    with _session.enter_task(resolved):
-        return _call_with_placed_variables(module, resolved, method, args, kw)
+    return _task_call.run_as(resolved, _task_call_of(module, resolved.task, method), args, kw)
 
 
 _REGISTERED_CLASSES: dict[tuple[type, str, Any], type] = {}

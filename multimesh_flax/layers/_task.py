@@ -11,7 +11,8 @@ parameters are exactly the wrapped module's: same names, same nesting, and an au
 ``Task[Dense]`` inside a compact parent is called ``Dense_0`` like the plain module would be.
 A checkpoint of the plain model therefore loads into the task-wrapped one and back.
 
-Where the call runs:
+Where the call runs (decided once for every kind of task by ``core/front/_task_call.call``;
+this module is the Linen adapter):
 
 * inside ``multimesh_flax.jit`` / ``parallelize`` / ``parallelize_step`` (or any trace): as the
   task, on its submesh; each module instance is one task per trace, however often it is
@@ -42,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _recompute, _task
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.front import _task_call
+from multimesh_flax.core.trace import _session
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
 ModulePath = tuple[str, ...]
@@ -107,29 +109,42 @@ def call_as_task(
     module: nn.Module, spec: _task.Task, method: Callable[..., Any], args: Any = ((), {})
 ) -> Any:
     """Runs ``method(module, *args[0], **args[1])`` (the wrapped module's method, unbound)
-    as ``spec``'s task, recomputed in the backward pass when its policy says so."""
+    as ``spec``'s task, through the one task call (``core/front/_task_call.call``).
+
+    The Linen adapter: one task per module path per trace, the module's variables reveal a
+    trace, recomputation goes through Flax's lifted ``nn.checkpoint``, and an eager call runs
+    the method op by op next to the module's variables (:func:`_eager_runner`).
+    """
     positional, keywords = args
-    if _config.get_flag("ignore_transforms"):
-        return method(module, *positional, **keywords)
     if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
-    _record(tuple(module.path), spec)
-    if _session.current_session() is None and not _is_traced(module, args):
-        positional, keywords = _eager_inputs(module, spec, args)
-        with _config.ignore_transforms():
-            return method(module, *positional, **keywords)  # eager: the wrapped module's values
-    if _session.current_session() is None:
-        _session.warn_foreign_trace(spec.name or "task")
-    resolved = resolve_path(spec, tuple(module.path))
+    if not _config.get_flag("ignore_transforms"):
+        _record(tuple(module.path), spec)
     fun, transform = _recompute.linen_transform(module, method)
-    with _session.enter_task(resolved), _colour.flax_rules(resolved):
-        return _recompute.call(fun, positional, keywords, spec.recompute, transform)
+    task_call = _task_call.TaskCall(
+        spec=spec,
+        body=fun,
+        eager=_eager_runner(module, spec, method),
+        transform=transform,
+        key=("flax", tuple(module.path)),
+        state=module.variables,
+    )
+    return _task_call.call(task_call, positional, keywords)
 
 
-def _is_traced(module: nn.Module, args: Any) -> bool:
-    """Whether the call is being traced: its inputs or the module's variables are tracers."""
-    return _session.contains_tracer(args) or _session.contains_tracer(module.variables)
+def _eager_runner(
+    module: nn.Module, spec: _task.Task, method: Callable[..., Any]
+) -> _task_call.EagerRunner:
+    """An eager Linen call: the wrapped method op by op, transforms off, its array inputs
+    moved next to the module's variables (else onto the task's submesh)."""
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        positional, keywords = _eager_inputs(module, spec, (args, kwargs))
+        with _config.ignore_transforms():
+            return method(module, *positional, **keywords)
+
+    return run
 
 
 def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding | None:

@@ -157,6 +157,25 @@ def call(
     recompute = effective(setting)
     if not recompute.enabled:
         return fun(*args, **kwargs)
+    return call_on_arrays(fun, args, kwargs, lambda body: transform(body, recompute))
+
+
+def call_on_arrays(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    transform: Callable[[Callable[..., Any]], Callable[..., Any]],
+) -> Any:
+    """``transform(body)(*arrays)`` where ``body(*arrays)`` is ``fun(*args, **kwargs)`` with
+    the array leaves of the arguments (and of the result) as its only inputs (and outputs).
+
+    Everything else is closed over, as a plain call would see it. :func:`call` hands a
+    checkpoint to it; an eager task call hands it a one-task ``jit`` program.
+
+    Example:
+        >>> call_on_arrays(lambda x, n: x * n, (np.ones(2), 3), {}, jax.jit).tolist()
+        [3.0, 3.0]
+    """
     leaves, tree = jax.tree_util.tree_flatten((tuple(args), kwargs))
     dynamic = [i for i, leaf in enumerate(leaves) if _is_array(leaf)]
     results: dict[str, Any] = {}
@@ -170,7 +189,7 @@ def call(
         results["leaves"], results["tree"] = out_leaves, out_tree  # the static ones are kept
         return [leaf for leaf in out_leaves if _is_array(leaf)]
 
-    arrays = iter(transform(body, recompute)(*[leaves[i] for i in dynamic]))
+    arrays = iter(transform(body)(*[leaves[i] for i in dynamic]))
     out = [next(arrays) if _is_array(leaf) else leaf for leaf in results["leaves"]]
     return jax.tree_util.tree_unflatten(results["tree"], out)
 

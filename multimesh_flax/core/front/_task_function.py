@@ -1,27 +1,22 @@
 """``task(fun, ...)``: a function that runs as a task.
 
-Traced by ``jit``/``parallelize``, the function runs inside its task's marker scope with the
-task's rules active (``trace/_session.enter_task``); called eagerly (outside every trace) it is
-compiled with ``jit`` and runs on its submesh.
+The adapter of a function to the one task call (``front/_task_call``): the body is the
+function, the recomputation checkpoint is ``jax.checkpoint``, and called eagerly it runs as a
+one-task program compiled once with ``jit`` (and kept). Everything else -- placement, rules,
+recomputation, the foreign-trace warning, errors -- is ``_task_call.call``'s, the same for
+Linen and NNX modules.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _recompute
 from multimesh_flax.core.declare._task import Task, make_task
-from multimesh_flax.core.front._jit import jit
-from multimesh_flax.core.trace._session import (
-    contains_tracer,
-    current_session,
-    enter_task,
-    resolve_task,
-    warn_foreign_trace,
-)
+from multimesh_flax.core.front import _task_call
 
 
 def task(
@@ -69,22 +64,15 @@ def task(
             f"Expected `fun` to be a function to run as a task, got {type(fun).__name__}: "
             f"{fun!r}. Pass the function itself."
         )
-    spec = make_task(name, task, kwargs)
-    display = spec.name or getattr(fun, "__name__", "task")
-    eager_cache: dict[str, Any] = {}
+    declared = make_task(name, task, kwargs)
+    spec = dataclasses.replace(declared, name=declared.name or getattr(fun, "__name__", "task"))
 
     @functools.wraps(fun)
     def run_task(*args: Any, **kw: Any) -> Any:
-        if _config.get_flag("ignore_transforms"):
-            return fun(*args, **kw)
-        if current_session() is None and not contains_tracer((args, kw)):
-            if "jit" not in eager_cache:
-                eager_cache["jit"] = jit(run_task)
-            return eager_cache["jit"](*args, **kw)
-        if current_session() is None:
-            warn_foreign_trace(display)
-        with enter_task(resolve_task(spec, display)):
-            return _recompute.call(fun, args, kw, spec.recompute)
+        return _task_call.call(task_call, args, kw)
 
-    run_task.task = spec  # type: ignore[attr-defined]
+    task_call = _task_call.TaskCall(
+        spec=spec, body=fun, eager=_task_call.one_task_program(run_task)
+    )
+    run_task.task = declared  # type: ignore[attr-defined]
     return run_task

@@ -1,0 +1,155 @@
+"""One task call: what every kind of task (function, Linen ``Task[Module]``, NNX
+``Task[Block]``) does when it is called, written once.
+
+A frontend describes its call as a :class:`TaskCall` -- the body, how the recomputation
+checkpoint reaches the body's variables, which trees besides the arguments reveal a trace,
+how it runs as a one-task program -- and hands it to :func:`call`, which decides, in this
+order:
+
+1. **under** ``ignore_transforms``: the body itself, nothing else;
+2. **eager** (no trace session, and JAX traces nothing): the frontend's ``eager`` runner.
+   Every kind computes the plain computation's values with the result on the task's
+   submesh. A function runs as a *one-task program* compiled with ``jit`` (inputs move to
+   the submesh, constraints resolve through the task's rules); a module runs op by op with
+   transforms off, its array arguments moved onto the submesh (Linen: next to its
+   committed variables, where those already are), so constraints inside it do not shard
+   the result;
+3. **traced by a transformation that is not ours** (``jax.jit``, ``jax.grad``, ``nnx.jit``
+   outside ``multimesh_flax.jit``): when the call's arguments or the module's variables are
+   tracers, a ``PlacementWarning`` naming ``multimesh_flax.jit`` (none inside
+   ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
+   ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
+   is taken as a shape-only trace and not warned. Then as 4;
+4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
+   (per module instance, for modules), its marker scope, its rules for
+   ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
+   ambient mesh, and its body run through :func:`multimesh_flax.core.declare._recompute.call`
+   (checkpointed when the task's recomputation policy says so).
+
+Errors are the same for every kind because they come from the same place: a task that
+cannot be resolved (``mesh_slice`` with no ``MultiMesh``, a rule naming a missing mesh axis)
+raises from :func:`call` whichever frontend made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from multimesh_flax.core.declare import _config, _recompute
+from multimesh_flax.core.declare._task import Task
+from multimesh_flax.core.front._jit import jit
+from multimesh_flax.core.trace import _colour, _session
+
+EagerRunner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def _no_place(_resolved: _session.ResolvedTask) -> AbstractContextManager[None]:
+    return nullcontext()
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskCall:
+    """One call of a task, as a frontend hands it to :func:`call`.
+
+    Attributes:
+        spec: the task, with its display name filled in.
+        body: the wrapped computation, ``body(*args, **kwargs)``.
+        eager: runs the call outside every trace (``args, kwargs -> result``): a
+            one-task program for functions (:func:`one_task_program`), op by op on the
+            submesh for modules.
+        transform: how the recomputation checkpoint wraps the body
+            (:func:`~multimesh_flax.core.declare._recompute.jax_transform` for functions; the
+            Linen and NNX transforms pass the module's variables in).
+        key: memo key of a module instance: one task per instance per trace
+            (``None``: a new task per call, as for functions).
+        state: trees besides the arguments whose tracers mean the call is traced (a
+            module's variables).
+        place: a context manager factory entered inside the task around the body (NNX reads
+            its variables through constraints on the submesh there).
+    """
+
+    spec: Task
+    body: Callable[..., Any]
+    eager: EagerRunner
+    transform: _recompute.Transform = _recompute.jax_transform
+    key: Hashable | None = None
+    state: Any = ()
+    place: Callable[[_session.ResolvedTask], AbstractContextManager[Any]] = _no_place
+
+    @property
+    def name(self) -> str:
+        return self.spec.name or "task"
+
+
+def call(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Runs ``task_call`` on ``args``/``kwargs`` (see the module docstring for the cases).
+
+    Raises:
+        NoMultiMeshError: a ``mesh_slice`` task with no ``MultiMesh`` active.
+        LogicalRulesError: a rule naming a mesh axis the task's mesh lacks.
+        StrictModeError: under ``context(strict=True)``, a task traced by a foreign trace.
+    """
+    if _config.get_flag("ignore_transforms"):
+        return task_call.body(*args, **kwargs)
+    session = _session.current_session()
+    inputs_traced = _session.contains_tracer((args, kwargs, task_call.state))
+    if session is None and not inputs_traced and not _jax_is_tracing():
+        return task_call.eager(args, kwargs)
+    if session is None and inputs_traced:
+        _session.warn_foreign_trace(task_call.name)
+    return run_as(resolve(task_call), task_call, args, kwargs)
+
+
+def _jax_is_tracing() -> bool:
+    """Whether JAX traces here even though the call's inputs are all constants (an
+    initialiser under ``jax.eval_shape`` that closes over its inputs)."""
+    return isinstance(jnp.zeros(()), jax.core.Tracer)
+
+
+def resolve(task_call: TaskCall) -> _session.ResolvedTask:
+    """The ``ResolvedTask`` of the call: per instance per trace session for modules."""
+    session = _session.current_session()
+    if session is None or task_call.key is None:
+        return _session.resolve_task(task_call.spec, task_call.name)
+    return session.resolve_module(task_call.key, task_call.spec, task_call.name)
+
+
+def run_as(
+    resolved: _session.ResolvedTask,
+    task_call: TaskCall,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """The body run as ``resolved`` (entered, rules and ambient mesh set, recomputed per
+    policy); also how name-registered NNX modules run as their matched task."""
+    with _entered(resolved), task_call.place(resolved):
+        return _recompute.call(
+            task_call.body, args, kwargs, resolved.task.recompute, task_call.transform
+        )
+
+
+@contextlib.contextmanager
+def _entered(resolved: _session.ResolvedTask) -> Iterator[None]:
+    """Inside ``resolved``: its marker scope, its rules, its submesh as the ambient mesh."""
+    with _session.enter_task(resolved), _colour.flax_rules(resolved):
+        yield
+
+
+def one_task_program(program: Callable[..., Any]) -> EagerRunner:
+    """An eager runner that calls ``program(*args, **kwargs)`` compiled once with ``jit``
+    (and kept): a function task's eager call, ``program`` being the task function itself."""
+    compiled: list[Any] = []
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not compiled:
+            compiled.append(jit(program))
+        return compiled[0](*args, **kwargs)
+
+    return run
