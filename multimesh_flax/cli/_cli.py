@@ -4,10 +4,13 @@
   simulated CPU devices (real devices on a GPU host) with 4 microbatches under 1F1B, and
   writes a run folder: ``metrics.json``, ``loss.png``, ``timeline.png``, ``samples.txt`` and
   an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
-  ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama checkpoint instead
+  ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama/Qwen/Mistral checkpoint instead
   (`models.hf`), on any stage layout, tokenizing with its ``tokenizer.json`` when it has one.
   ``--dataset PATH`` trains on the user's own ``.txt``/``.jsonl``/``.parquet`` files instead
-  of the shipped corpus (`_data`), ``--eval-fraction F`` holding part of them out.
+  of the shipped corpus (`_data`), ``--eval-fraction F`` holding part of them out. The
+  fine-tuning recipe: ``--lr-schedule cosine``, ``--clip-norm``, ``--grad-accum K``
+  (`_optimizer`), ``--precision`` and ``--recompute`` (``parallelize_step``'s), and
+  ``--tensorboard`` (`_tensorboard`).
 * ``mmflax train --processes N`` runs the same training as N local processes of one
   ``jax.distributed`` job (``--devices`` split between them); ``mmflax launch -n N
   [--devices-per-process K] -- COMMAND...`` runs any such script (`multimesh_flax.distributed`).
@@ -100,6 +103,7 @@ def _add_train(sub: Any) -> None:
     add("--seq-len", type=int, help=f"tokens per sequence ({d.seq_len})")
     add("--lr", type=float, help=f"AdamW learning rate after warm-up ({d.lr})")
     add("--warmup", type=int, help=f"linear warm-up steps ({d.warmup})")
+    _add_recipe(add, d)
     add("--seed", type=int, help=f"seed of parameters and batches ({d.seed})")
     add("--corpus", help=f"shipped corpus: {', '.join(CORPUS_NAMES)} ({d.corpus})")
     add(
@@ -133,8 +137,9 @@ def _add_train(sub: Any) -> None:
     add(
         "--init-from",
         metavar="HF_DIR",
-        help="fine-tune a Hugging Face GPT-2/Llama folder (config.json + safetensors) instead "
-        "of training --model from scratch; its tokenizer.json is used when present",
+        help="fine-tune a Hugging Face GPT-2/Llama/Qwen/Mistral folder (config.json + "
+        "safetensors) instead of training --model from scratch; its tokenizer.json is used "
+        "when present",
     )
     add(
         "--check-reference",
@@ -170,6 +175,73 @@ def _add_train(sub: Any) -> None:
         "evenly between them (default: one process)",
     )
     _add_compile_cache(add)
+
+
+def _clip_norm(text: str) -> float:
+    """``--clip-norm``: a number, or ``none`` (0: no clipping)."""
+    if text.strip().lower() == "none":
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number >= 0 or 'none' (no clipping), got {text!r}"
+        ) from None
+
+
+def _add_recipe(add: Any, d: Any) -> None:
+    """The fine-tuning recipe: schedule, clipping, accumulation, precision, recomputation."""
+    from multimesh_flax.cli._optimizer import LR_SCHEDULES
+    from multimesh_flax.cli._run_options import PRECISIONS, RECOMPUTE
+
+    add(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        help="the rate after warm-up: constant, or cosine decay to --min-lr-ratio x --lr at "
+        f"the run's last step ({d.lr_schedule})",
+    )
+    add(
+        "--min-lr-ratio",
+        type=float,
+        metavar="R",
+        help=f"final rate of --lr-schedule cosine as a share of --lr, 0 <= R <= 1 "
+        f"({d.min_lr_ratio})",
+    )
+    add(
+        "--clip-norm",
+        type=_clip_norm,
+        metavar="X",
+        help=f"clip the gradient's global norm to X; 0 or 'none' clips nothing ({d.clip_norm})",
+    )
+    add(
+        "--grad-accum",
+        type=int,
+        metavar="K",
+        help="average the gradients of K consecutive batches of --batch-size into one "
+        "update: --steps counts updates, each reading K batches (run as K x --microbatches "
+        f"microbatches of one step) ({d.grad_accum})",
+    )
+    add(
+        "--precision",
+        choices=PRECISIONS,
+        help="fp32; bf16: bfloat16 compute (activations, stage-to-stage transfers), float32 "
+        "parameters and optimizer state; pure-bf16: bfloat16 state too "
+        f"({d.precision})",
+    )
+    add(
+        "--recompute",
+        choices=RECOMPUTE,
+        help="what the backward recomputes instead of keeping: none, full (each stage keeps "
+        "only its inputs) or dots (keeps matrix products too); the same numbers, less "
+        f"activation memory ({d.recompute})",
+    )
+    add(
+        "--tensorboard",
+        action=argparse.BooleanOptionalAction,
+        help="write TensorBoard event files to <out>/tensorboard/: loss, learning rate, "
+        "gradient norm, tokens/s, held-out loss and perplexity (default: off; a resumed run "
+        "keeps its setting)",
+    )
 
 
 def _add_launch(sub: Any) -> None:
@@ -399,6 +471,7 @@ def _print_result(result: Any) -> int:
         print(f"sample {moment} training ({rate:.0%} of its 4-grams occur in the corpus):")
         print(f"  {sample['texts'][kind]!r}")
     names = ("metrics.json", "loss.png", "timeline.png", "samples.txt", "checkpoint/")
+    names += ("tensorboard/",)
     # A multi-process job records no timeline (each process sees only its own ops).
     wrote = [n for n in names if (result.run_dir / n.rstrip("/")).exists()]
     print(f"wrote {result.run_dir}/: {' '.join(wrote)}")

@@ -7,25 +7,26 @@ same saved settings, so they share this module:
   (`run_config` also reads it from a Hugging Face folder given as ``init_from``);
   `make_model` builds the model for it, pipelined over ``stages`` or unstaged (``None``). The
   parameter tree is the same either way, so a checkpoint moves between them.
-* `make_optimizer`: AdamW (``b2`` 0.95) with gradient clipping and a linear warmup to a
-  constant rate; the rate does not depend on the run's length, so a resumed run continues
-  the same schedule.
+* `compute_config`: the config a ``--precision`` computes in (bfloat16 activations for
+  ``bf16`` and ``pure-bf16``). The optimizer lives in `_optimizer`.
 * `lm_loss` is the next-token cross entropy in ``parallelize_step``'s ``loss_fn`` form.
 * `make_tokenizer`: the byte tokenizer, or the ``tokenizer.json`` of an ``init_from`` folder.
 * `batch_stream` yields the run's batches from step ``start`` on: batch ``i`` is the same
-  whether a run starts at 0 or resumes at ``i``.
+  whether a run starts at 0 or resumes at ``i``. With ``accumulate`` K (``--grad-accum``) a
+  step's batch is K consecutive batches stacked into one of K times the rows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import linen as nn
 
 from models import GPT, ByteTokenizer, Family, Llama, ModelConfig, cross_entropy_loss, get_config
@@ -98,19 +99,16 @@ def make_model(config: ModelConfig, stages: int | None = None) -> nn.Module:
     return family(config, stages=stages)
 
 
-def make_optimizer(lr: float, warmup: int) -> optax.GradientTransformation:
-    """AdamW (``b2`` 0.95, weight decay 0.01) after clipping the global norm at 1.
+def compute_config(config: ModelConfig, precision: str) -> ModelConfig:
+    """``config`` computing in bfloat16 for ``precision`` ``bf16``/``pure-bf16``, else as is.
 
-    The rate rises linearly from 0 to ``lr`` over ``warmup`` steps, then stays at ``lr``.
+    The reference models cast to their config's ``dtype`` inside every layer, so the
+    step's bfloat16 parameters alone would not make them compute in bfloat16. The
+    parameters stay in ``param_dtype``; what stores them is ``parallelize_step``'s business.
     """
-    if warmup > 0:
-        ramp = optax.linear_schedule(0.0, lr, warmup)
-        rate = optax.join_schedules([ramp, optax.constant_schedule(lr)], [warmup])
-    else:
-        rate = optax.constant_schedule(lr)
-    return optax.chain(
-        optax.clip_by_global_norm(1.0), optax.adamw(rate, b2=0.95, weight_decay=0.01)
-    )
+    if precision == "fp32":
+        return config
+    return dataclasses.replace(config, dtype=jnp.bfloat16)
 
 
 def lm_loss(model_fn: Callable[..., jax.Array], batch: Batch) -> jax.Array:
@@ -124,12 +122,27 @@ def corpus_tokens(corpus: str, tokenizer: Any = TOKENIZER) -> np.ndarray:
 
 
 def batch_stream(
-    tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, start: int = 0
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    start: int = 0,
+    accumulate: int = 1,
 ) -> Iterator[Batch]:
-    """The run's batches ``start, start + 1, ...`` as ``{"inputs", "targets"}`` dicts."""
+    """The run's batches of steps ``start, start + 1, ...`` as ``{"inputs", "targets"}``.
+
+    With ``accumulate`` K, step ``i``'s batch is batches ``K i, ..., K i + K - 1`` of
+    ``batch_size`` rows, stacked (``--grad-accum``).
+    """
     windows = _iterate_batches(tokens, batch_size=batch_size, seq_len=seq_len, seed=seed)
-    for inputs, targets in itertools.islice(windows, start, None):
-        yield {"inputs": inputs, "targets": targets}
+    windows = itertools.islice(windows, start * accumulate, None)
+    if accumulate == 1:
+        for inputs, targets in windows:
+            yield {"inputs": inputs, "targets": targets}
+        return
+    while group := list(itertools.islice(windows, accumulate)):
+        inputs, targets = zip(*group, strict=True)
+        yield {"inputs": np.concatenate(inputs), "targets": np.concatenate(targets)}
 
 
 def example_batch(batch_size: int, seq_len: int) -> dict[str, Any]:

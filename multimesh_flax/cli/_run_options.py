@@ -1,10 +1,12 @@
 """The settings of an ``mmflax train`` run: defaults, resuming, and checks before any work.
 
 `TrainOptions` holds every setting (the fields are the ``mmflax train`` options). Settings
-fall in three groups: `RUN_KEYS` define the run (model, data, optimizer) and a resumed run
-keeps them; `LAYOUT_KEYS` define the parallel layout, which a resumed run may change (the
-parameter tree does not depend on it); `KEPT_KEYS` (``eval_every``) are kept unless given
-again; the rest (``steps``, ``out``, ...) are per invocation.
+fall in three groups: `RUN_KEYS` define the run (model, data, optimizer, gradient
+accumulation, precision) and a resumed run keeps them (a run saved before a setting existed
+has its default); `LAYOUT_KEYS` define the parallel layout and recomputation, which a
+resumed run may change (the parameter tree does not depend on them); `KEPT_KEYS`
+(``eval_every``, ``tensorboard``) are kept unless given again; the rest (``steps``,
+``out``, ...) are per invocation.
 
 `resolve_options` fills what the user left unset -- with the defaults, or with ``resume``
 with the settings saved in the run's checkpoint -- and `check_options` rejects
@@ -25,11 +27,14 @@ from typing import Any
 from models import CORPUS_NAMES, PRESETS, ModelConfig
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer, latest_step
-from multimesh_flax.cli import _data, _recipe, _run_files, _sample, _saving
+from multimesh_flax.cli import _data, _optimizer, _recipe, _run_files, _sample, _saving
+from multimesh_flax.cli._optimizer import OptimizerSettings
 from multimesh_flax.cli.errors import RunOptionError
 
 SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
 ON_NONFINITE = ("stop", "skip")
+PRECISIONS = ("fp32", "bf16", "pure-bf16")
+RECOMPUTE = ("none", "full", "dots")
 RUN_KEYS = (
     "model",
     "layers",
@@ -37,6 +42,11 @@ RUN_KEYS = (
     "seq_len",
     "lr",
     "warmup",
+    "lr_schedule",
+    "min_lr_ratio",
+    "clip_norm",
+    "grad_accum",
+    "precision",
     "seed",
     "corpus",
     "init_from",
@@ -45,9 +55,9 @@ RUN_KEYS = (
     "eval_fraction",
 )
 """Settings that define a run: a resumed run keeps them."""
-KEPT_KEYS = ("eval_every",)
+KEPT_KEYS = ("eval_every", "tensorboard")
 """Settings a resumed run keeps unless they are given again."""
-LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule")
+LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule", "recompute")
 """Settings of the parallel layout: a resumed run may change them."""
 RUNS_DIR = Path("runs")
 PRETRAINED = "pretrained"
@@ -65,7 +75,18 @@ class TrainOptions:
         microbatches: microbatches per step; ``schedule``: their pipeline schedule.
         steps: optimizer steps this invocation runs (a resumed run runs that many more).
         batch_size, seq_len: windows per batch and tokens per window.
-        lr, warmup: AdamW's rate, reached linearly over ``warmup`` steps, then constant.
+        lr, warmup: AdamW's rate, reached linearly over ``warmup`` steps.
+        lr_schedule: after the warm-up, ``"constant"`` or ``"cosine"`` decay to
+            ``min_lr_ratio * lr`` at the run's last step (`_optimizer`).
+        clip_norm: the global gradient norm clipped to (0: no clipping).
+        grad_accum: batches of ``batch_size`` rows whose gradients one update averages: a
+            step's batch is that many consecutive batches, each cut into ``microbatches``
+            microbatches (the step runs ``grad_accum x microbatches`` of them).
+        precision: ``"fp32"``, ``"bf16"`` (bfloat16 compute, float32 parameters and
+            optimizer state) or ``"pure-bf16"`` (bfloat16 state too), see
+            ``parallelize_step``.
+        recompute: ``"none"``, ``"full"`` or ``"dots"``: what the backward recomputes
+            instead of keeping (``parallelize_step``'s ``recompute``).
         seed: seeds the parameters and the batch stream.
         corpus: one of `models.CORPUS_NAMES`, read as random windows (without ``dataset``).
         dataset: a ``.txt``, ``.jsonl`` or ``.parquet`` file or a folder of them to train on
@@ -78,12 +99,13 @@ class TrainOptions:
         check_reference: also train the unstaged model on one device and compare losses.
         log_every: steps between loss read-outs (the bar's postfix).
         progress: show the tqdm bar.
-        init_from: a Hugging Face GPT-2/Llama folder (`models.hf`) to fine-tune instead of
-            training ``model`` from scratch; its ``tokenizer.json``, if any, tokenizes.
+        init_from: a Hugging Face GPT-2/Llama/Qwen/Mistral folder (`models.hf`) to fine-tune
+            instead of training ``model`` from scratch; its ``tokenizer.json``, if any, tokenizes.
         save_every: how often to save besides at the end: steps (``"50"``), a duration of
             training (``"5m"``) or ``"end"`` (`_saving.SaveEvery`).
         on_nonfinite: at a NaN or infinite loss or gradient norm, ``"stop"`` the run (the
             last finite state is saved) or ``"skip"`` that step's update and go on.
+        tensorboard: also write TensorBoard event files under ``out/tensorboard/``.
     """
 
     model: str = "gpt-tiny"
@@ -112,11 +134,28 @@ class TrainOptions:
     text_field: str = "text"
     eval_fraction: float | None = None
     eval_every: int | None = None
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.1
+    clip_norm: float = 1.0
+    grad_accum: int = 1
+    precision: str = "fp32"
+    recompute: str = "none"
+    tensorboard: bool = False
 
     @property
     def layout(self) -> str:
         """``stages x data x tensor``, e.g. ``"2x2x2"``."""
         return f"{self.stages}x{self.data}x{self.tensor}"
+
+    @property
+    def rows_per_step(self) -> int:
+        """Rows of a step's batch: ``grad_accum`` batches of ``batch_size``."""
+        return self.batch_size * self.grad_accum
+
+    @property
+    def optimizer(self) -> OptimizerSettings:
+        """The settings `_optimizer` builds the optimizer from."""
+        return OptimizerSettings.of(dataclasses.asdict(self))
 
 
 def _flag(key: str) -> str:
@@ -201,10 +240,12 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
     if chosen.get("resume"):
         run_dir = _resume_dir(chosen.get("out"))
         saved = _saved_options(run_dir)
+        defaults = TrainOptions()
         for key in RUN_KEYS:
-            if key in chosen and chosen[key] != saved.get(key):
+            was = saved.get(key, getattr(defaults, key))  # older runs lack newer settings
+            if key in chosen and chosen[key] != was:
                 raise _fail(
-                    f"`{_flag(key)}` {chosen[key]!r} differs from {saved.get(key)!r}, the value of "
+                    f"`{_flag(key)}` {chosen[key]!r} differs from {was!r}, the value of "
                     f"the run in '{run_dir}'. A resumed run keeps its model, data and optimizer "
                     "settings; only the layout and `--steps` may change. Drop the option, or "
                     "start a new run in another `--out`."
@@ -230,6 +271,7 @@ def _check_data_choice(chosen: Mapping[str, Any]) -> None:
 
 def _check_ranges(options: TrainOptions) -> None:
     positive = ("layers", "stages", "data", "tensor", "microbatches", "steps", "batch_size")
+    positive += ("grad_accum",)
     for key in (*positive, "seq_len", "log_every", "eval_every"):
         value = getattr(options, key)
         if value is not None and (not isinstance(value, int) or value < 1):
@@ -250,6 +292,25 @@ def _check_ranges(options: TrainOptions) -> None:
     if options.corpus not in CORPUS_NAMES:
         raise _fail(f"Unknown `--corpus` {options.corpus!r}; choose one of {CORPUS_NAMES}.")
     _check_evaluation(options)
+    _check_recipe(options)
+
+
+def _check_recipe(options: TrainOptions) -> None:
+    """The optimizer, precision and recomputation settings."""
+    _optimizer.check_settings(options.optimizer)
+    if not options.resume:  # a resumed run's last step is known once its checkpoint is read
+        _optimizer.check_schedule(options.optimizer, options.steps)
+    for key, allowed in (("precision", PRECISIONS), ("recompute", RECOMPUTE)):
+        if getattr(options, key) not in allowed:
+            raise _fail(
+                f"Unknown `{_flag(key)}` {getattr(options, key)!r}; choose one of {allowed}."
+            )
+    if options.check_reference and options.precision != "fp32":
+        raise _fail(
+            f"`--check-reference` holds the losses to {1e-4:.0e} of a float32 run on one device, "
+            f"but `--precision` {options.precision!r} rounds to bfloat16 (about 4e-3). Check "
+            "the layout with `--precision fp32`, or drop `--check-reference`."
+        )
 
 
 def _check_evaluation(options: TrainOptions) -> None:
@@ -342,4 +403,4 @@ def check_options(options: TrainOptions, device_count: int) -> ModelConfig:
     config = _check_model(options)
     _check_layout(options, device_count)
     _check_run_dir(options)
-    return config
+    return _recipe.compute_config(config, options.precision)

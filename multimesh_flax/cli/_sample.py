@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
 from models import ModelConfig, generate
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer
-from multimesh_flax.cli import _recipe
+from multimesh_flax.cli import _optimizer, _recipe
 from multimesh_flax.cli.errors import RunOptionError
 from multimesh_flax.layers import TrainState
 
@@ -110,14 +111,19 @@ def restore_params(path: str | Path) -> tuple[ModelConfig, Any, dict[str, Any]]:
         metadata = ckpt.metadata()
         run = metadata["run"]
         config = _recipe.run_config(run["model"], run["layers"], run.get("init_from"))
-        target = _abstract_state(config, run)
+        target = _abstract_state(config, run, metadata.get("target_step"))
         state = ckpt.restore(target=target)
-    return config, state.params, metadata
+    params = jax.tree.map(lambda x: x.astype(np.float32), state.params)  # pure-bf16 runs
+    return config, params, metadata
 
 
-def _abstract_state(config: ModelConfig, run: Mapping[str, Any]) -> Any:
+def _abstract_state(config: ModelConfig, run: Mapping[str, Any], horizon: int | None) -> Any:
+    """The run's state as it was saved, on the first device: what a restore reads into.
+
+    A ``--precision pure-bf16`` run stores every float of its state in bfloat16.
+    """
     model = _recipe.make_model(config)
-    optimizer = _recipe.make_optimizer(run["lr"], run["warmup"])
+    optimizer = _optimizer.make_optimizer(_optimizer.OptimizerSettings.of(run), horizon)
     example = _recipe.example_batch(1, 1)["inputs"]
 
     def create() -> Any:
@@ -125,10 +131,13 @@ def _abstract_state(config: ModelConfig, run: Mapping[str, Any]) -> Any:
         return TrainState.create(apply_fn=model.apply, params=params, tx=optimizer)
 
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        jax.eval_shape(create),
-    )
+    pure = run.get("precision") == "pure-bf16"
+
+    def saved(s: Any) -> Any:
+        dtype = jnp.bfloat16 if pure and jnp.issubdtype(s.dtype, jnp.floating) else s.dtype
+        return jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding)
+
+    return jax.tree.map(saved, jax.eval_shape(create))
 
 
 def sample(

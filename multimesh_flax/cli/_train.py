@@ -3,8 +3,16 @@
 A run trains a preset of `models` (``gpt-tiny`` by default) cut into ``stages`` pipeline
 stages, each on a ``data x tensor`` submesh of a ``MultiMesh`` (`models.pipeline`), with
 ``microbatches`` microbatches per step under a pipeline ``schedule``. The settings come from
-`_run_options`; the step from ``parallelize_step``; model, optimizer, loss and batches from
-`_recipe`.
+`_run_options`; the step from ``parallelize_step`` (with the run's ``precision`` and
+``recompute``); model, loss and batches from `_recipe`; the optimizer and its learning-rate
+schedule, which ends at the step the invocation is going to, from `_optimizer`.
+
+``--grad-accum K`` feeds each step K consecutive batches as one batch of K times the rows,
+cut into K x ``microbatches`` microbatches: the step averages their gradients (as it
+averages any microbatches') and applies one update. So ``--steps`` counts updates, a
+checkpoint always falls between updates (the stream's state included), and the non-finite
+check and the gradient norm are those of the accumulated gradient. With ``--tensorboard``
+a `_tensorboard.TrainLog` writes every step's scalars and every evaluation.
 
 `train` prints nothing: it reports through a callback (default: this module's logger) and
 shows a tqdm bar. It locks the run folder (`_run_lock`); trains, blocking on every step and
@@ -48,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -57,7 +66,7 @@ from models.pipeline import make_multimesh
 from multimesh_flax import errors
 from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax.checkpoint import Checkpointer
-from multimesh_flax.cli import _data, _evaluation, _recipe, _run_files, _sample
+from multimesh_flax.cli import _data, _evaluation, _optimizer, _recipe, _run_files, _sample
 from multimesh_flax.cli._interrupts import StopRequests, agreed
 from multimesh_flax.cli._nonfinite import Skipped, SkipWatch
 from multimesh_flax.cli._run_lock import RunLock
@@ -70,6 +79,7 @@ from multimesh_flax.cli._run_options import (
     fresh_run_dir,
 )
 from multimesh_flax.cli._saving import SaveEvery, Saver
+from multimesh_flax.cli._tensorboard import TrainLog
 from multimesh_flax.cli.errors import NonFiniteTrainingError
 from multimesh_flax.distributed import host_values
 
@@ -139,6 +149,7 @@ class _Built:
     placement: Any
     model: Any
     multi: mm.MultiMesh
+    rate: Any  # the learning-rate schedule
 
 
 @dataclasses.dataclass
@@ -157,29 +168,37 @@ class _Feed:
         return {"iterator": self.stream.get_state(), "cache_key": self.cache_key}
 
 
-def _build(options: TrainOptions, config: ModelConfig) -> _Built:
-    """The step, state and placement for the layout in ``options``."""
+def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
+    """The step, state and placement for the layout in ``options``; ``horizon``: the step
+    the run is going to (where ``--lr-schedule cosine`` ends).
+
+    With ``--grad-accum`` K the step takes K batches as one of K times the rows, cut into
+    K times ``--microbatches`` microbatches whose gradients it averages before the update.
+    """
     multi = make_multimesh(options.stages, options.data, options.tensor)
     model = _recipe.make_model(config, options.stages)
-    example = _recipe.example_batch(options.batch_size, options.seq_len)
+    example = _recipe.example_batch(options.rows_per_step, options.seq_len)
     rng = jax.random.key(options.seed)
+    rate = _optimizer.make_schedule(options.optimizer, horizon)
     with mm.context(strict=True):  # our own job: a PlacementWarning is an error
         with multi:
             placement = mm.layers.get_placement(model, rng, example["inputs"])
         step_fn, state, _ = mm.parallelize_step(
             model,
-            _recipe.make_optimizer(options.lr, options.warmup),
+            _optimizer.make_optimizer(options.optimizer, horizon),
             multi,
             example,
             loss_fn=_recipe.lm_loss,
             rng=rng,
-            microbatches=options.microbatches,
+            microbatches=options.microbatches * options.grad_accum,
             schedule=options.schedule,
             nonfinite="skip",  # never a non-finite state; _nonfinite.SkipWatch reports it
+            precision=options.precision,
+            recompute=options.recompute,
         )
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
-    return _Built(step_fn, state, placement, model, multi)
+    return _Built(step_fn, state, placement, model, multi, rate)
 
 
 def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
@@ -187,7 +206,8 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
     from models import hf
 
     assert options.init_from is not None
-    _, params = hf.load_placed(options.init_from, multi, stages=options.stages, dtype=np.float32)
+    dtype = jnp.bfloat16 if options.precision == "pure-bf16" else np.float32  # as the state
+    _, params = hf.load_placed(options.init_from, multi, stages=options.stages, dtype=dtype)
     return params
 
 
@@ -200,6 +220,7 @@ def _run_steps(
     stop: Any,
     feed: _Feed,
     evaluate: _evaluation.Evaluator | None = None,
+    log: TrainLog | None = None,
 ) -> _Steps:
     """Trains up to ``options.steps`` steps from global step ``start``, blocking on each.
 
@@ -210,14 +231,15 @@ def _run_steps(
     once ``stop`` (a `StopRequests`) has caught SIGINT or SIGTERM. A batch is drawn from
     ``feed`` only for a step that runs, so the stream's state always matches the steps.
     With ``evaluate``, the held-out loss is measured before the first step, every
-    ``eval_every`` steps and after the last.
+    ``eval_every`` steps and after the last. ``log`` (`TrainLog`) gets every step's
+    scalars and every evaluation.
     """
     out = _Steps(state, _run_files.empty_history())
     watch = SkipWatch(step_fn)
     record_at = min(2, options.steps - 1)  # one step after warm-up
-    per_step = options.batch_size * options.seq_len
+    per_step = options.rows_per_step * options.seq_len
     with tqdm(total=options.steps, desc="train", unit="step", disable=not options.progress) as bar:
-        _evaluate(evaluate, out, start, bar)
+        _evaluate(evaluate, out, start, bar, log)
         for i in range(options.steps):
             if agreed(stop.signal is not None):
                 out.stopped_by = stop.signal_name
@@ -227,10 +249,13 @@ def _run_steps(
             out.history["loss"].append(float(host_values(loss)))  # every process
             if _skipped(out, watch.after(start + i + 1, out.history["loss"][-1]), options, bar):
                 break
+            if log is not None:
+                last = {key: out.history[key][-1] for key in ("loss", "tokens_per_s")}
+                log.step(start + i + 1, **last, skipped=len(out.skipped), check=step_fn.last_check)
             if options.check_reference:
                 out.batches.append(batch)
             if options.eval_every and (start + i + 1) % options.eval_every == 0:
-                _evaluate(evaluate, out, start + i + 1, bar)
+                _evaluate(evaluate, out, start + i + 1, bar, log)
             if (i + 1) % options.log_every == 0 or i + 1 == options.steps:
                 _show(bar, out, options.log_every, per_step)
             bar.update()
@@ -241,7 +266,7 @@ def _run_steps(
         if out.nonfinite is None:
             _skipped(out, watch.finish(), options, bar)
         if out.nonfinite is None and out.stopped_by is None:
-            _evaluate(evaluate, out, start + out.count, bar)
+            _evaluate(evaluate, out, start + out.count, bar, log)
     if out.count:
         out.compile_s = out.history["step_time_s"][0]
     return out
@@ -278,13 +303,15 @@ def _one_step(step_fn: Any, out: _Steps, batch: Any, step: int, record: bool) ->
     return loss
 
 
-def _evaluate(evaluate: Any, out: _Steps, step: int, bar: Any) -> None:
-    """Measures the held-out loss at ``step`` (once per step) and shows it on the bar."""
+def _evaluate(evaluate: Any, out: _Steps, step: int, bar: Any, log: TrainLog | None) -> None:
+    """Measures the held-out loss at ``step`` (once per step), shows and logs it."""
     if evaluate is None or step in out.evals["step"]:
         return
     loss, perplexity = evaluate(out.state.params)
     for key, value in zip(_run_files.EVAL_KEYS, (step, loss, perplexity), strict=True):
         out.evals[key].append(value)
+    if log is not None:
+        log.evaluation(step, loss, perplexity)
     bar.set_postfix(_postfix(out, out.shown_rate), refresh=False)
 
 
@@ -503,14 +530,16 @@ def _train_in(
 ) -> TrainResult:
     """`train` with the run folder locked and signals caught."""
     compiled = compilation_counter()
-    built = _build(options, config)
-    step_fn, placement = built.step_fn, built.placement
-    report(str(placement))
     with Checkpointer(run_dir / _sample.CHECKPOINT_DIR, max_to_keep=2) as ckpt:
-        state, start = _resume(ckpt, built.state, options, run_dir, report)
+        start = _start_step(ckpt, options, run_dir, report)
+        target = start + options.steps
+        _optimizer.check_schedule(options.optimizer, target)
+        built = _build(options, config, target)
+        step_fn, placement = built.step_fn, built.placement
+        report(str(placement))
+        state = _restore(ckpt, built.state, start, options, run_dir, report)
         feed = _make_feed(options, built, prepared, start, ckpt, report)
         data = feed.data
-        target = start + options.steps
         if jax.process_index() == 0:
             _run_files.write_settings(run_dir, _metadata(options, config, start, target))
         every = SaveEvery.parse(options.save_every)
@@ -521,7 +550,11 @@ def _train_in(
         if data is not None and options.eval_fraction is not None:
             batches = data.eval_batches(options.batch_size)
             evaluate = _evaluation.Evaluator(built.model, built.multi, batches)
-        steps = _run_steps(step_fn, state, options, start, saver, stop, feed, evaluate)
+        log = TrainLog(run_dir, start, built.rate, options.tensorboard)
+        try:
+            steps = _run_steps(step_fn, state, options, start, saver, stop, feed, evaluate, log)
+        finally:
+            log.close()
         steps.compilation = compiled()  # building and training; sampling compiles more
         if steps.count:  # never a non-finite state: `save` refuses it
             problem = saver.save(start + steps.count, steps.state)
@@ -576,10 +609,13 @@ def _make_feed(
     Raises:
         CheckpointMetadataError: the checkpoint of a ``--dataset`` run lacks the stream's state.
     """
-    batch, seq = options.batch_size, options.seq_len
+    batch, seq = options.rows_per_step, options.seq_len
     if prepared is None:
         tokens = _recipe.corpus_tokens(options.corpus, _recipe.make_tokenizer(options.init_from))
-        return _Feed(_recipe.batch_stream(tokens, batch, seq, options.seed, start))
+        stream = _recipe.batch_stream(
+            tokens, options.batch_size, seq, options.seed, start, options.grad_accum
+        )
+        return _Feed(stream)
     data, tokens = prepared
     feed = _Feed(None, data, tokens.key)
     rows = None
@@ -589,7 +625,7 @@ def _make_feed(
             (_, shardings), _ = built.step_fn.jitted.input_shardings(built.state, example)
         rows = _data.rows_of_process(list(shardings.values()), (batch, seq), jax.process_index())
         feed.place = functools.partial(_data.place_batch, shardings=shardings)
-    feed.stream = data.train_stream(batch, options.seed, rows)
+    feed.stream = data.train_stream(batch, options.seed, rows)  # K batches: K times the rows
     if start > 0:
         saved = ckpt.metadata(start).get("data")
         if saved is None:
@@ -607,27 +643,31 @@ def _make_feed(
     return feed
 
 
-def _resume(
-    ckpt: Checkpointer, state: Any, options: TrainOptions, run_dir: Path, report: Report
-) -> tuple[Any, int]:
-    """``(state, step)``: with ``resume``, the run's latest checkpoint, else ``(state, 0)``.
+def _start_step(ckpt: Checkpointer, options: TrainOptions, run_dir: Path, report: Report) -> int:
+    """The step the run starts after: with ``resume``, its latest checkpoint's, else 0.
 
     The step is the checkpoint's number, the steps the run went through; ``state.step``
     counts the updates applied, fewer when ``--on-nonfinite skip`` skipped some. A resumed
     run whose every save was interrupted (nothing finalized) starts at step 0.
     """
-    if not options.resume:
-        return state, 0
-    if ckpt.latest_step() is None:
+    latest = ckpt.latest_step() if options.resume else 0
+    if latest is None:
         report(
             f"'{run_dir}' holds no finished checkpoint (its saves were interrupted): "
             "starting from step 0"
         )
-        return state, 0
-    step = ckpt.latest_step()
-    state = ckpt.restore(step, target=state)
-    report(f"resumed step {step} of '{run_dir}' on layout {options.layout}")
-    return state, step
+    return latest or 0
+
+
+def _restore(
+    ckpt: Checkpointer, state: Any, start: int, options: TrainOptions, run_dir: Path, report: Report
+) -> Any:
+    """The state of checkpoint ``start`` onto ``state``'s layout (``state`` itself at 0)."""
+    if start == 0:
+        return state
+    state = ckpt.restore(start, target=state)
+    report(f"resumed step {start} of '{run_dir}' on layout {options.layout}")
+    return state
 
 
 def _finish(
@@ -684,7 +724,7 @@ def _summary(options: TrainOptions, steps: _Steps, start: int) -> dict[str, Any]
     """The run's headline numbers; losses and rates are ``None`` when no step ran."""
     losses = steps.history["loss"]
     finite = [x for x in losses if math.isfinite(x)]
-    tokens = options.batch_size * options.seq_len
+    tokens = options.rows_per_step * options.seq_len
     evaluated = {}
     if steps.evals["step"]:
         evaluated = {

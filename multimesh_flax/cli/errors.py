@@ -19,9 +19,12 @@ class RunOptionError(MultiMeshError, ValueError):
     from the device count, a batch that ``--microbatches`` x ``--data`` does not divide, a
     ``--tensor`` size that does not divide the heads or widths, a ``--devices`` count after
     JAX already started with another, a ``--resume`` that changes the model or data of the
-    saved run, a fresh ``--out`` that already holds a run, or an ``--eval-fraction`` outside
-    (0, 1) or without a ``--dataset`` to hold out from. The message names the option,
-    the value received and the values that would work.
+    saved run, a fresh ``--out`` that already holds a run, an ``--eval-fraction`` outside
+    (0, 1) or without a ``--dataset`` to hold out from, a ``--grad-accum`` below 1, a
+    negative ``--clip-norm``, a ``--min-lr-ratio`` outside [0, 1], a ``--lr-schedule
+    cosine`` whose ``--warmup`` leaves no step to decay over, or ``--check-reference`` with
+    a bfloat16 ``--precision``. The message names the option, the value received and the
+    values that would work.
     """
 
 
