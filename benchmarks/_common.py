@@ -452,9 +452,13 @@ def replay(exe: Any, leaves: Sequence[Any]) -> list[Any]:
         env[slot] = value
     for slot, value in zip(exe.input_slots, leaves, strict=True):
         env[slot] = value
-    for op in exe.ops:
+    fns, put_shardings = exe.state.fns, exe.state.put_shardings
+    for index, op in enumerate(exe.ops):
         values = [env[s] for s in op.ins]
-        results = op.fn(*values) if op.kind == 0 else jax.device_put(values, op.shardings)
+        if op.kind == 0:
+            results = fns[index](*values)
+        else:
+            results = jax.device_put(values, put_shardings[index])
         for s, r in zip(op.outs, results, strict=True):
             env[s] = r
         for s in op.frees:

@@ -46,7 +46,7 @@ class _JaxClock:
     def __init__(self, exe: Any) -> None:
         self.exe = exe
         self.inside = 0.0
-        self._saved: list[tuple[Any, Any]] = []
+        self._saved: list[tuple[int, Any]] = []
 
     def _timed(self, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -60,17 +60,18 @@ class _JaxClock:
 
     def __enter__(self) -> _JaxClock:
         self.inside = 0.0
-        self._saved = [(op, op.fn) for op in self.exe.ops if op.kind == 0]
-        for op, fn in self._saved:
-            op.fn = self._timed(fn)
+        fns = self.exe.state.fns  # what each RUN op calls (see core/run/_ops.py)
+        self._saved = [(i, fns[i]) for i, op in enumerate(self.exe.ops) if op.kind == 0]
+        for i, fn in self._saved:
+            fns[i] = self._timed(fn)
         self._device_put = jax.device_put
         jax.device_put = self._timed(self._device_put)
         return self
 
     def __exit__(self, *_: Any) -> None:
         jax.device_put = self._device_put
-        for op, fn in self._saved:
-            op.fn = fn
+        for i, fn in self._saved:
+            self.exe.state.fns[i] = fn
 
 
 class _Alternating:

@@ -103,16 +103,16 @@ def walk(exe: Any, leaves: list[Any]) -> dict[str, Any]:
     peak_with_temp = dict(live)
     temps: dict[str, int] = {}
     temp_of: dict[Any, int] = {}
-    for op in exe.ops:
+    for index, op in enumerate(exe.ops):
         values = [env[s] for s in op.ins]
         if op.kind == 0:
             key = (id(op.program), tuple(v.sharding for v in values))
             if key not in temp_of:
                 stats = op.program.executable(values).memory_analysis()
                 temp_of[key] = temps[op.name] = int(stats.temp_size_in_bytes)
-            results = op.fn(*values)
+            results = exe.state.fns[index](*values)
         else:
-            results = jax.device_put(values, op.shardings)
+            results = jax.device_put(values, exe.state.put_shardings[index])
         for s, r in zip(op.outs, results, strict=True):
             if env[s] is not None:
                 add(env[s], -1)

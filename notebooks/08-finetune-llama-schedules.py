@@ -62,6 +62,7 @@ from models import (
     load_corpus,
 )
 from models.pipeline import make_multimesh
+from multimesh_flax.core.run import OpKind
 
 cache_dir = mm.enable_compilation_cache()  # a re-run loads compiled programs from there
 
@@ -286,10 +287,13 @@ def live_bytes_per_device(executable, args):
 
     initial = now()
     peak = dict(initial)
-    for op in executable.ops:
+    state = executable.state  # what the first call learnt: executables, transfer targets
+    for index, op in enumerate(executable.ops):
         values = [env[s] for s in op.ins]
-        run = op.fn is not None  # a fragment, else a transfer between submeshes
-        outs = op.fn(*values) if run else jax.device_put(values, op.shardings)
+        if op.kind is OpKind.RUN:  # a fragment
+            outs = state.fns[index](*values)
+        else:  # a transfer between submeshes
+            outs = jax.device_put(values, state.put_shardings[index])
         jax.block_until_ready(outs)
         env.update(zip(op.outs, outs, strict=True))
         for device, size in now().items():

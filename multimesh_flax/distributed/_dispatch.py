@@ -1,13 +1,14 @@
 """Dispatching an MPMD program in one process of a multi-process job.
 
 DESIGN. Every process traces, places and fragments the same program (deterministically) and
-builds the same op list; ``ProcessDispatch`` then walks that list and, in each process:
+builds the same op list (``multimesh_flax.core.run``: ``RunOp``, ``PutOp``, read through the
+``OpProgram`` methods); ``ProcessDispatch`` then walks that list and, in each process:
 
-* runs a fragment (``RUN``) if the process owns at least one of its submesh's devices. A
+* runs a fragment (``RunOp``) if the process owns at least one of its submesh's devices. A
   submesh that spans processes is therefore run by each of its owners together, as any
   multi-controller ``jax.jit`` on a global mesh; a submesh of another process is skipped, so no
   process blocks on work it does not own.
-* moves a value (``PUT``): within the process with ``jax.device_put`` when every source and
+* moves a value (``PutOp``): within the process with ``jax.device_put`` when every source and
   destination device is its own; otherwise through a collective program over the union of the
   source and destination devices (``_wire.transfer``), run by every process owning one of
   them. The global op order is the same in every process, so collectives meet in order.
@@ -29,7 +30,9 @@ what the suite has exercised, so every fragment is waited for.
 
 Shardings that only the computing process knows (a fragment's outputs) are published once, at
 the first call, through the coordinator's key-value store; the program itself is compared
-across processes before its first dispatch (``_exchange.check_program``).
+across processes before its first dispatch (``_exchange.check_program``). What this process
+learns of its transfers lives here, in one ``_Move`` per value moved; executables are shared
+with the executable's ``DispatchState``.
 """
 
 from __future__ import annotations
@@ -39,19 +42,21 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax._src.api_util import InternalFloatingPointError  # jax_debug_nans; no public name
 from jax.sharding import NamedSharding
 
+from multimesh_flax.core.run import OpProgram, PutOp, RunOp
 from multimesh_flax.distributed import _exchange, _inputs, _sequence, _watchdog, _wire
 
 logger = logging.getLogger(__name__)
 
-_RUN, _PUT = 0, 1  # the op kinds of multimesh_flax.core.run._dispatch
-
 
 class _Move:
-    """One value of a ``PUT`` op as this process sees it."""
+    """One value of a ``PutOp`` as this process sees it: ``source`` and ``target`` of a
+    cross-process move, ``local`` the target of a move within this process (each known after
+    the first call)."""
 
     def __init__(self, source_place: tuple[int, ...], dest_place: tuple[int, ...], aval: Any):
         self.source_place = source_place
@@ -59,21 +64,23 @@ class _Move:
         self.aval = aval
         self.source: NamedSharding | None = None  # known after the first call
         self.target: NamedSharding | None = None
+        self.local: jax.sharding.Sharding | None = None
 
 
 class ProcessDispatch:
     """Runs an ``MpmdExecutable`` in one process of a ``jax.distributed`` job."""
 
-    def __init__(self, exe: Any) -> None:
+    def __init__(self, exe: OpProgram) -> None:
         self.exe = exe
         self.rank = jax.process_index()
         self._by_id = {d.id: d for d in jax.devices()}
         _sequence.enter("building an MPMD program")
         self.prefix = _exchange.check_program(exe)
         self.calls = 0
-        self._slot_home = {slot: key for key, slot in exe._slots.items()}
+        self._slot_home = exe.slot_homes()
+        self._constants = exe.constant_slots()
         self.output_shardings: list[Any] = [None] * len(exe.output_slots)
-        self.moves = {i: self._moves(op) for i, op in enumerate(exe.ops) if op.kind == _PUT}
+        self.moves = {i: self._moves(op) for i, op in enumerate(exe.ops) if isinstance(op, PutOp)}
         self.first_call = True
         # Inputs whose sharding has none of this process's devices: never read here.
         self.unread = frozenset(
@@ -92,7 +99,7 @@ class ProcessDispatch:
     def mine(self, place: Sequence[int] | None) -> bool:
         return self.rank in self.owners(place)
 
-    def _moves(self, op: Any) -> list[_Move]:
+    def _moves(self, op: PutOp) -> list[_Move]:
         moves = []
         for slot in op.ins:
             var, place = self._slot_home[slot]
@@ -107,10 +114,7 @@ class ProcessDispatch:
         _sequence.enter(f"call {self.calls} of MPMD {self.prefix.rsplit('/', 1)[-1]}")
         if self.first_call:  # see _inputs: a per-process batch where one is expected
             _inputs.check_same_inputs(f"{self.prefix}/inputs", args, exe.input_shardings)
-        env: list[Any] = [None] * len(exe._slots)
-        for slot, value in exe._consts.items():
-            env[slot] = value
-        exe._place_inputs(env, args, self.unread)
+        env = exe.make_env(args, self.unread)
         try:
             self._dispatch(env)
         except jax.errors.JaxRuntimeError:
@@ -121,11 +125,12 @@ class ProcessDispatch:
         return outs
 
     def _dispatch(self, env: list[Any]) -> None:
+        fns = self.exe.state.fns
         for index, op in enumerate(self.exe.ops):
-            if op.kind == _RUN:
+            if isinstance(op, RunOp):
                 if self.mine(op.place):
                     try:
-                        results = op.fn(*[env[s] for s in op.ins])
+                        results = fns[index](*[env[s] for s in op.ins])  # pyright: ignore[reportOptionalCall]
                     except InternalFloatingPointError as error:  # names the fragment instead
                         values = [env[s] for s in op.ins]
                         raise self.exe.floating_point_error(op, values, error) from None
@@ -139,9 +144,7 @@ class ProcessDispatch:
 
     # --- transfers ---
 
-    def _put(self, index: int, op: Any, env: list[Any]) -> None:
-        if op.shardings is None:  # targets of local moves, fixed once as in one process
-            op.shardings = [None] * len(op.ins)
+    def _put(self, index: int, op: PutOp, env: list[Any]) -> None:
         local = []
         for j, (move, src, dst) in enumerate(zip(self.moves[index], op.ins, op.outs, strict=True)):
             involved = self.owners(move.source_place) | self.owners(move.dest_place)
@@ -149,19 +152,21 @@ class ProcessDispatch:
                 continue
             x = env[src]
             if involved == {self.rank}:
-                if op.shardings[j] is None:
-                    (op.shardings[j],) = self.exe._put_targets(_Sub(op, [j]), [x])
-                local.append((j, x, dst))
+                if move.local is None:  # fixed once, as in one process
+                    move.local = op.target(j, x)
+                local.append((move.local, x, dst))
                 continue
             if move.target is None:
                 self._learn_shardings(f"{self.prefix}/put{index}.{j}", op, j, move, x)
-            env[dst] = _wire.transfer(x, move.source, move.target, move.aval)
+            source, target = move.source, move.target
+            assert source is not None and target is not None  # set by _learn_shardings
+            env[dst] = _wire.transfer(x, source, target, move.aval)
         if local:
-            moved = jax.device_put([x for _, x, _ in local], [op.shardings[j] for j, _, _ in local])
+            moved = jax.device_put([x for _, x, _ in local], [t for t, _, _ in local])
             for (_, _, dst), m in zip(local, moved, strict=True):
                 env[dst] = m
 
-    def _learn_shardings(self, key: str, op: Any, j: int, move: _Move, x: Any) -> None:
+    def _learn_shardings(self, key: str, op: PutOp, j: int, move: _Move, x: Any) -> None:
         """The source and target shardings of a cross-process move (published by the
         lowest-ranked process holding the source)."""
         holders = self.owners(move.source_place)
@@ -173,7 +178,7 @@ class ProcessDispatch:
         else:
             move.source = _exchange.decode_sharding(_exchange.fetch(key, "a value's sharding"))
         probe = jax.ShapeDtypeStruct(move.aval.shape, move.aval.dtype, sharding=move.source)
-        (move.target,) = self.exe._put_targets(_Sub(op, [j]), [probe])
+        move.target = _as_named(op.target(j, probe))
 
     # --- inspection ---
 
@@ -184,7 +189,7 @@ class ProcessDispatch:
             _wire.wire_bytes(m.source, m.target, m.aval)
             for moves in self.moves.values()
             for m in moves
-            if m.target is not None
+            if m.source is not None and m.target is not None
         )
 
     # --- outputs ---
@@ -192,7 +197,7 @@ class ProcessDispatch:
     def _output(self, i: int, value: Any) -> Any:
         slot = self.exe.output_slots[i]
         var, place = self._slot_home[slot]
-        if self.first_call and slot not in self.exe._consts and place is not None:
+        if self.first_call and slot not in self._constants and place is not None:
             key = f"{self.prefix}/out{i}"
             holders = self.owners(place)
             if self.rank == min(holders) and holders != set(range(jax.process_count())):
@@ -223,17 +228,10 @@ def place(value: Any, sharding: Any) -> Any:
         return None
     if holders == {jax.process_index()}:
         return jax.device_put(value, sharding)
-    if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
         data = jax.device_put(np.asarray(jax.random.key_data(value)), sharding)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
     return jax.device_put(np.asarray(value), sharding)
-
-
-class _Sub:
-    """The hints of some values of a ``PUT`` op (what ``_put_targets`` reads)."""
-
-    def __init__(self, op: Any, indices: Sequence[int]) -> None:
-        self.hints = tuple(op.hints[j] for j in indices)
 
 
 def _as_named(sharding: Any) -> NamedSharding:

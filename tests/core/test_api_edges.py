@@ -11,7 +11,8 @@ import pytest
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.run._dispatch import RUN, MpmdExecutable
+from multimesh_flax.core.run import OpKind
+from multimesh_flax.core.run._dispatch import MpmdExecutable
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -47,7 +48,7 @@ def test_tasks_under_cached_traces_are_placed_by_every_jit(name, clear):
         got = program(x)
         exe = program.executable(x)
         assert isinstance(exe, MpmdExecutable)
-        assert {op.place for op in exe.ops if op.kind == RUN} >= {(1,), (2,)}
+        assert {op.place for op in exe.ops if op.kind is OpKind.RUN} >= {(1,), (2,)}
         grad = got[1] if name == "remat" else got
         assert {d.id for d in grad.devices()} == {2}  # the first task's backward
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)

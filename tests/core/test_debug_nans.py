@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import multimesh_flax as mm
-from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.run import OpKind, _dispatch
 
 
 def _logs(x):
@@ -99,4 +99,4 @@ def test_with_the_flag_off_the_nan_comes_back_as_before(monkeypatch):
     for _ in range(2):
         out = step(x)
         assert np.isnan(np.asarray(out)[0])
-        assert exe.compile_count() == sum(op.kind == _dispatch.RUN for op in exe.ops) == 2
+        assert exe.compile_count() == sum(op.kind is OpKind.RUN for op in exe.ops) == 2

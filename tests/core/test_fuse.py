@@ -19,7 +19,7 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax.core import ScheduleOp
 from multimesh_flax.core.fragment import _fuse
-from multimesh_flax.core.run import _dispatch
+from multimesh_flax.core.run import OpKind, _dispatch
 from tests.core._chain import chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -64,7 +64,7 @@ def _program(schedule, m, fuse, monkeypatch):
 
 
 def _runs(executable):
-    return [op for op in executable.ops if op.kind == _dispatch.RUN]
+    return [op for op in executable.ops if op.kind is OpKind.RUN]
 
 
 def _executables(executable):
@@ -175,7 +175,7 @@ def test_fusing_keeps_donation_and_frees(m, monkeypatch):
         consumed[fuse] = _assert_trains_like_reference(step, loss, steps=3)
         # Every slot an op reads is freed after its last reader, unless the program returns it.
         last = {s: i for i, op in enumerate(executable.ops) for s in op.ins}
-        kept = set(executable.output_slots) | set(executable._consts)
+        kept = set(executable.output_slots) | executable.constant_slots()
         freed = {s: i for i, op in enumerate(executable.ops) for s in op.frees}
         assert freed == {s: i for s, i in last.items() if s not in kept}
     assert consumed[True] == consumed[False]

@@ -6,6 +6,11 @@ The Flax layer (``multimesh_flax/layers``) is held to the last two rules as well
 declare -> trace -> plan -> fragment -> run -> front. A module may import modules of its own
 stage or of earlier stages only, so the graph is a DAG by construction; this file checks it
 from the source text (``ast``), the way a newcomer would read the imports.
+
+``multimesh_flax/distributed`` and the core meet at one op list: ``run._dispatch`` hands a
+multi-process call to ``distributed._dispatch``, which reads the ops from ``run._ops`` (through
+the ``run`` package's re-exports). No other module crosses between them, and the modules of
+both packages together form a DAG.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "multimesh_flax"
 CORE = PACKAGE / "core"
 LAYERS = PACKAGE / "layers"
+DISTRIBUTED = PACKAGE / "distributed"
 STAGES = ("declare", "trace", "plan", "fragment", "run", "front")
 
 
@@ -31,6 +37,15 @@ def _modules() -> dict[str, Path]:
     }
 
 
+def _reexported_from(stage: str, name: str) -> str:
+    """The module of ``stage`` whose ``name`` the stage's ``__init__.py`` re-exports."""
+    init = ast.parse((CORE / stage / "__init__.py").read_text())
+    for node in init.body:
+        if isinstance(node, ast.ImportFrom) and any(a.name == name for a in node.names):
+            return (node.module or "").removeprefix("multimesh_flax.core.")
+    raise AssertionError(f"multimesh_flax.core.{stage} does not re-export {name!r}")
+
+
 def _core_target(node: ast.ImportFrom) -> list[str]:
     """The core modules an ``from multimesh_flax.core... import ...`` statement names."""
     module = node.module or ""
@@ -39,7 +54,32 @@ def _core_target(node: ast.ImportFrom) -> list[str]:
     rest = module.removeprefix("multimesh_flax.core.").split(".")
     if len(rest) == 2:  # from multimesh_flax.core.stage._module import name
         return [".".join(rest)]
-    return [f"{rest[0]}.{alias.name}" for alias in node.names]  # from ...core.stage import _m
+    return [  # from ...core.stage import _module, or a name the stage re-exports
+        f"{rest[0]}.{alias.name}"
+        if alias.name.startswith("_")
+        else _reexported_from(rest[0], alias.name)
+        for alias in node.names
+    ]
+
+
+def _distributed_target(node: ast.ImportFrom) -> list[str]:
+    """The ``distributed._module`` names an ``from multimesh_flax.distributed...`` names."""
+    module = node.module or ""
+    if module == "multimesh_flax.distributed":
+        return [f"distributed.{a.name}" for a in node.names if a.name.startswith("_")]
+    if module.startswith("multimesh_flax.distributed."):
+        return ["distributed." + module.removeprefix("multimesh_flax.distributed.")]
+    return []
+
+
+def _top_level_targets(path: Path) -> set[str]:
+    """Core (``stage._module``) and distributed (``distributed._module``) modules a module
+    imports at module level."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom):
+            found.update(_core_target(node), _distributed_target(node))
+    return found
 
 
 def _imports(path: Path) -> tuple[set[str], list[int]]:
@@ -111,6 +151,47 @@ def test_import_graph_is_acyclic() -> None:
     )
 
 
+# --- the core and multimesh_flax.distributed ---------------------------------------------------
+
+
+def _distributed_modules() -> dict[str, Path]:
+    return {
+        f"distributed.{path.stem}": path
+        for path in sorted(DISTRIBUTED.glob("_*.py"))
+        if path.name != "__init__.py"
+    }
+
+
+def test_distributed_reads_the_core_only_through_the_op_list() -> None:
+    crossing = {
+        name: sorted(t for t in _top_level_targets(path) if not t.startswith("distributed."))
+        for name, path in _distributed_modules().items()
+    }
+    allowed = {"distributed._dispatch": ["run._ops"]}
+    assert {k: v for k, v in crossing.items() if v} == allowed
+
+
+def test_the_core_hands_only_dispatch_to_distributed() -> None:
+    crossing = {
+        name: sorted(t for t in _top_level_targets(path) if t.startswith("distributed."))
+        for name, path in _modules().items()
+    }
+    assert {k: v for k, v in crossing.items() if v} == {"run._dispatch": ["distributed._dispatch"]}
+
+
+def test_the_op_list_imports_only_the_declare_stage() -> None:
+    """``run._ops`` sits below both dispatchers: importing it pulls in no later stage."""
+    top, _ = _imports(_modules()["run._ops"])
+    assert all(t.startswith("declare.") for t in top), top
+
+
+def test_core_and_distributed_import_graph_is_acyclic() -> None:
+    modules = {**_modules(), **_distributed_modules()}
+    _assert_acyclic(
+        {name: _top_level_targets(path) & modules.keys() for name, path in modules.items()}
+    )
+
+
 # --- the Flax layer -------------------------------------------------------------------------
 
 
@@ -156,3 +237,8 @@ def test_the_checker_sees_a_cycle_and_a_backward_import(tmp_path: Path) -> None:
     top, nested = _imports(source)
     assert top == {"front._jit", "declare._task"}
     assert nested == [4]
+    source.write_text(
+        "from multimesh_flax.core.run import RunOp\n"
+        "from multimesh_flax.distributed import _wire, host_values\n"
+    )
+    assert _top_level_targets(source) == {"run._ops", "distributed._wire"}

@@ -1,14 +1,17 @@
 """The MPMD runtime: a flat op list over the compiled fragments (``_compile``), dispatched in order.
 
-An ``MpmdExecutable`` turns a ``Partition`` into a list of ops over numbered value slots:
+An ``MpmdExecutable`` turns a ``Partition`` into an immutable tuple of ops (``_ops``) over
+numbered value slots:
 
-* ``RUN``  -- call fragment ``k``'s executable on its input slots, fill its output slots;
-* ``PUT``  -- move a group of values to another submesh with one ``jax.device_put``.
+* ``RunOp`` -- call a fragment's executable on its input slots, fill its output slots;
+* ``PutOp`` -- move a group of values to another submesh with one ``jax.device_put``.
 
 Slots whose last reader has been dispatched are cleared right away, so XLA frees their
 buffers as soon as the computations using them finish. Calling the executable dispatches
 every op in order and returns without waiting: each device runs its queue in dispatch order,
-so the op order *is* the pipeline schedule.
+so the op order *is* the pipeline schedule. What the first call learns (executables,
+transfer targets) goes into the executable's ``DispatchState``. In a multi-process job
+``multimesh_flax.distributed`` dispatches the same ops through the ``OpProgram`` methods.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, cast
 
 import jax
 import jax.extend.core as jex
@@ -25,7 +28,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.declare import _thread
 from multimesh_flax.core.declare._schedules import Phase
-from multimesh_flax.core.declare._sentinel import Sentinel
 from multimesh_flax.core.fragment import _partition
 from multimesh_flax.core.fragment._inputs import (
     _first_constraint,
@@ -35,22 +37,12 @@ from multimesh_flax.core.fragment._inputs import (
 from multimesh_flax.core.plan import _pipeline
 from multimesh_flax.core.run import _debug_nans
 from multimesh_flax.core.run._compile import compile_fragment
+from multimesh_flax.core.run._ops import DispatchState, Op, OpKind, OpUnit, PutOp, RunOp
 from multimesh_flax.distributed import _dispatch as _processes
 
-RUN, PUT = 0, 1
 _PHASE_NAMES = {Phase.F: "fwd", Phase.B: "bwd"}  # in fragment names: ``block.fwd[0]#3``
 _PHASE_WORDS = {Phase.F: "forward", Phase.B: "backward", Phase.W: "backward, weight gradients"}
 
-
-class _OpUnit(NamedTuple):
-    """The pipeline unit a RUN op executes, as timelines record it (``None``: not a unit)."""
-
-    stage: int | None
-    microbatch: int | None
-    phase: str | None
-
-
-_UNSEEN = Sentinel("no input sharding checked yet")  # see MpmdExecutable._place_inputs
 
 # --- timelines ------------------------------------------------------------------------------
 
@@ -119,63 +111,31 @@ def record_timeline() -> Iterator[Timeline]:
         _thread.STATE.timeline = previous
 
 
-def _event(op: _Op, index: int, call: int, start: float) -> TimelineEvent:
-    kind = "run" if op.kind == RUN else "transfer"
+def _event(op: Op, index: int, call: int, start: float) -> TimelineEvent:
+    end = time.perf_counter()
+    if isinstance(op, PutOp):
+        return TimelineEvent(
+            op.place, "transfer", op.name, start, end, index=index, deps=op.deps, call=call
+        )
     stage, microbatch, phase = op.unit
     return TimelineEvent(
         op.place,
-        kind,
+        "run",
         op.name,
         start,
-        time.perf_counter(),
+        end,
         stage=stage,
         microbatch=microbatch,
         phase=phase,
         index=index,
         deps=op.deps,
         call=call,
-        units=op.units,
+        units=cast("tuple[tuple[int, int, str], ...]", op.units),  # units only: no None
         fused=op.fused,
     )
 
 
 # --- the executable -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Op:
-    kind: int
-    fn: Any  # RUN: the fragment's executable (``_FirstCall`` until the first call); PUT: None
-    ins: tuple[int, ...]
-    outs: tuple[int, ...]
-    frees: tuple[int, ...] = ()
-    place: tuple[int, ...] = ()
-    name: str = ""
-    shardings: list[Any] | None = None  # PUT targets, fixed on first execution
-    hints: tuple[Any, ...] = ()  # PUT: a known target sharding per value, or a mesh
-    unit: _OpUnit = _OpUnit(None, None, None)  # RUN: what a timeline records of it
-    units: tuple[_OpUnit, ...] = ()  # RUN: every unit it runs (several when fused)
-    fused: bool = False  # RUN: several fragments fused into one (``_fuse``)
-    deps: tuple[int, ...] = ()  # indices of the ops whose outputs this op reads
-    program: Any = None  # RUN: the fragment's ``FragmentProgram``, shared by identical fragments
-
-
-class _FirstCall:
-    """A RUN op's ``fn`` until its first call, which takes the executable for its arguments
-    from the fragment's program (compiled, or relocated from another submesh) and puts it in
-    the op's place: later calls go straight to the executable.
-
-    Every call of a program gives an op arguments in the same shardings (inputs are moved
-    into ``input_shardings``, transfers keep the targets of their first call).
-    """
-
-    def __init__(self, op: _Op) -> None:
-        self.op = op
-
-    def __call__(self, *args: Any) -> Any:
-        compiled = self.op.program.executable(args)
-        self.op.fn = compiled
-        return compiled(*args)
 
 
 def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragment | None:
@@ -197,7 +157,12 @@ def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragmen
 
 
 class MpmdExecutable:
-    """A placed, fragmented program, ready to dispatch."""
+    """A placed, fragmented program, ready to dispatch.
+
+    ``ops`` is its immutable op list (``_ops``), ``state`` what its calls learn; together with
+    ``make_env``, ``slot_homes``, ``constant_slots`` and ``floating_point_error`` they are the
+    ``OpProgram`` a dispatcher reads (this class's ``__call__``, or ``ProcessDispatch``).
+    """
 
     def __init__(self, part: _partition.Partition, donate: Sequence[int] = ()) -> None:
         self.partition = part
@@ -207,7 +172,6 @@ class MpmdExecutable:
         jaxpr = part.traced.jaxpr
         self.input_slots = [self._slot(v, part.home.get(v)) for v in jaxpr.invars]
         self.input_shardings = [self._input_sharding(v) for v in jaxpr.invars]
-        self._fitting: list[Any] = [_UNSEEN] * len(self.input_shardings)  # see _place_inputs
         self._alias = self._input_aliases()
         self.fragments = [
             f for f in (_without(f, set(self._alias)) for f in part.fragments) if f is not None
@@ -216,9 +180,10 @@ class MpmdExecutable:
             if v in part.input_place:
                 sharding = self._input_sharding(v)
                 self._consts[self._slot(v, part.home[v])] = _processes.place(value, sharding)
-        self.ops = self._build_ops(set(donate))
+        ops = self._build_ops(set(donate))
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
-        self._assign_frees()
+        self.ops: tuple[Op, ...] = self._with_frees(ops)
+        self.state = DispatchState(self.ops, len(self.input_shardings))
         # In a multi-process job each process dispatches only its own ops (see
         # multimesh_flax.distributed._dispatch); None: this process runs every op.
         self.processes = _processes.ProcessDispatch(self) if jax.process_count() > 1 else None
@@ -288,7 +253,7 @@ class MpmdExecutable:
         plan = self.partition.plan
         return plan.schedule if plan is not None else None
 
-    def _build_ops(self, donate: set[int]) -> list[_Op]:
+    def _build_ops(self, donate: set[int]) -> list[Op]:
         part = self.partition
         reads: dict[int, int] = {}  # home slot -> fragments reading it (directly or via a put)
         for frag in self.fragments:
@@ -302,7 +267,7 @@ class MpmdExecutable:
         transfers: dict[int, dict[Any, list[tuple[Any, Any]]]] = {}
         producer = {v: f.index for f in self.fragments for v in f.outvars}
         params_keys: dict[int, Any] = {}  # shared by the fragments' structural keys
-        runs: list[_Op] = []
+        runs: list[RunOp] = []
         for frag in self.fragments:
             for v in frag.invars:
                 if part.home[v] != frag.place:
@@ -317,48 +282,37 @@ class MpmdExecutable:
             program = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
             units = tuple(
-                _OpUnit(p.unit.stage, p.unit.microbatch, p.unit.phase.value)
+                OpUnit(p.unit.stage, p.unit.microbatch, p.unit.phase.value)
                 for p in frag.parts or (frag,)
                 if p.unit is not None
             )
-            unit = units[0] if units else _OpUnit(None, frag.microbatch, None)
+            unit = units[0] if units else OpUnit(None, frag.microbatch, None)
             name = self._fragment_name(frag)
-            run = _Op(
-                RUN,
-                None,
-                ins,
-                outs,
-                place=frag.place,
-                name=name,
-                unit=unit,
-                units=units,
-                fused=bool(frag.parts),
-                program=program,
+            runs.append(
+                RunOp(
+                    ins,
+                    outs,
+                    frag.place,
+                    name,
+                    program,
+                    unit=unit,
+                    units=units,
+                    fused=bool(frag.parts),
+                )
             )
-            run.fn = _FirstCall(run)
-            runs.append(run)
-        ops = self._puts(transfers.get(-1, {}))
+        ops: list[Op] = list(self._puts(transfers.get(-1, {})))
         for frag, run in zip(self.fragments, runs, strict=True):
             ops.append(run)
             ops.extend(self._puts(transfers.get(frag.index, {})))
         return ops
 
-    def _puts(self, groups: dict[Any, list[tuple[Any, Any]]]) -> list[_Op]:
+    def _puts(self, groups: dict[Any, list[tuple[Any, Any]]]) -> list[PutOp]:
         ops = []
         for place, entries in groups.items():
             ins = tuple(self._slot(v, self.partition.home[v]) for v, _ in entries)
             outs = tuple(self._slot(v, place) for v, _ in entries)
-            ops.append(
-                _Op(
-                    PUT,
-                    None,
-                    ins,
-                    outs,
-                    place=place,
-                    name=f"to{list(place)}",
-                    hints=tuple(h for _, h in entries),
-                )
-            )
+            hints = tuple(h for _, h in entries)
+            ops.append(PutOp(ins, outs, place, f"to{list(place)}", hints))
         return ops
 
     def _output_slot(self, var: Any) -> int:
@@ -370,9 +324,11 @@ class MpmdExecutable:
             return slot
         return self._slot(var, self.partition.home.get(var))
 
-    def _assign_frees(self) -> None:
+    def _with_frees(self, ops: Sequence[Op]) -> tuple[Op, ...]:
+        """``ops`` with each one's ``frees`` (the slots it reads last, but for outputs and
+        constants) and ``deps`` (the ops whose outputs it reads)."""
         last: dict[int, int] = {}
-        for i, op in enumerate(self.ops):
+        for i, op in enumerate(ops):
             for s in op.ins:
                 last[s] = i
         keep = set(self.output_slots) | set(self._consts)
@@ -381,23 +337,44 @@ class MpmdExecutable:
             if s not in keep:
                 frees.setdefault(i, []).append(s)
         writer: dict[int, int] = {}
-        for i, op in enumerate(self.ops):
-            op.frees = tuple(frees.get(i, ()))
-            op.deps = tuple(sorted({writer[s] for s in op.ins if s in writer}))
+        done: list[Op] = []
+        for i, op in enumerate(ops):
+            deps = tuple(sorted({writer[s] for s in op.ins if s in writer}))
+            done.append(dataclasses.replace(op, frees=tuple(frees.get(i, ())), deps=deps))
             writer.update((s, i) for s in op.outs)
+        return tuple(done)
 
     # --- execution ---
 
-    def _place_inputs(
-        self, env: list[Any], args: Sequence[Any], unread: frozenset[int] = frozenset()
-    ) -> None:
-        """Puts the arguments into their slots, moving those not in their input sharding.
+    def make_env(self, args: Sequence[Any], unread: frozenset[int] = frozenset()) -> list[Any]:
+        """A fresh value per slot for one call: the constants, and ``args`` placed into their
+        input shardings (``None`` elsewhere).
 
         ``unread``: positions of inputs this process never reads (a multi-process job,
         ``multimesh_flax.distributed``): stored as they are.
         """
+        env: list[Any] = [None] * len(self._slots)
+        for slot, value in self._consts.items():
+            env[slot] = value
+        self._place_inputs(env, args, unread)
+        return env
+
+    def slot_homes(self) -> dict[int, tuple[Any, Any]]:
+        """``{slot: (var, place)}``: the traced variable each slot holds, and the submesh
+        (its device ids) it is held on (``None`` for an input with no placement)."""
+        return {slot: key for key, slot in self._slots.items()}
+
+    def constant_slots(self) -> frozenset[int]:
+        """The slots of traced constants, filled by ``make_env`` before any op runs."""
+        return frozenset(self._consts)
+
+    def _place_inputs(
+        self, env: list[Any], args: Sequence[Any], unread: frozenset[int] = frozenset()
+    ) -> None:
+        """Puts the arguments into their slots, moving those not in their input sharding
+        (``unread``: see ``make_env``)."""
         moves, targets, slots = [], [], []
-        fits = self._fitting
+        fits = self.state.fitting
         for i, (x, want, slot) in enumerate(
             zip(args, self.input_shardings, self.input_slots, strict=True)
         ):
@@ -417,45 +394,28 @@ class MpmdExecutable:
             for slot, moved in zip(slots, jax.device_put(moves, targets), strict=True):
                 env[slot] = moved
 
-    def _put_targets(self, op: _Op, values: Sequence[Any]) -> list[Any]:
-        targets = []
-        for value, hint in zip(values, op.hints, strict=True):
-            if isinstance(hint, jax.sharding.Sharding):
-                targets.append(hint)
-                continue
-            spec = getattr(value.sharding, "spec", None)
-            try:
-                target = NamedSharding(hint, spec) if spec is not None else None
-                if target is not None:
-                    target.shard_shape(value.shape)  # raises if it does not fit
-            except (ValueError, KeyError, TypeError):
-                target = None
-            targets.append(target or NamedSharding(hint, PartitionSpec()))
-        return targets
-
     def __call__(self, args: Sequence[Any]) -> list[Any]:
         if self.processes is not None:
             return self.processes(args)
-        env: list[Any] = [None] * len(self._slots)
-        for slot, value in self._consts.items():
-            env[slot] = value
-        self._place_inputs(env, args)
+        env = self.make_env(args)
         timeline = _thread.STATE.timeline
         call = 0
         if timeline is not None:
             call, timeline.calls = timeline.calls, timeline.calls + 1
+        fns, put_shardings = self.state.fns, self.state.put_shardings
         for index, op in enumerate(self.ops):
             start = time.perf_counter() if timeline is not None else 0.0
             values = [env[s] for s in op.ins]
-            if op.kind == RUN:
+            if isinstance(op, RunOp):
                 try:
-                    results = op.fn(*values)
+                    results = fns[index](*values)  # pyright: ignore[reportOptionalCall]
                 except _debug_nans.InternalFloatingPointError as error:  # jax_debug_nans/_infs
                     raise self.floating_point_error(op, values, error) from None
             else:
-                if op.shardings is None:
-                    op.shardings = self._put_targets(op, values)
-                results = jax.device_put(values, op.shardings)
+                shardings = put_shardings[index]
+                if shardings is None:  # fixed by the first call
+                    shardings = put_shardings[index] = op.targets(values)
+                results = jax.device_put(values, shardings)
             for s, r in zip(op.outs, results, strict=True):
                 env[s] = r
             for s in op.frees:
@@ -466,7 +426,7 @@ class MpmdExecutable:
         return [env[s] for s in self.output_slots]
 
     def floating_point_error(
-        self, op: _Op, values: Sequence[Any], error: Exception
+        self, op: RunOp, values: Sequence[Any], error: Exception
     ) -> FloatingPointError:
         """What to raise when RUN op ``op``, called on ``values``, returned a NaN or inf that
         ``jax_debug_nans`` or ``jax_debug_infs`` caught (``error``, JAX's internal error): a
@@ -504,13 +464,17 @@ class MpmdExecutable:
         return sum(p.relocations for p in self._programs())
 
     def _programs(self) -> list[Any]:
-        return list({id(op.program): op.program for op in self.ops if op.kind == RUN}.values())
+        runs = [op for op in self.ops if isinstance(op, RunOp)]
+        return list({id(op.program): op.program for op in runs}.values())
 
     def transfer_bytes(self) -> int:
         """Bytes moved between submeshes per call."""
         var_of = {slot: var for (var, _), slot in self._slots.items()}
         return sum(
-            _partition.nbytes(var_of[s]) for op in self.ops if op.kind == PUT for s in op.outs
+            _partition.nbytes(var_of[s])
+            for op in self.ops
+            if op.kind is OpKind.PUT
+            for s in op.outs
         )
 
     def describe(self) -> str:
@@ -519,7 +483,7 @@ class MpmdExecutable:
         frag_of = {self._fragment_name(f): f for f in self.fragments}
         lines = []
         for op in self.ops:
-            if op.kind == RUN:
+            if op.kind is OpKind.RUN:
                 frag = frag_of[op.name]
                 lines.append(
                     f"run  {op.name:<24} on devices {list(op.place)}: {len(frag.eqns)} eqns, "
@@ -530,7 +494,7 @@ class MpmdExecutable:
                 lines.append(
                     f"put  {len(op.outs)} value(s) to devices {list(op.place)}: {size} bytes"
                 )
-        runs = sum(op.kind == RUN for op in self.ops)
+        runs = sum(op.kind is OpKind.RUN for op in self.ops)
         lines.append(
             f"{runs} fragments, {len(self.ops) - runs} transfers "
             f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables "

@@ -1,0 +1,193 @@
+"""The op list an MPMD program dispatches, and what dispatching it learns.
+
+``_dispatch.MpmdExecutable`` builds a program's ops once, as an immutable tuple of records
+over numbered value slots:
+
+* ``RunOp`` -- call a fragment's program on its input slots, fill its output slots;
+* ``PutOp`` -- move a group of values to another submesh with one ``jax.device_put``.
+
+Two dispatchers walk the same tuple: ``MpmdExecutable.__call__`` in one process, and
+``multimesh_flax.distributed._dispatch.ProcessDispatch`` in each process of a multi-process
+job. What a call learns (each fragment's executable for its argument shardings, each
+transfer's target shardings, the last input sharding that fitted) goes into the
+executable's ``DispatchState``, never into the ops. ``OpProgram`` is everything a dispatcher
+reads from an executable.
+
+This module imports nothing from ``multimesh_flax`` but a named marker (``declare._sentinel``),
+so both the core's runtime and ``multimesh_flax.distributed`` import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from multimesh_flax.core.declare._sentinel import Sentinel
+
+
+class OpKind(enum.IntEnum):
+    """What an op does. An ``IntEnum``, so ``op.kind == 0`` still reads as ``RUN``."""
+
+    RUN = 0
+    PUT = 1
+
+
+class OpUnit(NamedTuple):
+    """The pipeline unit a ``RunOp`` executes, as timelines record it (``None``: not a unit)."""
+
+    stage: int | None
+    microbatch: int | None
+    phase: str | None
+
+
+_NO_UNIT = OpUnit(None, None, None)
+UNSEEN = Sentinel("no input sharding checked yet")  # see DispatchState.fitting
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunOp:
+    """Call one fragment (or several fused ones) on the values in ``ins``.
+
+    ``program`` is the fragment's ``run._compile.FragmentProgram``, shared by identical
+    fragments; ``frees`` are the slots this op reads last (cleared after it), ``deps`` the
+    indices of the ops whose outputs it reads. ``unit`` is what a timeline records of it,
+    ``units`` every unit it runs (several when ``fused``).
+    """
+
+    kind: ClassVar[OpKind] = OpKind.RUN
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    place: tuple[int, ...]
+    name: str
+    program: Any
+    unit: OpUnit = _NO_UNIT
+    units: tuple[OpUnit, ...] = ()
+    fused: bool = False
+    frees: tuple[int, ...] = ()
+    deps: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PutOp:
+    """Move the values in ``ins`` to submesh ``place``, into ``outs``.
+
+    ``hints`` holds, per value, its known target sharding or the destination mesh (the value
+    then keeps its partition spec there where it fits; see ``target``).
+    """
+
+    kind: ClassVar[OpKind] = OpKind.PUT
+    ins: tuple[int, ...]
+    outs: tuple[int, ...]
+    place: tuple[int, ...]
+    name: str
+    hints: tuple[Any, ...]
+    frees: tuple[int, ...] = ()
+    deps: tuple[int, ...] = ()
+
+    def target(self, j: int, value: Any) -> jax.sharding.Sharding:
+        """The sharding value ``j`` moves to, given the ``value`` (an array, or a
+        ``jax.ShapeDtypeStruct`` with a sharding) it has at the source.
+
+        A sharding hint is the target; a mesh hint gives the value's partition spec on that
+        mesh if it divides the value's shape, else the value replicated over the mesh.
+
+        Example:
+            >>> from jax.sharding import AxisType, NamedSharding
+            >>> mesh = jax.make_mesh((2,), ("x",), (AxisType.Auto,), devices=jax.devices()[2:4])
+            >>> op = PutOp(ins=(0,), outs=(1,), place=(2, 3), name="to[2, 3]", hints=(mesh,))
+            >>> here = NamedSharding(jax.make_mesh((2,), ("x",), (AxisType.Auto,)), P("x"))
+            >>> op.target(0, jax.ShapeDtypeStruct((4,), jnp.float32, sharding=here)).spec
+            P('x',)
+            >>> op.target(0, jax.ShapeDtypeStruct((3,), jnp.float32)).spec  # no sharding yet
+            P()
+        """
+        hint = self.hints[j]
+        if isinstance(hint, jax.sharding.Sharding):
+            return hint
+        spec = getattr(value.sharding, "spec", None)
+        try:
+            target = NamedSharding(hint, spec) if spec is not None else None
+            if target is not None:
+                target.shard_shape(value.shape)  # raises if it does not fit
+        except (ValueError, KeyError, TypeError):
+            target = None
+        return target or NamedSharding(hint, PartitionSpec())
+
+    def targets(self, values: Sequence[Any]) -> list[jax.sharding.Sharding]:
+        """``target`` of every value, in order."""
+        return [self.target(j, value) for j, value in enumerate(values)]
+
+
+Op = RunOp | PutOp
+
+
+class _FirstCall:
+    """Op ``index``'s callable until its first call, which takes the executable for its
+    arguments from the fragment's program (compiled, or relocated from another submesh) and
+    puts it in the op's place in ``state.fns``: later calls go straight to the executable.
+
+    Every call of a program gives an op arguments in the same shardings (inputs are moved
+    into their input shardings, transfers keep the targets of their first call).
+    """
+
+    def __init__(self, state: DispatchState, index: int, program: Any) -> None:
+        self.state = state
+        self.index = index
+        self.program = program
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self.program.executable(args)
+        self.state.fns[self.index] = compiled
+        return compiled(*args)
+
+
+class DispatchState:
+    """What dispatching an op list learns at its first call, one object per executable.
+
+    Attributes:
+        fns: per op index, what a ``RunOp`` calls (its program's executable once known;
+            ``None`` for a ``PutOp``). A dispatcher calls ``fns[i](*values)``.
+        put_shardings: per op index, a ``PutOp``'s target shardings once its first call
+            fixed them (``None`` before, and for a ``RunOp``).
+        fitting: per program input, the last sharding an argument arrived in that fitted its
+            input sharding (an identity test on later calls; ``UNSEEN`` before the first).
+    """
+
+    def __init__(self, ops: Sequence[Op], num_inputs: int) -> None:
+        self.fns: list[Callable[..., Any] | None] = [
+            _FirstCall(self, i, op.program) if isinstance(op, RunOp) else None
+            for i, op in enumerate(ops)
+        ]
+        self.put_shardings: list[list[Any] | None] = [None] * len(ops)
+        self.fitting: list[Any] = [UNSEEN] * num_inputs
+
+
+class OpProgram(Protocol):
+    """What a dispatcher reads from an executable (``_dispatch.MpmdExecutable``)."""
+
+    @property
+    def ops(self) -> tuple[Op, ...]: ...
+
+    @property
+    def state(self) -> DispatchState: ...
+
+    @property
+    def input_shardings(self) -> list[Any]: ...
+
+    @property
+    def output_slots(self) -> list[int]: ...
+
+    def make_env(self, args: Sequence[Any], unread: frozenset[int] = ...) -> list[Any]: ...
+
+    def slot_homes(self) -> dict[int, tuple[Any, Any]]: ...
+
+    def constant_slots(self) -> frozenset[int]: ...
+
+    def floating_point_error(
+        self, op: RunOp, values: Sequence[Any], error: Exception
+    ) -> FloatingPointError: ...
