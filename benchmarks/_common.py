@@ -192,9 +192,15 @@ def stage_layout(
 
 
 def build_mpmd(
-    workload: Workload, stages: int, m: int, schedule: str, devices: int = DEVICES
+    workload: Workload,
+    stages: int,
+    m: int,
+    schedule: str,
+    devices: int = DEVICES,
+    **options: Any,
 ) -> MpmdRunner:
-    """``parallelize_step`` of the staged model on the first ``devices`` devices."""
+    """``parallelize_step`` of the staged model on the first ``devices`` devices
+    (``options``: more of its keyword arguments, e.g. ``recompute``, ``precision``)."""
     data, model = stage_layout(workload, stages, m, devices)
     multi = make_multimesh(stages, data, model, devices=jax.devices()[:devices])
     batch = workload.batch_data()
@@ -206,6 +212,7 @@ def build_mpmd(
         loss_fn=loss_fn,
         microbatches=m if m > 1 or stages > 1 else None,
         schedule=schedule if m > 1 or stages > 1 else None,
+        **options,
     )
     name = mpmd_name(workload, stages, m, schedule)
     return MpmdRunner(name, step_fn, state, batch, multi)

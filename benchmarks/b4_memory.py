@@ -34,7 +34,6 @@ import numpy as np
 
 import multimesh_flax as mm
 from benchmarks import _common
-from models.pipeline import make_multimesh
 
 SECTION = "B4"
 TARGET = 1.05
@@ -255,21 +254,7 @@ def _build(
 ) -> _common.MpmdRunner:
     """``_common.build_mpmd`` with ``parallelize_step`` options (``recompute``,
     ``precision``), warmed by one step."""
-    data, model = _common.stage_layout(workload, stages, m)
-    multi = make_multimesh(stages, data, model, devices=jax.devices()[: _common.DEVICES])
-    batch = workload.batch_data()
-    step_fn, state, _ = mm.parallelize_step(
-        workload.family()(workload.config(), stages=stages),
-        workload.make_optimizer(),
-        multi,
-        batch,
-        loss_fn=_common.loss_fn,
-        microbatches=m,
-        schedule=schedule,
-        **options,
-    )
-    runner = _common.MpmdRunner(_common.mpmd_name(workload, stages, m, schedule), step_fn,
-                                state, batch, multi)  # fmt: skip
+    runner = _common.build_mpmd(workload, stages, m, schedule, **options)
     _common.warm(runner, steps=1)
     return runner
 

@@ -213,6 +213,22 @@ def _stopped_by_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
+def _redeliver(signum: int) -> None:
+    """Hands ``signum`` to the handler that was there before ``launch``, synchronously.
+
+    ``signal.raise_signal`` alone leaves a Python handler pending until the interpreter next
+    checks for signals; under load the launcher's script could end first, and a stopped
+    launcher exited 0 (once in a loaded suite run). A Python handler (``KeyboardInterrupt``
+    for SIGINT) is called here; the default action (termination) and ``SIG_IGN`` go through
+    the OS.
+    """
+    handler = signal.getsignal(signum)
+    if callable(handler):
+        handler(signum, None)
+    else:
+        signal.raise_signal(signum)
+
+
 # Run in the child before the command: asks for SIGKILL when the launcher dies, gives up if it
 # already has, then becomes the command (exec keeps the request). A ``preexec_fn`` would do
 # the same, but makes subprocess fork a process that runs JAX's threads (a RuntimeWarning).
@@ -327,7 +343,7 @@ def launch(
     for pump in pumps:
         pump.join(timeout=_KILL_WAIT)
     if stopped is not None:
-        signal.raise_signal(stopped)  # now to the handler that was there before launch
+        _redeliver(stopped)
     codes = [TIMED_OUT if timed_out and p.returncode < 0 else p.returncode for p in procs]
     first = next((c for c in codes if c != 0), 0)
     return LaunchResult(TIMED_OUT if timed_out else first, codes, outputs, timed_out)
