@@ -325,13 +325,14 @@ class Checkpointer:
             if items is None:
                 return self._manager.item_metadata(step)
             return self._manager.restore(step, args=ocp.args.Composite(**items))
-        except Exception as e:
+        except BaseException as e:
+            _drop_abandoned_reads()
             damage = None if isinstance(e, errors.MultiMeshError) else _damage(e)
             if damage is None:
                 raise
         # Not chained: the orbax error holds the reads of the other leaves, which would
         # complain when collected later; the message keeps the first line of its reason.
-        _collect_failed_reads()
+        gc.collect()
         raise self._corrupt(step, damage)
 
     def _corrupt(self, step: int, what: str) -> errors.CheckpointCorruptError:
@@ -626,21 +627,32 @@ def _damage(error: BaseException) -> str | None:
     return None
 
 
-def _collect_failed_reads() -> None:
-    """Collects orbax's abandoned reads of a failed restore without their "Exception ignored"
-    reports (the failure is reported once, as ``CheckpointCorruptError``)."""
+def _is_orbax_coroutine(unraisable: Any) -> bool:
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _drop_abandoned_reads() -> None:
+    """Keeps orbax's abandoned reads of a failed restore from printing "Exception ignored".
+
+    Orbax runs a restore on a fresh event loop that it closes without cancelling what is
+    still pending, so when one leaf's read fails the reads of the other leaves stay
+    suspended; they are closed whenever the garbage collector reaches them, which may be
+    long after the restore, once tensorstore lets go of them. Each then reports an
+    exception that says nothing (the failure itself is raised to the caller). From the
+    first failed restore on, reports whose object is one of orbax's coroutines are dropped;
+    every other report goes to the hook that was installed before.
+    """
+    if getattr(sys.unraisablehook, "_drops_orbax_reads", False):
+        return
     report = sys.unraisablehook
 
     def drop_orbax_reads(unraisable: Any) -> None:
-        code = getattr(unraisable.object, "cr_code", None)
-        if code is None or f"{os.sep}orbax{os.sep}" not in code.co_filename:
+        if not _is_orbax_coroutine(unraisable):
             report(unraisable)
 
+    drop_orbax_reads._drops_orbax_reads = True  # type: ignore[attr-defined]
     sys.unraisablehook = drop_orbax_reads
-    try:
-        gc.collect()
-    finally:
-        sys.unraisablehook = report
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:

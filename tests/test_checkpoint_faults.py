@@ -8,6 +8,7 @@ hard timeout and is killed by its pid.
 
 from __future__ import annotations
 
+import gc
 import glob
 import json
 import logging
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -266,6 +268,33 @@ def test_truncated_file_and_garbage_metadata_say_which_file(tmp_path):
     metadata.write_bytes(b"\xff\xfe not json")
     with pytest.raises(errors.CheckpointCorruptError, match=rf"metadata file '{metadata}'"):
         checkpoint.restore_metadata(tmp_path, step=1)
+
+
+def test_abandoned_reads_of_a_failed_restore_report_nothing(tmp_path, monkeypatch):
+    """Orbax leaves the other leaves' reads of a failed restore suspended on a closed event
+    loop; whenever they are collected, they report nothing, and other reports still do."""
+    from orbax.checkpoint._src.serialization import serialization
+
+    reports = []
+    monkeypatch.setattr(sys, "unraisablehook", reports.append)
+    _, target = _save_two_steps(tmp_path)
+    _rewrite(_largest_data_file(tmp_path, 2), lambda data: data[: len(data) // 2])
+    with pytest.raises(errors.CheckpointCorruptError):
+        checkpoint.restore_checkpoint(tmp_path, target)
+    time.sleep(0.5)  # tensorstore lets go of the abandoned reads
+    gc.collect()
+    read = serialization._read_array_index_and_device_put(*[None] * 3, **_READ_ARGS)
+    try:
+        sys.unraisablehook(SimpleNamespace(object=read))
+        sys.unraisablehook(other := SimpleNamespace(object=object()))
+    finally:
+        read.close()
+    assert reports == [other]
+
+
+_READ_ARGS = dict.fromkeys(
+    ["global_shape", "new_shard_shape", "dtype", "byte_limiter", "strict", "dll", "memory_kind"]
+)
 
 
 def test_checksums_do_not_depend_on_the_layout():
