@@ -25,7 +25,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # inherited: xdist workers, notebooks, the CLI, jax.distributed jobs):
 # * LLVM at optimisation level 0 compiles CPU programs in about half the time; tests run tiny
 #   models, so the slower code costs little. Parallel and reference programs are compiled
-#   alike. The benchmarks' smoke run and real runs (`dev.py run`) use XLA's defaults.
+#   alike. The benchmarks' smoke run uses it too; real runs (`dev.py run`) use XLA's defaults.
 # * One persistent compilation cache per suite run (a temporary directory, removed at the
 #   end; never ~/.cache), so a program another test already compiled is loaded instead.
 #   A caller's own MMFLAX_COMPILATION_CACHE (a directory, or "off") is kept.

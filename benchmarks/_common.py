@@ -225,6 +225,13 @@ LAYOUTS = {
     "data 4 x tensor 2": ((4, 2), ()),
     "data 2 x tensor 4": ((2, 4), ()),
 }
+# A smoke run compares against one layout without and one with a tensor axis.
+SMOKE_LAYOUTS = ("data-parallel 8", "data 4 x tensor 2")
+
+
+def compared_layouts() -> list[str]:
+    """The ``jax.jit`` layouts a run times: all of `LAYOUTS`, or `SMOKE_LAYOUTS` when smoke."""
+    return list(SMOKE_LAYOUTS if SMOKE else LAYOUTS)
 
 
 def layout_problem(workload: Workload, layout: str) -> str | None:

@@ -1,8 +1,8 @@
 """B1 step time: pipelined GPT training steps against the best plain ``jax.jit`` layout.
 
 For each workload (``gpt-tiny`` with 4 blocks; ``gpt-small`` at a reduced batch and sequence
-length) the three ``jax.jit`` baselines of ``_common.LAYOUTS`` are timed together, round by
-round, and the fastest is *the* baseline. Then every pipelined configuration -- 2 and 4
+length) the ``jax.jit`` baselines of ``_common.LAYOUTS`` (two of them in a smoke run) are
+timed together, round by round, and the fastest is *the* baseline. Then every pipelined configuration -- 2 and 4
 stages, ``m`` microbatches, GPipe and 1F1B (identical for ``m = 1``, run once) -- is timed
 alternating step by step with that baseline; the reported ratio is the median step time of
 the pipeline over the baseline's median over the same rounds. Target: at most 1.10 for
@@ -71,7 +71,7 @@ def baselines(workload: _common.Workload, rounds: int) -> tuple[dict[str, Any], 
     """Times the three ``jax.jit`` layouts together; returns results and the fastest."""
     runners, layouts = [], []
     results: dict[str, Any] = {}
-    for layout in _common.LAYOUTS:
+    for layout in _common.compared_layouts():
         problem = _common.layout_problem(workload, layout)
         if problem is not None:
             results[layout] = {"skipped": problem}

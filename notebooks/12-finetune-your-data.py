@@ -147,6 +147,7 @@ status = mmflax(
         *("--steps", str(STEPS), "--batch-size", "16", "--seq-len", "32"),
         *("--lr", "3e-3", "--warmup", str(max(STEPS // 10, 1)), "--lr-schedule", "cosine"),
         *("--log-every", "5", "--compile-cache", "off", "--out", str(run)),
+        "--no-samples",  # this notebook samples the exported model below
     ]
 )
 assert status == 0, status

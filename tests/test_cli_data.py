@@ -266,6 +266,7 @@ TRAIN = [
     "train",
     *("--batch-size", "8", "--seq-len", "32", "--warmup", "2", "--log-every", "1"),
     *("--eval-fraction", "0.1", "--eval-every", "2"),
+    "--no-samples",
 ]
 
 

@@ -31,7 +31,10 @@ from multimesh_flax.cli._run_lock import RunLock
 
 STEPS = 12
 # The settings of test_cli_train, so that the two share compiled programs through the cache.
-TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "4"]
+TINY = [
+    *("--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "4"),
+    "--no-samples",
+]
 TIMEOUT_S = 180  # one process, from start to a finished run; a hang fails the test
 
 

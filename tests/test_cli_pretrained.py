@@ -135,7 +135,7 @@ def qwen3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3") / "run"
     init = str(FIXTURES / "qwen3")
     code, stdout, stderr = _main(
-        "train", "--init-from", init, "--out", str(out), "--steps", "2", *TINY, *QWEN3_LAYOUT
+        "train", "--init-from", init, "--out", str(out), "--steps", "2", *TINY, *QWEN3_LAYOUT, "--no-samples"
     )
     assert code == 0, stderr
     return out, json.loads((out / "metrics.json").read_text())
@@ -153,6 +153,8 @@ def test_fine_tuning_qwen3_starts_from_the_checkpoint(qwen3_run):
     losses = metrics["history"]["loss"]
     np.testing.assert_allclose(losses[0], want, rtol=1e-5)
     assert len(losses) == 2 and all(np.isfinite(losses))
+    assert metrics["samples"] == {"before": None, "after": None}  # --no-samples
+    assert not (qwen3_run[0] / "samples.txt").exists()
 
 
 def test_export_of_fine_tuned_qwen3_is_a_qwen3_folder(qwen3_run, tmp_path):

@@ -35,7 +35,10 @@ from multimesh_flax.cli._optimizer import OptimizerSettings
 from multimesh_flax.cli.errors import RunOptionError
 
 LR, WARMUP, RATIO, CLIP, STEPS = 5e-3, 1, 0.2, 0.5, 4
-TINY = ["--batch-size", "8", "--seq-len", "32", "--microbatches", "2", "--log-every", "1"]
+TINY = [
+    *("--batch-size", "8", "--seq-len", "32", "--microbatches", "2", "--log-every", "1"),
+    "--no-samples",
+]
 RECIPE = [
     *("--lr-schedule", "cosine", "--warmup", str(WARMUP), "--min-lr-ratio", str(RATIO)),
     *("--clip-norm", str(CLIP), "--grad-accum", "2", "--steps", str(STEPS)),

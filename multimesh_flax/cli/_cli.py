@@ -242,6 +242,12 @@ def _add_recipe(add: Any, d: Any) -> None:
         "gradient norm, tokens/s, held-out loss and perplexity (default: off; a resumed run "
         "keeps its setting)",
     )
+    add(
+        "--samples",
+        action=argparse.BooleanOptionalAction,
+        help="generate text before and after training into <out>/samples.txt (default: on; "
+        "--no-samples saves four compiled generations, e.g. for large models)",
+    )
 
 
 def _add_launch(sub: Any) -> None:
@@ -467,6 +473,8 @@ def _print_result(result: Any) -> int:
     kind = "sampled (temperature 0.8)"
     for moment in ("before", "after"):
         sample = m["samples"][moment]
+        if sample is None:  # --no-samples
+            continue
         rate = sample["corpus_match_rate"][kind]
         print(f"sample {moment} training ({rate:.0%} of its 4-grams occur in the corpus):")
         print(f"  {sample['texts'][kind]!r}")

@@ -106,6 +106,8 @@ class TrainOptions:
         on_nonfinite: at a NaN or infinite loss or gradient norm, ``"stop"`` the run (the
             last finite state is saved) or ``"skip"`` that step's update and go on.
         tensorboard: also write TensorBoard event files under ``out/tensorboard/``.
+        samples: generate text before and after training (``samples.txt``; greedy and
+            sampled, up to ``seq_len`` tokens each: four generations, each compiled).
     """
 
     model: str = "gpt-tiny"
@@ -141,6 +143,7 @@ class TrainOptions:
     precision: str = "fp32"
     recompute: str = "none"
     tensorboard: bool = False
+    samples: bool = True
 
     @property
     def layout(self) -> str:

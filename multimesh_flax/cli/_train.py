@@ -545,7 +545,7 @@ def _train_in(
         every = SaveEvery.parse(options.save_every)
         saver = Saver(ckpt, every, lambda s: _metadata(options, config, s, target, feed.state()))
         host_start = host_values(state) if options.check_reference else None
-        before = _samples(config, state.params, options, data)
+        before = _samples(config, state.params, options, data) if options.samples else None
         evaluate = None
         if data is not None and options.eval_fraction is not None:
             batches = data.eval_batches(options.batch_size)
@@ -560,7 +560,8 @@ def _train_in(
             problem = saver.save(start + steps.count, steps.state)
             steps.nonfinite = steps.nonfinite or problem
         finished = steps.nonfinite is None and steps.stopped_by is None
-        after = _samples(config, steps.state.params, options, data) if finished else None
+        sample_after = finished and options.samples
+        after = _samples(config, steps.state.params, options, data) if sample_after else None
         reference = None
         if host_start is not None and finished:
             ref = reference_losses(config, host_start, steps.batches)
@@ -678,13 +679,14 @@ def _finish(
     placement: Any,
     bubble: dict[str, Any] | None,
     reference: dict[str, Any] | None,
-    before: dict[str, Any],
+    before: dict[str, Any] | None,
     after: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """Writes loss.png and samples.txt; returns the metrics (history merged with the past).
 
-    ``after`` is ``None`` when training ended early (a signal, a non-finite loss): no
-    samples are written then.
+    ``after`` is ``None`` when training ended early (a signal, a non-finite loss) or
+    ``--no-samples`` turned sampling off (then ``before`` is ``None`` too): no samples are
+    written then.
     """
     history, invocations = _run_files.previous_metrics(run_dir, start)
     for key in _run_files.HISTORY_KEYS:
@@ -700,7 +702,7 @@ def _finish(
     header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
     if jax.process_index() == 0:
         _run_files.plot_loss(history, run_dir / _run_files.LOSS_PNG, title, resumed_at, evals)
-        if after is not None:
+        if before is not None and after is not None:
             texts = {"before": before["texts"], "after": after["texts"]}
             _run_files.write_samples(run_dir, texts, header)
     return {
