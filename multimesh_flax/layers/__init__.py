@@ -2,9 +2,7 @@
 initializers (``shard_axes``), ``parallelize_step``, placement-aware ``tabulate``, and ``jit``
 taking NNX graph objects."""
 
-from multimesh_flax.core.trace._constraints import (
-    with_sharding_constraint as with_sharding_constraint,
-)
+from multimesh_flax.core.trace import with_sharding_constraint as with_sharding_constraint
 from multimesh_flax.layers._initializers import shard_axes as shard_axes
 from multimesh_flax.layers._nnx_jit import jit as jit
 from multimesh_flax.layers._nonfinite import NonFinite as NonFinite

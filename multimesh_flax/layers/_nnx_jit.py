@@ -29,9 +29,10 @@ import jax
 from flax import nnx
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config
-from multimesh_flax.core.front import _jit as _core_jit
-from multimesh_flax.core.trace import _microbatch
+from multimesh_flax.core.declare import get_flag
+from multimesh_flax.core.front import MpmdJit
+from multimesh_flax.core.front import jit as core_jit
+from multimesh_flax.core.trace import microbatch as core_microbatch
 from multimesh_flax.layers import _nnx_task
 
 
@@ -78,12 +79,12 @@ class GraphJit:
     def __init__(
         self,
         fun: Callable[..., Any],
-        plain: _core_jit.MpmdJit,
+        plain: MpmdJit,
     ) -> None:
         self.fun = fun
         self.plain = plain
         self.static_argnums = plain.static_argnums
-        self.graph = _core_jit.jit(
+        self.graph = core_jit(
             self._pure,
             devices=plain.devices,
             static_argnums=(0,),
@@ -132,7 +133,7 @@ class GraphJit:
     # --- calling ---
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _config.get_flag("ignore_transforms") or not has_graph_objects(args, kwargs):
+        if get_flag("ignore_transforms") or not has_graph_objects(args, kwargs):
             return self.plain(*args, **kwargs)
         static, state, (nodes, others) = self._split(args, kwargs)
         out, new_state = self.graph(static, state, others)
@@ -227,9 +228,9 @@ def microbatch(
         (3, 1)
     """
     if "trace_once" in options:
-        return _microbatch.microbatch(fun, dim, size, argnum, **options)
-    once = _microbatch.microbatch(fun, dim, size, argnum, **options)
-    each = _microbatch.microbatch(fun, dim, size, argnum, trace_once=False, **options)
+        return core_microbatch(fun, dim, size, argnum, **options)
+    once = core_microbatch(fun, dim, size, argnum, **options)
+    each = core_microbatch(fun, dim, size, argnum, trace_once=False, **options)
     closes = _closes_over_graph_objects(fun)
 
     @functools.wraps(fun)
@@ -285,7 +286,7 @@ def jit(
         >>> losses[2] < losses[0], [d.id for d in model.kernel.get_value().devices()]
         (True, [1])
     """
-    plain = _core_jit.jit(
+    plain = core_jit(
         fun, devices=devices, static_argnums=static_argnums, donate_argnums=donate_argnums
     )
     return GraphJit(fun, plain)

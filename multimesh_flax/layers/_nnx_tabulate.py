@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _registry
-from multimesh_flax.core.front import _parallelize
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.declare import find_match, has_registrations
+from multimesh_flax.core.front import derive_shardings, shape_structs
+from multimesh_flax.core.trace import shape_only_trace, task_for
 from multimesh_flax.layers import _nnx_jit, _nnx_task, _placement, _placement_report
 
 # Keyword arguments of ``nnx.tabulate`` (everything else goes to the model's call).
@@ -48,9 +48,9 @@ def _task_names(model: nnx.Module) -> list[tuple[tuple[Any, ...], str]]:
     found = []
     for path, module in nnx.iter_modules(model):
         spec = _nnx_task.task_spec_of(module)
-        if spec is None and path and _registry.has_registrations():  # register_task by path
-            match = _registry.find_match("/".join(map(str, path)), str(path[-1]))
-            spec = None if match is None else _colour.task_for(match, False)
+        if spec is None and path and has_registrations():  # register_task by path
+            match = find_match("/".join(map(str, path)), str(path[-1]))
+            spec = None if match is None else task_for(match, False)
         if spec is not None:
             where = "/".join(map(str, path)) or type(module).wrapped_module.__name__
             found.append((tuple(path), spec.name or where))  # unnamed: its attribute path
@@ -100,7 +100,7 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_re
         _nnx_task.enter_registered_tasks([merged])
         return merged(*inputs, **kwargs)
 
-    derived = _parallelize.derive_shardings(forward, (abstract, abstract_args), None)
+    derived = derive_shardings(forward, (abstract, abstract_args), None)
     tasks = _task_names(model)
     rows = []
     for (path, variable), sharding in zip(flat, derived[: len(flat)], strict=True):
@@ -157,7 +157,7 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
     return f"{_summary(model, args, options, call_kwargs)}\n{placement}"
 
 
-_abstract = _parallelize.shape_structs
+_abstract = shape_structs
 
 
 def _summary(model: nnx.Module, args: Any, options: Any, call_kwargs: Any) -> str:
@@ -170,6 +170,6 @@ def _summary(model: nnx.Module, args: Any, options: Any, call_kwargs: Any) -> st
     def run(state: Any, inputs: Any) -> None:
         tables.append(nnx.tabulate(nnx.merge(graphdef, state), *inputs, **options, **call_kwargs))
 
-    with _session.shape_only_trace():  # NNX's table traces the model; nothing is placed there
+    with shape_only_trace():  # NNX's table traces the model; nothing is placed there
         jax.eval_shape(run, _abstract(state), _abstract(args))
     return tables[0]

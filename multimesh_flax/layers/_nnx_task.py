@@ -37,9 +37,24 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _recompute, _registry, _rules, _task
-from multimesh_flax.core.front import _task_call
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.declare import (
+    Task,
+    check_rules_have_mesh,
+    get_flag,
+    has_registrations,
+    ignore_transforms,
+    logical_to_mesh_spec,
+    make_task,
+    nnx_transform,
+)
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, run_as
+from multimesh_flax.core.trace import (
+    ResolvedTask,
+    current_session,
+    current_task,
+    registry_state,
+    resolve_task,
+)
 
 TASK_SHARDING = "task_sharding"  # Variable metadata: where a task-born variable lives
 _INSTANCE_KEY = "_mm_task_key"  # static attribute: one task per instance per trace
@@ -54,12 +69,12 @@ def is_tracing() -> bool:
     return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
-def resolve(module: nnx.Module, spec: _task.Task) -> _session.ResolvedTask:
+def resolve(module: nnx.Module, spec: Task) -> ResolvedTask:
     """The ``ResolvedTask`` of a task module: one per instance per trace session."""
     name = spec.name or type(module).wrapped_module.__name__
-    session = _session.current_session()
+    session = current_session()
     if session is None:
-        return _session.resolve_task(spec, name)
+        return resolve_task(spec, name)
     return session.resolve_module(("nnx", getattr(module, _INSTANCE_KEY, id(module))), spec, name)
 
 
@@ -85,7 +100,7 @@ def _check_names_mapped(path: tuple[Any, ...], logical: PartitionSpec, resolved:
 
 
 def variable_sharding(
-    path: tuple[Any, ...], variable: nnx.Variable, resolved: _session.ResolvedTask
+    path: tuple[Any, ...], variable: nnx.Variable, resolved: ResolvedTask
 ) -> NamedSharding:
     """Where ``variable`` lives in task ``resolved``: its logical names through the rules.
 
@@ -96,7 +111,7 @@ def variable_sharding(
     logical = _logical_spec(variable)
     _check_names_mapped(path, logical, resolved)
     value = variable.get_value()
-    spec = _rules.logical_to_mesh_spec(
+    spec = logical_to_mesh_spec(
         logical, jnp.shape(value), dict(resolved.mesh.shape), resolved.rules
     )
     return NamedSharding(resolved.mesh, spec)
@@ -111,9 +126,7 @@ def own_variables(module: nnx.Module) -> list[tuple[tuple[Any, ...], nnx.Variabl
     ]
 
 
-def place_variables(
-    module: nnx.Module, resolved: _session.ResolvedTask, *, record: bool = True
-) -> None:
+def place_variables(module: nnx.Module, resolved: ResolvedTask, *, record: bool = True) -> None:
     """Constrains every variable of ``module`` onto the task's submesh; ``record``: also
     writes the placement into its metadata (at construction; a call leaves the metadata, and
     so the state's tree structure, as it is)."""
@@ -190,7 +203,7 @@ def _construct_eager(cls: type, node: nnx.Module, args: Any, kwargs: Any) -> Non
 
 def construct(cls: type, node: nnx.Module, *args: Any, **kwargs: Any) -> None:
     """``Task[Block]``'s construction hook (NNX's ``_pytree_meta_construct``)."""
-    if _config.get_flag("ignore_transforms"):
+    if get_flag("ignore_transforms"):
         _init_unsharded(node, args, kwargs)
         return
     if is_tracing():
@@ -203,24 +216,22 @@ def construct(cls: type, node: nnx.Module, *args: Any, **kwargs: Any) -> None:
 
 
 def call_as_task(
-    module: nnx.Module, spec: _task.Task, method: Callable[..., Any], args: Any, kwargs: Any
+    module: nnx.Module, spec: Task, method: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
     """Runs ``method(module, *args, **kwargs)`` (the wrapped ``__call__``, unbound) as
-    ``spec``'s task, through the one task call (``core/front/_task_call.call``)."""
+    ``spec``'s task, through the one task call (``core/front/_task_call.call_task``)."""
     if spec.name is None:
         spec = dataclasses.replace(spec, name=type(module).wrapped_module.__name__)
-    return _task_call.call(_task_call_of(module, spec, method), args, kwargs)
+    return call_task(_task_call_of(module, spec, method), args, kwargs)
 
 
-def _task_call_of(
-    module: nnx.Module, spec: _task.Task, method: Callable[..., Any]
-) -> _task_call.TaskCall:
+def _task_call_of(module: nnx.Module, spec: Task, method: Callable[..., Any]) -> TaskCall:
     """The NNX adapter: one task per instance per trace, the module's variable values
     reveal a trace, the variables are read through constraints on the submesh inside the
     task, recomputation checkpoints over the module's state (split and merged), and an
     eager call runs the module op by op on the submesh."""
-    fun, transform = _recompute.nnx_transform(module, method)
-    return _task_call.TaskCall(
+    fun, transform = nnx_transform(module, method)
+    return TaskCall(
         spec=spec,
         body=fun,
         eager=_eager_runner(module, spec, method),
@@ -231,9 +242,7 @@ def _task_call_of(
     )
 
 
-def _eager_runner(
-    module: nnx.Module, spec: _task.Task, method: Callable[..., Any]
-) -> _task_call.EagerRunner:
+def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) -> EagerRunner:
     """An eager NNX call: the wrapped method op by op, transforms off, its array arguments
     moved onto the task's submesh (replicated), where the module's variables were born."""
 
@@ -243,14 +252,14 @@ def _eager_runner(
             lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
             (args, kwargs),
         )
-        with _config.ignore_transforms():
+        with ignore_transforms():
             return method(module, *moved_args, **moved_kwargs)
 
     return run
 
 
 @contextlib.contextmanager
-def _placed_variables(module: nnx.Module, resolved: _session.ResolvedTask) -> Iterator[None]:
+def _placed_variables(module: nnx.Module, resolved: ResolvedTask) -> Iterator[None]:
     """The module's variables read through constraints on the task's submesh; their values
     are restored afterwards unless the call wrote them."""
     variables = own_variables(module)
@@ -271,15 +280,15 @@ def _placed_variables(module: nnx.Module, resolved: _session.ResolvedTask) -> It
 def _call_as_registered(module: nnx.Module, method: Callable[..., Any], args: Any, kw: Any) -> Any:
     """Runs ``method(module, ...)`` of a module matched by ``register_task`` as the matched
     task."""
-    session = _session.current_session()
-    if _config.get_flag("ignore_transforms") or session is None:
+    session = current_session()
+    if get_flag("ignore_transforms") or session is None:
         return method(module, *args, **kw)
-    state = _colour._state(session)
+    state = registry_state(session)
     resolved = state.resolve(type(module).registered_match, False)
     state.modules.add(resolved.uid)
-    if _session.current_task() is resolved:
+    if current_task() is resolved:
         return method(module, *args, **kw)
-    return _task_call.run_as(resolved, _task_call_of(module, resolved.task, method), args, kw)
+    return run_as(resolved, _task_call_of(module, resolved.task, method), args, kw)
 
 
 _REGISTERED_CLASSES: dict[tuple[type, str, Any], type] = {}
@@ -313,10 +322,10 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
     their classes are swapped for a subclass that enters the task: NNX's own transforms
     inside the trace (``nnx.value_and_grad``) copy the swapped classes along.
     """
-    session = _session.current_session()
-    if session is None or not _registry.has_registrations():
+    session = current_session()
+    if session is None or not has_registrations():
         return
-    state = _colour._state(session)
+    state = registry_state(session)
     for node in nodes:
         if not isinstance(node, nnx.Module):
             continue
@@ -332,7 +341,7 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
 # --- the Task[Block] class --------------------------------------------------------------
 
 
-def _make_task_class(block: type[nnx.Module], spec: _task.Task) -> type[nnx.Module]:
+def _make_task_class(block: type[nnx.Module], spec: Task) -> type[nnx.Module]:
     def __call__(self: nnx.Module, *args: Any, **kwargs: Any) -> Any:
         return call_as_task(self, spec, block.__call__, args, kwargs)
 
@@ -358,7 +367,7 @@ def task(
     block: type[nnx.Module],
     name: str | None = None,
     *,
-    task: _task.Task | None = None,
+    task: Task | None = None,
     **kwargs: Any,
 ) -> type[nnx.Module]:
     """Wraps an ``nnx.Module`` class so that each instance runs as a task on its submesh.
@@ -393,8 +402,8 @@ def task(
     """
     _check_block(block)
     if task is None:
-        _task.check_rules_have_mesh(kwargs)
-    return _make_task_class(block, _task.make_task(name, task, kwargs))
+        check_rules_have_mesh(kwargs)
+    return _make_task_class(block, make_task(name, task, kwargs))
 
 
 def _check_block(block: Any) -> None:
@@ -412,7 +421,7 @@ def _check_block(block: Any) -> None:
     )
 
 
-def task_spec_of(module: Any) -> _task.Task | None:
+def task_spec_of(module: Any) -> Task | None:
     """The ``Task`` of a ``Task[Block]`` class or instance, else ``None``."""
     cls = module if isinstance(module, type) else type(module)
     return getattr(cls, "task_spec", None)

@@ -25,9 +25,21 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _registry, _rules, _task
-from multimesh_flax.core.fragment import _inputs
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.declare import (
+    Task,
+    find_match,
+    get_flag,
+    logical_to_mesh_spec,
+    use_device_list,
+)
+from multimesh_flax.core.fragment import canonical_sharding
+from multimesh_flax.core.trace import (
+    enter_task,
+    module_names,
+    resolve_task,
+    shape_only_trace,
+    task_for,
+)
 from multimesh_flax.layers import _task as _flax_task
 
 ModulePath = tuple[str, ...]
@@ -81,14 +93,14 @@ def path_keys(path: Sequence[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _registered_owner(owners: dict[ModulePath, _task.Task]) -> Callable[..., Any]:
+def _registered_owner(owners: dict[ModulePath, Task]) -> Callable[..., Any]:
     """A Flax interceptor recording modules that ``register_task`` matches."""
 
     def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
-        match = _registry.find_match(*_colour.module_names(module))
+        match = find_match(*module_names(module))
         if match is not None and module.scope is not None:
-            spec = _colour.task_for(match, False)
+            spec = task_for(match, False)
             named = spec if spec.name else dataclasses.replace(spec, name=match.name)
             owners.setdefault(tuple(module.path), named)
         return next_fun(*args, **kwargs)
@@ -98,24 +110,24 @@ def _registered_owner(owners: dict[ModulePath, _task.Task]) -> Callable[..., Any
 
 def trace_variables(
     init: Callable[..., Any], *args: Any, **kwargs: Any
-) -> tuple[Any, dict[ModulePath, _task.Task], dict[ModulePath, _task.Task]]:
+) -> tuple[Any, dict[ModulePath, Task], dict[ModulePath, Task]]:
     """Abstract (boxed) variables of ``init(*args, **kwargs)`` and the task module paths:
     ``Task[Module]`` modules, and modules placed by ``register_task``."""
-    registered: dict[ModulePath, _task.Task] = {}
+    registered: dict[ModulePath, Task] = {}
     with (
         _flax_task.record_task_paths() as owners,
         nn.intercept_methods(_registered_owner(registered)),
-        _session.shape_only_trace(),  # tasks are not placed here, by design
+        shape_only_trace(),  # tasks are not placed here, by design
     ):
         variables = jax.eval_shape(lambda *a: init(*a, **kwargs), *args)
     return variables, owners, registered
 
 
 def owner_of(
-    param_path: ModulePath, owners: Mapping[ModulePath, _task.Task]
-) -> tuple[ModulePath, _task.Task] | None:
+    param_path: ModulePath, owners: Mapping[ModulePath, Task]
+) -> tuple[ModulePath, Task] | None:
     """``(module path, Task)`` of the innermost task module containing ``param_path``."""
-    best: tuple[ModulePath, _task.Task] | None = None
+    best: tuple[ModulePath, Task] | None = None
     for module_path, spec in owners.items():
         n = len(module_path)
         if param_path[:n] == module_path and (best is None or n > len(best[0])):
@@ -123,13 +135,13 @@ def owner_of(
     return best
 
 
-def resolve_owners(owners: Mapping[ModulePath, _task.Task], devices: Any) -> dict[Any, Owner]:
+def resolve_owners(owners: Mapping[ModulePath, Task], devices: Any) -> dict[Any, Owner]:
     """Resolves each distinct ``Task`` to its mesh and rules for the device list."""
     resolved: dict[Any, Owner] = {}
-    with _devices.use_device_list(devices):
+    with use_device_list(devices):
         for spec in owners.values():
             if id(spec) not in resolved:
-                r = _session.resolve_task(spec, spec.name or "task")
+                r = resolve_task(spec, spec.name or "task")
                 resolved[id(spec)] = Owner(name=r.name, mesh=r.mesh, rules=r.rules)
     return resolved
 
@@ -142,10 +154,10 @@ def logical_spec(leaf: Any) -> PartitionSpec | None:
 
 def owner_shardings(
     boxed_params: Any,
-    owners: Mapping[ModulePath, _task.Task],
+    owners: Mapping[ModulePath, Task],
     devices: Any,
     problems: dict[tuple[str, ...], str] | None = None,
-    registered: Mapping[ModulePath, _task.Task] | None = None,
+    registered: Mapping[ModulePath, Task] | None = None,
 ) -> tuple[Any, Any]:
     """Per parameter leaf: its owner's ``NamedSharding``, and its owner ``(path, Task)``.
 
@@ -170,7 +182,7 @@ def owner_shardings(
         value = leaf.value if is_box(leaf) else leaf
         logical = logical_spec(leaf) or PartitionSpec()
         try:
-            mesh_spec = _rules.logical_to_mesh_spec(
+            mesh_spec = logical_to_mesh_spec(
                 logical, value.shape, dict(owner.mesh.shape), owner.rules
             )
         except errors.MultiMeshError as error:
@@ -179,7 +191,7 @@ def owner_shardings(
             problems[path_keys(path)] = str(error)
             shardings.append(None)
             continue
-        shardings.append(_inputs.canonical_sharding(NamedSharding(owner.mesh, mesh_spec)))
+        shardings.append(canonical_sharding(NamedSharding(owner.mesh, mesh_spec)))
     return treedef.unflatten(shardings), treedef.unflatten(found)
 
 
@@ -207,7 +219,7 @@ def mirror(tree: Any, params: Any, per_param: Any) -> Any:
 
 
 def _is_owner(x: Any) -> bool:
-    return x is None or (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], _task.Task))
+    return x is None or (isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], Task))
 
 
 def constrain(tree: Any, shardings: Any, owners: Any = None) -> Any:
@@ -217,7 +229,7 @@ def constrain(tree: Any, shardings: Any, owners: Any = None) -> Any:
     ``owner_shardings``), each constraint is traced inside its owner's task, so it runs in
     that task's first fragment instead of a separate one.
     """
-    if _config.get_flag("ignore_transforms"):
+    if get_flag("ignore_transforms"):
         return tree
     flat, treedef = jax.tree_util.tree_flatten(tree)
     flat_shardings = treedef.flatten_up_to(shardings)
@@ -229,6 +241,6 @@ def constrain(tree: Any, shardings: Any, owners: Any = None) -> Any:
         elif owner is None:
             out.append(jax.lax.with_sharding_constraint(x, sharding))
         else:
-            with _session.enter_task(_flax_task.resolve_path(owner[1], owner[0])):
+            with enter_task(_flax_task.resolve_path(owner[1], owner[0])):
                 out.append(jax.lax.with_sharding_constraint(x, sharding))
     return treedef.unflatten(out)

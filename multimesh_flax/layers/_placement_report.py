@@ -16,7 +16,7 @@ import numpy as np
 import rich.console
 import rich.table
 
-from multimesh_flax.core.fragment import _inputs
+from multimesh_flax.core.fragment import canonical_spec
 from multimesh_flax.layers import _placement
 
 
@@ -51,7 +51,7 @@ class Placement:
 
 
 def _spec_text(spec: Any) -> str:
-    return "-" if spec is None else str(_inputs.canonical_spec(spec))  # P(None,) reads P()
+    return "-" if spec is None else str(canonical_spec(spec))  # P(None,) reads P()
 
 
 def _ids_text(ids: Sequence[int]) -> str:

@@ -38,9 +38,20 @@ from flax import linen as nn
 from flax.training import train_state
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _multimesh, _recompute, _registry
-from multimesh_flax.core.front import _initializer, _jit, _parallelize
-from multimesh_flax.core.trace import _microbatch, _session
+from multimesh_flax.core.declare import (
+    MultiMesh,
+    Recompute,
+    active_contexts,
+    get_multi_mesh,
+    ignore_transforms,
+    make_auto_mesh,
+    make_recompute,
+    step_policy,
+    use_device_list,
+)
+from multimesh_flax.core.declare import context as flag_context
+from multimesh_flax.core.front import MpmdJit, jit, shape_structs, sharded_initializer
+from multimesh_flax.core.trace import microbatch, shape_only_trace
 from multimesh_flax.layers import _nonfinite, _placement, _precision
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
@@ -129,7 +140,7 @@ class _Model:
                 f"over). Pass batches whose leading size is a multiple of {count}."
             )
         size = length // count
-        chunked = _microbatch.microbatch(
+        chunked = microbatch(
             fun,
             0,
             size,
@@ -255,17 +266,17 @@ def _check_batches(global_batch: Any, local_batch: Any) -> Any:
     )
 
 
-_abstract = _parallelize.shape_structs
+_abstract = shape_structs
 
 
 def _devices_of(mesh: Any) -> tuple[Any, Any, jax.sharding.Mesh]:
     """``(device list, MultiMesh or None, the mesh to return)`` for the ``mesh`` argument."""
     if mesh is None:
-        mesh = _multimesh.get_multi_mesh()
+        mesh = get_multi_mesh()
     if mesh is None:
         pool = np.array(jax.devices(), dtype=object)
-        return None, None, _devices.make_auto_mesh(pool, ("devices",))
-    if isinstance(mesh, _multimesh.MultiMesh):
+        return None, None, make_auto_mesh(pool, ("devices",))
+    if isinstance(mesh, MultiMesh):
         return list(mesh.devices.flat), mesh, mesh.mesh
     if isinstance(mesh, jax.sharding.Mesh):
         return list(mesh.devices.flat), None, mesh
@@ -391,7 +402,7 @@ class _Setup:
         rng: Any,
         pipeline: _Microbatching | None = None,
         nonfinite: _nonfinite.NonFinite | None = None,
-        recompute: _recompute.Recompute | None = None,
+        recompute: Recompute | None = None,
         precision: _precision.Precision = _precision.Precision.FP32,
     ) -> None:
         self.runner = _Model(model, loss_fn, rng, pipeline)
@@ -406,7 +417,7 @@ class _Setup:
         self.state_program: Any = None  # the state initializer, traced (derive_constraints)
 
     def make_state(self, batch_shape: Any) -> Any:
-        with _config.ignore_transforms():
+        with ignore_transforms():
             variables = nn.meta.unbox(self.runner.init_variables(_zeros(batch_shape)))
         variables = dict(variables)
         params = _precision.stored(self.precision, variables.pop("params", {}))
@@ -421,7 +432,7 @@ class _Setup:
         param_sh, param_owners = _placement.owner_shardings(
             boxed.get("params", {}), owners, devices, registered=registered
         )
-        with _session.shape_only_trace():  # initialising for shapes: tasks are not placed here
+        with shape_only_trace():  # initialising for shapes: tasks are not placed here
             # Traced once: the shapes here, the sharded initializer replays the program.
             self.state_program, state = jax.make_jaxpr(
                 lambda: self.make_state(batch_shape), return_shape=True
@@ -477,7 +488,7 @@ class _Setup:
         state = _placement.constrain(state, self.state_constraints, self.state_owners)
         if self.batch_constraints is not None:
             batch = _placement.constrain(batch, self.batch_constraints)
-        with _recompute.step_policy(self.recompute):
+        with step_policy(self.recompute):
             (loss, model_state), grads = self._value_and_grad(state, batch)
         new_state = state.apply_gradients(grads=grads, model_state=model_state)
         if self.nonfinite is None:
@@ -560,8 +571,8 @@ class StepFn:
 
     def __init__(
         self,
-        jitted: _jit.MpmdJit,
-        multi: _multimesh.MultiMesh | None,
+        jitted: MpmdJit,
+        multi: MultiMesh | None,
         nonfinite: _nonfinite.NonFinite | None = None,
     ) -> None:
         self.jitted = jitted
@@ -569,7 +580,7 @@ class StepFn:
         self.last_check: _nonfinite.StepCheck | None = None
         # The registries active when the step was built, outermost first (the process-wide
         # default is always active); the MultiMesh goes outside them unless it is one.
-        captured = list(reversed(_registry.active_contexts()[:-1]))
+        captured = list(reversed(active_contexts()[:-1]))
         if multi is not None and not any(c is multi for c in captured):
             captured.insert(0, multi)
         self._contexts = captured
@@ -612,7 +623,7 @@ class StepFn:
             return self.jitted.describe(state, batch)
 
 
-def _derive(jitted: _jit.MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, Any]:
+def _derive(jitted: MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, Any]:
     """The state's and the batch's shardings, read from the program the first step runs
     (built here, once: the first call then only compiles and dispatches)."""
     (state_sh, batch_sh), _ = jitted.input_shardings(state, batch_shape)
@@ -622,7 +633,7 @@ def _derive(jitted: _jit.MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, An
 def parallelize_step(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh | _multimesh.MultiMesh | None = None,
+    mesh: jax.sharding.Mesh | MultiMesh | None = None,
     global_batch: Any = None,
     local_batch: Any = None,
     replicate_inputs: bool = True,
@@ -741,7 +752,7 @@ def parallelize_step(
     _check_model_and_optimizer(model, optimizer)
     _check_loss_fn(loss_fn)
     mode = _nonfinite.normalize(nonfinite)
-    policy = _recompute.make_recompute(recompute)
+    policy = make_recompute(recompute)
     dtype = _precision.normalize(precision)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
     pipeline = _with_custom_schedule(
@@ -749,9 +760,9 @@ def parallelize_step(
     )
     devices, multi, result_mesh = _devices_of(mesh)
     setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline, mode, policy, dtype)
-    with multi if multi is not None else _config.context(), _devices.use_device_list(devices):
+    with multi if multi is not None else flag_context(), use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
-        jitted = _jit.jit(setup.step, devices=devices, donate_argnums=(0,))
+        jitted = jit(setup.step, devices=devices, donate_argnums=(0,))
         state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
         if not replicate_inputs:
             batch_sh = jax.tree_util.tree_map(
@@ -763,7 +774,7 @@ def parallelize_step(
         if mode is not None and setup.pin_state(state_sh):
             jitted.clear_cache()  # the step now keeps every leaf where it came in
             state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
-        state = _initializer.sharded_initializer(
+        state = sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
     step_fn = StepFn(jitted, multi, mode)

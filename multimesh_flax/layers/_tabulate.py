@@ -20,8 +20,8 @@ import numpy as np
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core.front import _parallelize
-from multimesh_flax.core.trace import _session
+from multimesh_flax.core.front import derive_shardings, shape_structs
+from multimesh_flax.core.trace import shape_only_trace
 from multimesh_flax.layers import _nnx_tabulate, _placement, _placement_report
 from multimesh_flax.layers._placement_report import Placement
 
@@ -87,8 +87,8 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
         p = _placement.constrain(p, task_sh, found)
         return model.apply({"params": p, **others}, *inputs, rngs=_apply_rngs(rngs), **kwargs)
 
-    abstract_args = _parallelize.shape_structs(args)
-    derived = _parallelize.derive_shardings(forward, (params, abstract_args), None)
+    abstract_args = shape_structs(args)
+    derived = derive_shardings(forward, (params, abstract_args), None)
     flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
     rows = []
     for (path, leaf), sharding in zip(flat_params, derived[: len(flat_params)], strict=True):
@@ -157,6 +157,6 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         )
     flax_options, model_kwargs = _split_kwargs(kwargs)
     flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
-    with _session.shape_only_trace():  # Flax's table traces the model; nothing is placed there
+    with shape_only_trace():  # Flax's table traces the model; nothing is placed there
         summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
     return summary + "\n" + str(get_placement(model, rngs, *args, **model_kwargs))

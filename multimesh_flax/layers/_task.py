@@ -11,7 +11,7 @@ parameters are exactly the wrapped module's: same names, same nesting, and an au
 ``Task[Dense]`` inside a compact parent is called ``Dense_0`` like the plain module would be.
 A checkpoint of the plain model therefore loads into the task-wrapped one and back.
 
-Where the call runs (decided once for every kind of task by ``core/front/_task_call.call``;
+Where the call runs (decided once for every kind of task by ``core/front/_task_call.call_task``;
 this module is the Linen adapter):
 
 * inside ``multimesh_flax.jit`` / ``parallelize`` / ``parallelize_step`` (or any trace): as the
@@ -42,9 +42,16 @@ from flax import linen as nn
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _recompute, _task
-from multimesh_flax.core.front import _task_call
-from multimesh_flax.core.trace import _session
+from multimesh_flax.core.declare import (
+    Task,
+    check_rules_have_mesh,
+    get_flag,
+    ignore_transforms,
+    linen_transform,
+    make_task,
+)
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_task
+from multimesh_flax.core.trace import ResolvedTask, current_session, resolve_task
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
 ModulePath = tuple[str, ...]
@@ -55,14 +62,14 @@ ModulePath = tuple[str, ...]
 
 class _Recorder(threading.local):
     def __init__(self) -> None:
-        self.owners: list[dict[ModulePath, _task.Task]] = []
+        self.owners: list[dict[ModulePath, Task]] = []
 
 
 _RECORDER = _Recorder()
 
 
 @contextlib.contextmanager
-def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
+def record_task_paths() -> Iterator[dict[ModulePath, Task]]:
     """Collects ``{module path: Task}`` for every task-wrapped module called in the block.
 
     Example:
@@ -73,13 +80,13 @@ def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
         ...     @nn.compact
         ...     def __call__(self, x):
         ...         return task(nn.Dense, mesh=mm.TaskMesh(devices=[1]))(4)(x)
-        >>> from multimesh_flax.core.trace._session import shape_only_trace
+        >>> from multimesh_flax.core.trace import shape_only_trace
         >>> with record_task_paths() as owners, shape_only_trace():  # shapes: nothing placed
         ...     _ = jax.eval_shape(Net().init, jax.random.key(0), jnp.ones((2, 3)))
         >>> {path: spec.name for path, spec in owners.items()}
         {('Dense_0',): 'Dense_0'}
     """
-    owners: dict[ModulePath, _task.Task] = {}
+    owners: dict[ModulePath, Task] = {}
     _RECORDER.owners.append(owners)
     try:
         yield owners
@@ -87,7 +94,7 @@ def record_task_paths() -> Iterator[dict[ModulePath, _task.Task]]:
         _RECORDER.owners.pop()
 
 
-def _record(path: ModulePath, spec: _task.Task) -> None:
+def _record(path: ModulePath, spec: Task) -> None:
     if _RECORDER.owners:
         _RECORDER.owners[-1].setdefault(path, spec)
 
@@ -95,21 +102,21 @@ def _record(path: ModulePath, spec: _task.Task) -> None:
 # --- running a module call as a task -------------------------------------------------------
 
 
-def resolve_path(spec: _task.Task, path: ModulePath) -> _session.ResolvedTask:
+def resolve_path(spec: Task, path: ModulePath) -> ResolvedTask:
     """The ``ResolvedTask`` of the task module at ``path``: one per trace session."""
     name = spec.name or "task"
-    session = _session.current_session()
+    session = current_session()
     if session is None:
-        return _session.resolve_task(spec, name)
+        return resolve_task(spec, name)
     # Keyed by path: a module class may be re-created per call.
     return session.resolve_module(("flax", tuple(path)), spec, name)
 
 
 def call_as_task(
-    module: nn.Module, spec: _task.Task, method: Callable[..., Any], args: Any = ((), {})
+    module: nn.Module, spec: Task, method: Callable[..., Any], args: Any = ((), {})
 ) -> Any:
     """Runs ``method(module, *args[0], **args[1])`` (the wrapped module's method, unbound)
-    as ``spec``'s task, through the one task call (``core/front/_task_call.call``).
+    as ``spec``'s task, through the one task call (``core/front/_task_call.call_task``).
 
     The Linen adapter: one task per module path per trace, the module's variables reveal a
     trace, recomputation goes through Flax's lifted ``nn.checkpoint``, and an eager call runs
@@ -119,10 +126,10 @@ def call_as_task(
     if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
-    if not _config.get_flag("ignore_transforms"):
+    if not get_flag("ignore_transforms"):
         _record(tuple(module.path), spec)
-    fun, transform = _recompute.linen_transform(module, method)
-    task_call = _task_call.TaskCall(
+    fun, transform = linen_transform(module, method)
+    task_call = TaskCall(
         spec=spec,
         body=fun,
         eager=_eager_runner(module, spec, method),
@@ -130,24 +137,22 @@ def call_as_task(
         key=("flax", tuple(module.path)),
         state=module.variables,
     )
-    return _task_call.call(task_call, positional, keywords)
+    return call_task(task_call, positional, keywords)
 
 
-def _eager_runner(
-    module: nn.Module, spec: _task.Task, method: Callable[..., Any]
-) -> _task_call.EagerRunner:
+def _eager_runner(module: nn.Module, spec: Task, method: Callable[..., Any]) -> EagerRunner:
     """An eager Linen call: the wrapped method op by op, transforms off, its array inputs
     moved next to the module's variables (else onto the task's submesh)."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         positional, keywords = _eager_inputs(module, spec, (args, kwargs))
-        with _config.ignore_transforms():
+        with ignore_transforms():
             return method(module, *positional, **keywords)
 
     return run
 
 
-def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding | None:
+def _eager_target(module: nn.Module, spec: Task) -> jax.sharding.Sharding | None:
     """Where an eager call computes: next to the module's (committed) variables, else on the
     task's submesh; ``None`` when neither is known (no variables, no resolvable mesh)."""
     for leaf in jax.tree_util.tree_leaves(module.variables):
@@ -157,13 +162,13 @@ def _eager_target(module: nn.Module, spec: _task.Task) -> jax.sharding.Sharding 
                 return NamedSharding(sharding.mesh, PartitionSpec())
             return sharding if len(sharding.device_set) == 1 else None
     try:
-        mesh = _session.resolve_task(spec, spec.name or "task").mesh
+        mesh = resolve_task(spec, spec.name or "task").mesh
     except errors.MultiMeshError:  # a mesh_slice with no MultiMesh, positions beyond devices
         return None
     return NamedSharding(mesh, PartitionSpec())
 
 
-def _eager_inputs(module: nn.Module, spec: _task.Task, args: Any) -> Any:
+def _eager_inputs(module: nn.Module, spec: Task, args: Any) -> Any:
     """``args`` with every array moved to where the module computes (replicated there).
 
     A task function called eagerly runs as a one-task program whose inputs move to its
@@ -197,7 +202,7 @@ def _class_name(cls: type, name: str) -> Iterator[None]:
         cls.__name__ = original
 
 
-def _make_task_class(model: type[nn.Module], spec: _task.Task) -> type[nn.Module]:
+def _make_task_class(model: type[nn.Module], spec: Task) -> type[nn.Module]:
     def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return call_as_task(self, spec, model.__call__, (args, kwargs))
 
@@ -238,7 +243,7 @@ def task(
     model: type[nn.Module],
     name: str | None = None,
     *,
-    task: _task.Task | None = None,
+    task: Task | None = None,
     **kwargs: Any,
 ) -> type[nn.Module]:
     """Wraps a Flax module class so that each instance runs as a task on its submesh.
@@ -281,11 +286,11 @@ def task(
         return _nnx_task.task(model, name, task=task, **kwargs)
     _check_model(model)
     if task is None:
-        _task.check_rules_have_mesh(kwargs)
-    return _make_task_class(model, _task.make_task(name, task, kwargs))
+        check_rules_have_mesh(kwargs)
+    return _make_task_class(model, make_task(name, task, kwargs))
 
 
-def task_spec_of(module: nn.Module | type[nn.Module]) -> _task.Task | None:
+def task_spec_of(module: nn.Module | type[nn.Module]) -> Task | None:
     """The ``Task`` of a ``Task[Module]`` class or instance, else ``None``."""
     cls = module if isinstance(module, type) else type(module)
     return getattr(cls, "task_spec", None)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import multimesh_flax as mm
-from multimesh_flax.core.plan import _accumulate
+from multimesh_flax.core.plan import is_bundle
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -123,7 +123,7 @@ def test_each_microbatch_sums_a_stage_gradients_in_one_bundle(schedule, make_ste
     _assert_close(step(params, x), _reference(loss, params, x))
     part = step.executable(params, x).partition
     placed = {v: f.place for f in part.fragments for e in f.eqns for v in e.outvars}
-    bundles = [(e, f.place) for f in part.fragments for e in f.eqns if _accumulate.is_bundle(e)]
+    bundles = [(e, f.place) for f in part.fragments for e in f.eqns if is_bundle(e)]
     # Per stage, M - 1 additions of its 3 gradients: one bundle each, not one sum each.
     assert sorted(len(e.outvars) for e, _ in bundles) == [3] * (2 * (M - 1))
     for eqn, place in bundles:  # a bundle runs where its gradients were made

@@ -11,8 +11,7 @@ import pytest
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.run import OpKind
-from multimesh_flax.core.run._dispatch import MpmdExecutable
+from multimesh_flax.core.run import MpmdExecutable, OpKind
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 

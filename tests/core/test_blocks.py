@@ -14,10 +14,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
-from multimesh_flax.core.declare._schedules import Phase
-from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.declare import Phase
+from multimesh_flax.core.plan import microbatch_of
 from multimesh_flax.core.run import OpKind
-from multimesh_flax.core.trace import _blocks
+from multimesh_flax.core.trace import _blocks, block_body, is_block
 from tests.core._chain import assert_matches_unparallelized, chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -61,7 +61,7 @@ def _by_microbatch(traced):
     """The program's task equations (glue and sums left out) grouped by microbatch index."""
     groups: dict[int, list] = {}
     for eqn, stack, label in zip(traced.jaxpr.eqns, traced.stacks, traced.labels, strict=True):
-        mb = _pipeline.microbatch_of(stack, traced.microbatch_calls)
+        mb = microbatch_of(stack, traced.microbatch_calls)
         if mb is not None and label is not None:
             groups.setdefault(mb[1], []).append(eqn)
     return groups
@@ -86,7 +86,7 @@ def test_each_microbatch_is_a_few_blocks_sharing_one_body_per_run():
     assert sorted(groups) == list(range(M))
     # Forward and backward of each of the two tasks: one block per run.
     assert all(_blocks.is_block(e) for e in groups[0]) and len(groups[0]) >= 4
-    bodies = {k: [_blocks.block_body(e) for e in eqns] for k, eqns in groups.items()}
+    bodies = {k: [block_body(e) for e in eqns] for k, eqns in groups.items()}
     for k in range(1, M):
         assert len(bodies[k]) == len(bodies[0])
         assert all(a is b for a, b in zip(bodies[k], bodies[0], strict=True))
@@ -104,7 +104,7 @@ def test_zero_bubble_blocks_keep_activation_and_weight_gradients_apart():
         for eqn, label, facts in zip(
             part.traced.jaxpr.eqns, part.traced.labels, part.plan.equations, strict=True
         )
-        if _blocks.is_block(eqn) and facts.unit is not None
+        if is_block(eqn) and facts.unit is not None
     }
     first, last = sorted({task for task, _ in phases})
     # The last stage's backward has both halves; the first stage's feeds no other stage.

@@ -25,9 +25,9 @@ import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
-from multimesh_flax.core.front import _jit
-from multimesh_flax.core.run import _dispatch
-from multimesh_flax.core.trace import _structure, _trace
+from multimesh_flax.core.front import collector_paused
+from multimesh_flax.core.run import MpmdExecutable
+from multimesh_flax.core.trace import structural_key, trace_program
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,7 +201,7 @@ def test_inlined_calls_of_one_body_are_renamed_copies_with_their_own_name_stacks
         return a, b
 
     x = jnp.linspace(-1.0, 1.0, 12).reshape(4, 3)
-    traced = _trace.trace_program(fun, (x,))
+    traced = trace_program(fun, (x,))
     eqns, stacks = traced.jaxpr.eqns, traced.stacks
     firsts = [i for i, s in enumerate(stacks) if s.startswith("first")]
     seconds = [i for i, s in enumerate(stacks) if s.startswith("second")]
@@ -223,13 +223,13 @@ def test_a_build_and_first_call_pause_the_garbage_collector_and_restore_it(monke
         seen.append(gc.isenabled())  # runs while the program is traced
         return h @ w
 
-    run = _dispatch.MpmdExecutable.__call__
+    run = MpmdExecutable.__call__
 
     def recording(self, args):
         calls.append(gc.isenabled())
         return run(self, args)
 
-    monkeypatch.setattr(_dispatch.MpmdExecutable, "__call__", recording)
+    monkeypatch.setattr(MpmdExecutable, "__call__", recording)
     f = mm.jit(mm.task(layer, name="layer", mesh=mm.TaskMesh(devices=[1])))
     assert gc.isenabled()
     f(jnp.ones((2, 2)), jnp.ones((3, 2)))
@@ -249,13 +249,13 @@ def test_overlapping_builds_in_two_threads_keep_the_collector_paused_until_the_l
     b_inside, a_done, observed = threading.Event(), threading.Event(), []
 
     def build_b() -> None:
-        with _jit.collector_paused():
+        with collector_paused():
             b_inside.set()
             assert a_done.wait(timeout=30)
             observed.append(gc.isenabled())  # A has ended; B is still building
 
     thread = threading.Thread(target=build_b)
-    with _jit.collector_paused():
+    with collector_paused():
         thread.start()
         assert b_inside.wait(timeout=30)
     a_done.set()
@@ -266,7 +266,7 @@ def test_overlapping_builds_in_two_threads_keep_the_collector_paused_until_the_l
 
 def test_structural_key_ignores_names_but_not_values_or_shapes():
     def key(f, *args):
-        return _structure.structural_key(jax.make_jaxpr(f)(*args).jaxpr)
+        return structural_key(jax.make_jaxpr(f)(*args).jaxpr)
 
     base = key(lambda a: jnp.sin(a) + 1.0, jnp.ones(3))
     assert base == key(lambda b: jnp.sin(b) + 1.0, jnp.ones(3))

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import multimesh_flax as mm
-from multimesh_flax.core.run import OpKind, _dispatch
+from multimesh_flax.core.run import MpmdExecutable, OpKind
 
 
 def _logs(x):
@@ -92,7 +92,7 @@ def test_with_the_flag_off_the_nan_comes_back_as_before(monkeypatch):
     def never(*args):
         raise AssertionError("the NaN path ran with the flag off")
 
-    monkeypatch.setattr(_dispatch.MpmdExecutable, "floating_point_error", never)
+    monkeypatch.setattr(MpmdExecutable, "floating_point_error", never)
     step = _program(_logs, "logs")
     x = jnp.array([-1.0, 1.0])
     exe = step.executable(x)

@@ -19,7 +19,7 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax.core import ScheduleOp
 from multimesh_flax.core.fragment import _fuse
-from multimesh_flax.core.run import OpKind, _dispatch
+from multimesh_flax.core.run import OpKind, Timeline, TimelineEvent
 from tests.core._chain import chain_loss
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -187,7 +187,7 @@ def test_fusing_keeps_donation_and_frees(m, monkeypatch):
 def test_measured_costs_count_fused_ops_only_for_phases_never_run_alone():
     def event(duration, units, fused=False):
         stage, microbatch, phase = units[0]
-        return _dispatch.TimelineEvent(
+        return TimelineEvent(
             (stage,),
             "run",
             "x",
@@ -200,7 +200,7 @@ def test_measured_costs_count_fused_ops_only_for_phases_never_run_alone():
             fused=fused,
         )
 
-    timeline = _dispatch.Timeline(
+    timeline = Timeline(
         [
             event(1.0, ((0, 0, "F"),)),
             event(3.0, ((0, 1, "F"),)),

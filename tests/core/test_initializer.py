@@ -11,7 +11,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from multimesh_flax._compilation_cache import compilation_counter
-from multimesh_flax.core.front import _initializer
+from multimesh_flax.core.front import _initializer, sharded_initializer
 
 AUTO = (AxisType.Auto, AxisType.Auto)
 
@@ -54,7 +54,7 @@ def _check_exact(tree: dict[str, jax.Array]) -> None:
 
 
 def test_several_device_sets_compile_one_program():
-    init = _initializer.sharded_initializer(_init, _shardings())
+    init = sharded_initializer(_init, _shardings())
     read = compilation_counter()
     tree = init()
     # Not one program per submesh: the two blocks' kernels compile once (or load once from
@@ -92,7 +92,7 @@ def test_leaves_past_the_budget_are_split_while_staged(monkeypatch):
     specs, in_place = _staged_specs()
     assert specs == {"bias": P(), "block0": P("staging"), "block1": P("staging")}
     assert in_place == ["odd"]
-    _check_exact(_initializer.sharded_initializer(_init, _shardings())())
+    _check_exact(sharded_initializer(_init, _shardings())())
 
 
 def test_one_device_set_creates_leaves_in_place():
@@ -107,4 +107,4 @@ def test_one_device_set_creates_leaves_in_place():
 @pytest.mark.parametrize("replicate_bytes", [0, 64 << 20])
 def test_staged_values_match_the_unsharded_initializer(monkeypatch, replicate_bytes):
     monkeypatch.setattr(_initializer, "REPLICATE_BYTES", replicate_bytes)
-    _check_exact(_initializer.sharded_initializer(_init, _shardings())())
+    _check_exact(sharded_initializer(_init, _shardings())())

@@ -11,6 +11,11 @@ from the source text (``ast``), the way a newcomer would read the imports.
 multi-process call to ``distributed._dispatch``, which reads the ops from ``run._ops`` (through
 the ``run`` package's re-exports). No other module crosses between them, and the modules of
 both packages together form a DAG.
+
+Each stage package's ``__init__.py`` re-exports the stage's entry points, and that is the
+only way in: a module of one stage imports names from another stage's package, never one of
+its private (``_``) modules, and so do ``multimesh_flax/layers`` and
+``multimesh_flax/distributed``. A stage's own modules import each other directly.
 """
 
 from __future__ import annotations
@@ -151,6 +156,70 @@ def test_import_graph_is_acyclic() -> None:
     )
 
 
+# --- stage packages: the only way into a stage ----------------------------------------------
+
+
+def _private_core_imports(path: Path, own_stage: str | None) -> list[str]:
+    """``stage._module`` for each private core module that ``path`` imports from a stage other
+    than ``own_stage`` (anywhere in the file: functions and ``if`` blocks too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            named = [(node.module or "", [a.name for a in node.names])]
+        elif isinstance(node, ast.Import):
+            named = [(a.name, []) for a in node.names]
+        else:
+            continue
+        for module, names in named:
+            rest = module.split(".")[2:] if module.startswith("multimesh_flax.core.") else []
+            if not rest or rest[0] == own_stage:
+                continue
+            if len(rest) > 1 and rest[1].startswith("_"):
+                found.append(f"{rest[0]}.{rest[1]}")
+            found.extend(f"{rest[0]}.{n}" for n in names if n.startswith("_"))
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(_modules()))
+def test_no_module_imports_another_stages_private_module(name: str) -> None:
+    found = _private_core_imports(_modules()[name], name.split(".")[0])
+    assert not found, (
+        f"{name} imports private modules of other stages: {found}; import the names their "
+        "stage package re-exports instead (add them to its __init__.py)"
+    )
+
+
+def _outside_modules() -> dict[str, Path]:
+    return {
+        f"{folder.name}.{path.stem}": path
+        for folder in (LAYERS, DISTRIBUTED)
+        for path in sorted(folder.glob("*.py"))
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_outside_modules()))
+def test_layers_and_distributed_import_the_core_through_its_exports(name: str) -> None:
+    found = _private_core_imports(_outside_modules()[name], None)
+    assert not found, (
+        f"{name} imports private core modules {found}; import from multimesh_flax.core or "
+        "its stage packages instead"
+    )
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_stage_packages_only_reexport_their_own_modules(stage: str) -> None:
+    """A stage ``__init__.py`` holds its docstring and ``from .._module import name as name``
+    lines over its own modules (``name as name``: an explicit re-export)."""
+    init = ast.parse((CORE / stage / "__init__.py").read_text())
+    body = init.body[1:] if isinstance(init.body[0], ast.Expr) else init.body
+    assert body, f"multimesh_flax.core.{stage} exports nothing"
+    for node in body:
+        assert isinstance(node, ast.ImportFrom), ast.dump(node)
+        prefix = f"multimesh_flax.core.{stage}._"
+        assert (node.module or "").startswith(prefix), node.module
+        assert all(a.asname == a.name for a in node.names), [a.name for a in node.names]
+
+
 # --- the core and multimesh_flax.distributed ---------------------------------------------------
 
 
@@ -190,6 +259,101 @@ def test_core_and_distributed_import_graph_is_acyclic() -> None:
     _assert_acyclic(
         {name: _top_level_targets(path) & modules.keys() for name, path in modules.items()}
     )
+
+
+def _package_files() -> dict[str, Path]:
+    """``{"core.run.__init__": path, "core.run._ops": path, ...}``: every file of the core's
+    stage packages and of ``multimesh_flax/distributed``, package ``__init__.py`` included."""
+    folders = [CORE / stage for stage in STAGES] + [DISTRIBUTED]
+    return {
+        ".".join(path.relative_to(PACKAGE).with_suffix("").parts): path
+        for folder in folders
+        for path in sorted(folder.glob("*.py"))
+    }
+
+
+def _file_targets(path: Path, files: dict[str, Path]) -> set[str]:
+    """The files a file imports at module level: another package counts as its
+    ``__init__.py`` (which Python runs first; a module's own package is already running),
+    and ``from package import _mod`` names the file of ``_mod``."""
+    own = ".".join(path.relative_to(PACKAGE).parent.parts)
+    found: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        module = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        if not module.startswith("multimesh_flax."):
+            continue
+        name = module.removeprefix("multimesh_flax.")
+        init = [] if name == own else [f"{name}.__init__"]
+        for target in (name, *init, *(f"{name}.{a.name}" for a in node.names)):  # type: ignore[union-attr]
+            if target in files:
+                found.add(target)
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of ``graph`` with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                top = stack.pop()
+                component.add(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_package_files_form_one_known_loop_at_the_op_list_hand_off() -> None:
+    """Counting each package ``__init__.py`` as a file of its own, the only loop is the
+    hand-off above: ``run/__init__`` re-exports ``MpmdExecutable`` (``run._dispatch``), which
+    hands a multi-process call to ``distributed._dispatch``, which reads the op records from
+    the ``run`` package. Python imports it in any order because ``run/__init__`` binds the op
+    records (``run._ops``) before it imports anything that reaches ``distributed``.
+    """
+    files = _package_files()
+    loops = _cycles({name: _file_targets(path, files) for name, path in files.items()})
+    assert loops == [
+        {
+            "core.run.__init__",
+            "core.run._dispatch",
+            "core.run._timeline_plot",
+            "distributed._dispatch",
+        }
+    ]
+    init = [n for n in ast.parse(files["core.run.__init__"].read_text()).body]
+    sources = [n.module for n in init if isinstance(n, ast.ImportFrom)]
+    first_other = next(i for i, m in enumerate(sources) if m != "multimesh_flax.core.run._ops")
+    assert all(m != "multimesh_flax.core.run._ops" for m in sources[first_other:]), sources
+    records = {
+        a.name for n in init[: first_other + 1] if isinstance(n, ast.ImportFrom) for a in n.names
+    }
+    distributed = ast.parse(files["distributed._dispatch"].read_text()).body
+    wanted = {
+        a.name
+        for n in distributed
+        if isinstance(n, ast.ImportFrom) and n.module == "multimesh_flax.core.run"
+        for a in n.names
+    }
+    assert wanted and wanted <= records
 
 
 # --- the Flax layer -------------------------------------------------------------------------
@@ -242,3 +406,15 @@ def test_the_checker_sees_a_cycle_and_a_backward_import(tmp_path: Path) -> None:
         "from multimesh_flax.distributed import _wire, host_values\n"
     )
     assert _top_level_targets(source) == {"run._ops", "distributed._wire"}
+    source.write_text(
+        "from multimesh_flax.core.run import RunOp, _dispatch\n"
+        "from multimesh_flax.core.trace._trace import trace_program\n"
+        "from multimesh_flax.core.fragment import Partition\n"
+        "def f():\n    import multimesh_flax.core.plan._pipeline\n"
+    )
+    assert _private_core_imports(source, None) == [
+        "run._dispatch",
+        "trace._trace",
+        "plan._pipeline",
+    ]
+    assert _private_core_imports(source, "trace") == ["run._dispatch", "plan._pipeline"]

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import pytest
 
 import multimesh_flax as mm
-from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _blocks, _loops, _session
+from multimesh_flax.core.plan import _pipeline, microbatch_of
+from multimesh_flax.core.trace import _loops, is_sum, trace_session
 from tests.core import test_blocks
 from tests.core._chain import assert_matches_unparallelized, chain_loss
 
@@ -25,7 +25,7 @@ def _raw_program_size(m):
     loss = test_blocks._loss()
     mean = mm.microbatch(loss, 0, test_blocks.BATCH // m, argnum=1, schedule="1f1b")
     params, batch = test_blocks._data()
-    with _session.trace_session():
+    with trace_session():
         closed = jax.make_jaxpr(jax.value_and_grad(mean))(params, batch)
     return len(closed.jaxpr.eqns)
 
@@ -35,7 +35,7 @@ def test_jax_traces_the_same_program_for_any_number_of_microbatches():
 
 
 def _microbatch_of_each(traced):
-    return [_pipeline.microbatch_of(s, traced.microbatch_calls) for s in traced.stacks]
+    return [microbatch_of(s, traced.microbatch_calls) for s in traced.stacks]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h2"])
@@ -53,7 +53,7 @@ def test_each_iteration_reads_its_own_microbatch_values(schedule):
     for eqn, label, mb in zip(traced.jaxpr.eqns, traced.labels, mbs, strict=True):
         if label is not None:
             assert mb is not None, f"task equation outside every microbatch: {eqn}"
-        if mb is None or _blocks.is_sum(eqn):  # a gradient sum starts at the last microbatch
+        if mb is None or is_sum(eqn):  # a gradient sum starts at the last microbatch
             continue
         counts[mb[1]] = counts.get(mb[1], 0) + 1
         if label is None:

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.trace import trace_program
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -96,7 +96,7 @@ def test_pre_and_post_ops_under_jit_without_tasks():
 def test_unrolls_one_scope_per_microbatch():
     w, batch = _data()
     fn = jax.grad(mm.microbatch(_mean_loss, 0, 3, argnum=1))
-    traced = _trace.trace_program(fn, (w, batch))
+    traced = trace_program(fn, (w, batch))
     scopes = {s.split("mmmb")[1].split(")")[0].split("/")[0] for s in traced.stacks if "mmmb" in s}
     assert len(scopes) == 4 and len({s.split("_")[0] for s in scopes}) == 1
     backward = [s for s in traced.stacks if "transpose(" in s and "mmmb" in s]
@@ -110,7 +110,7 @@ def test_arg_shardings_constrain_every_chunk_inside_a_task():
         return mm.microbatch(jnp.sum, 0, 4, arg_shardings=P("batch", None))(x)
 
     fn = mm.task(body, mesh=mesh, logical_axes=[("batch", "x")])
-    traced = _trace.trace_program(fn, (jnp.ones((16, 2)),))
+    traced = trace_program(fn, (jnp.ones((16, 2)),))
     specs = [
         e.params["sharding"].spec
         for e in traced.jaxpr.eqns

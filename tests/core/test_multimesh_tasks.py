@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _warnings
+from multimesh_flax.core.declare import forget_warnings
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -320,7 +320,7 @@ def test_flax_modules_match_by_path_or_name(matcher, tasks, matmuls):
     model, x = TwoEncoders(), jnp.ones((2, 8))
     params = model.init(jax.random.key(0), x)
     apply = mm.jit(model.apply)
-    _warnings.forget_warnings()
+    forget_warnings()
     with mm.context(strict=False), mm.Context(), contextlib.ExitStack() as stack:
         mm.register_task(matcher, task=mm.Task(mesh=mm.TaskMesh(devices=[5])))
         if not tasks:  # a matcher that matches nothing is said so

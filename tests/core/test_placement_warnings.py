@@ -19,15 +19,15 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _warnings
+from multimesh_flax.core.declare import forget_warnings
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-    _warnings.forget_warnings()
+    forget_warnings()
     with mm.context(strict=False):  # the suite runs strict (conftest.py); these test warnings
         yield
-    _warnings.forget_warnings()
+    forget_warnings()
 
 
 def _caught(fun):

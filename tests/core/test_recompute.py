@@ -9,7 +9,7 @@ from flax import linen as nn
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _recompute
+from multimesh_flax.core.declare import _recompute, make_recompute, step_policy
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -27,7 +27,7 @@ DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     ],
 )
 def test_policy_forms(value, name, policy):
-    made = _recompute.make_recompute(value)
+    made = make_recompute(value)
     assert made.name == (repr(value) if name == "custom" else name)
     assert made.policy is (value if policy == "same" else policy)
     assert made.enabled == (name != "none")
@@ -53,8 +53,8 @@ def test_bad_policies_raise(value):
     ],
 )
 def test_precedence(task, step, switch, expected):
-    setting = _recompute.make_recompute(task)
-    with mm.enable_recomputation(switch), _recompute.step_policy(_recompute.make_recompute(step)):
+    setting = make_recompute(task)
+    with mm.enable_recomputation(switch), step_policy(make_recompute(step)):
         assert _recompute.effective(setting).name == expected
     assert _recompute.effective(None).name == "none"  # restored
 

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _warnings
+from multimesh_flax.core.declare import forget_warnings
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
@@ -84,7 +84,7 @@ def test_exact_name_runs_the_scope_on_its_task():
 def test_matcher_must_match_the_whole_scope_name():
     w, x = _inputs()
     fun = mm.jit(_two_scopes)
-    _warnings.forget_warnings()
+    forget_warnings()
     with (
         mm.context(strict=False),
         mm.Context(),

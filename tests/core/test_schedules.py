@@ -5,12 +5,7 @@ import collections
 import pytest
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare._schedules import (
-    Schedule,
-    ScheduleOp,
-    make_schedule,
-    validate_schedule,
-)
+from multimesh_flax.core.declare import Schedule, ScheduleOp, make_schedule, validate_schedule
 
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2"]
 

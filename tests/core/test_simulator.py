@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, make_schedule
-from multimesh_flax.core.plan._simulator import SimulationResult, simulate
+from multimesh_flax.core.declare import Schedule, ScheduleOp, make_schedule
+from multimesh_flax.core.plan import SimulationResult, simulate
 
 EXACT = 1e-12  # closed-form answers: only float rounding may differ
 

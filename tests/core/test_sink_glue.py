@@ -9,8 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from multimesh_flax.core.fragment import _partition, _sink
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.fragment import Fragment, _sink
+from multimesh_flax.core.trace import Equation, TracedProgram
 
 
 def _program():
@@ -23,16 +23,20 @@ def _program():
 
     closed = jax.make_jaxpr(f)(1.0)
     eqns = closed.jaxpr.eqns
-    traced = _trace.TracedProgram(
-        jaxpr=closed.jaxpr, consts=[], labels=[None] * len(eqns), tasks={}, out_tree=None
+    traced = TracedProgram(
+        jaxpr=closed.jaxpr,
+        consts=[],
+        equations=tuple(Equation(e) for e in eqns),
+        tasks={},
+        out_tree=None,
     )
     return traced, eqns
 
 
 def test_a_producer_stays_while_its_fragment_still_reads_it():
     traced, (neg, sin, cos, add) = _program()
-    first = _partition.Fragment(index=0, place=(0,), label=None, eqns=[neg, sin, cos])
-    last = _partition.Fragment(index=1, place=(0,), label=None, eqns=[add])
+    first = Fragment(index=0, place=(0,), label=None, eqns=[neg, sin, cos])
+    last = Fragment(index=1, place=(0,), label=None, eqns=[add])
     assert _sink.sink_glue(traced, [first, last])
     # ``sin`` only feeds the last fragment and moves; ``-x`` still feeds ``cos``: it stays.
     assert first.eqns == [neg, cos]
@@ -41,7 +45,7 @@ def test_a_producer_stays_while_its_fragment_still_reads_it():
 
 def test_a_producer_whose_readers_all_moved_follows_them():
     traced, (neg, sin, _, add) = _program()
-    first = _partition.Fragment(index=0, place=(0,), label=None, eqns=[neg, sin])
-    last = _partition.Fragment(index=1, place=(0,), label=None, eqns=[add])
+    first = Fragment(index=0, place=(0,), label=None, eqns=[neg, sin])
+    last = Fragment(index=1, place=(0,), label=None, eqns=[add])
     assert _sink.sink_glue(traced, [first, last])
     assert first.eqns == [] and last.eqns == [neg, sin, add]

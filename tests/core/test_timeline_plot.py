@@ -10,8 +10,8 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax import errors
 from multimesh_flax.core import Timeline, TimelineEvent, make_schedule, simulate
-from multimesh_flax.core.declare._schedules import _deps
-from multimesh_flax.core.run._timeline_plot import replay_timeline
+from multimesh_flax.core.declare import op_deps
+from multimesh_flax.core.run import replay_timeline
 
 
 def _events_from_simulation(schedule, costs=None):
@@ -24,7 +24,7 @@ def _events_from_simulation(schedule, costs=None):
     index = {op: i for i, (_, op, _, _) in enumerate(result.timeline)}
     events, clock = [], 100.0
     for i, (row, op, start, end) in enumerate(result.timeline):
-        deps = tuple(sorted(index[d] for d in _deps(op, schedule.num_stages)))
+        deps = tuple(sorted(index[d] for d in op_deps(op, schedule.num_stages)))
         events.append(
             TimelineEvent(
                 (row,),

@@ -17,7 +17,7 @@ from flax import nnx
 
 import multimesh_flax as mm
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _warnings
+from multimesh_flax.core.declare import forget_warnings
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 MESH = mm.TaskMesh(devices=[5])
@@ -107,14 +107,14 @@ def test_recomputation_changes_the_backward_not_the_values(kind):
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_foreign_trace_warns_once_and_computes_the_values(kind):
     loss, _, params = KINDS[kind](mesh=MESH)
-    _warnings.forget_warnings()  # once per cause: forget the other kinds' warning
+    forget_warnings()  # once per cause: forget the other kinds' warning
     warned = pytest.warns(errors.PlacementWarning, match="'layer' is traced by a JAX")
     with mm.context(strict=False), warned:  # the suite runs strict (conftest.py)
         value = jax.jit(lambda p, x: loss(p, x))(params, X)
     np.testing.assert_allclose(float(value), float(_reference(W, X)), **TOL)
     with mm.context(strict=True), pytest.raises(errors.StrictModeError, match="'layer'"):
         jax.jit(lambda p, x: loss(p, x))(params, X)
-    _warnings.forget_warnings()
+    forget_warnings()
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

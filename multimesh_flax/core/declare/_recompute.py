@@ -26,7 +26,7 @@ the task's inputs) and recomputes the rest.
 4. off.
 
 **One wrapper.** Function tasks, Linen ``Task[Module]`` and NNX ``Task[Block]`` all run
-their body through :func:`call`, which closes over the arguments that are not arrays and
+their body through :func:`call_recomputed`, which closes over the arguments that are not arrays and
 hands the rest to a *transform*: ``jax.checkpoint`` for functions (:func:`jax_transform`),
 Flax's lifted ``nn.checkpoint`` for Linen modules (:func:`linen_transform`, the module's
 variables become inputs of the checkpointed body) and ``jax.checkpoint`` over the module's
@@ -122,7 +122,7 @@ def effective(setting: Recompute | None) -> Recompute:
 
 # --- the one wrapper ----------------------------------------------------------------------
 
-Transform = Callable[[Callable[..., Any], Recompute], Callable[..., Any]]
+RecomputeTransform = Callable[[Callable[..., Any], Recompute], Callable[..., Any]]
 
 
 def jax_transform(body: Callable[..., Any], recompute: Recompute) -> Callable[..., Any]:
@@ -134,12 +134,12 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic))
 
 
-def call(
+def call_recomputed(
     fun: Callable[..., Any],
     args: Sequence[Any],
     kwargs: dict[str, Any],
     setting: Recompute | None,
-    transform: Transform = jax_transform,
+    transform: RecomputeTransform = jax_transform,
 ) -> Any:
     """``fun(*args, **kwargs)``, recomputed in the backward pass if the effective policy of
     ``setting`` says so.
@@ -150,7 +150,7 @@ def call(
 
     Example:
         >>> f = lambda x, square: x**2 if square else x
-        >>> jaxpr = jax.make_jaxpr(jax.grad(lambda x: call(f, (x, True), {}, FULL)))(1.0)
+        >>> jaxpr = jax.make_jaxpr(jax.grad(lambda x: call_recomputed(f, (x, True), {}, FULL)))(1.0)
         >>> "checkpoint" in str(jaxpr) or "remat" in str(jaxpr)
         True
     """
@@ -169,7 +169,7 @@ def call_on_arrays(
     """``transform(body)(*arrays)`` where ``body(*arrays)`` is ``fun(*args, **kwargs)`` with
     the array leaves of the arguments (and of the result) as its only inputs (and outputs).
 
-    Everything else is closed over, as a plain call would see it. :func:`call` hands a
+    Everything else is closed over, as a plain call would see it. :func:`call_recomputed` hands a
     checkpoint to it; an eager task call hands it a one-task ``jit`` program.
 
     Example:
@@ -194,8 +194,11 @@ def call_on_arrays(
     return jax.tree_util.tree_unflatten(results["tree"], out)
 
 
-def linen_transform(module: nn.Module, method: Callable[..., Any]) -> tuple[Any, Transform]:
-    """``(fun, transform)`` for :func:`call` running ``method(module, ...)`` of a Linen module.
+def linen_transform(
+    module: nn.Module, method: Callable[..., Any]
+) -> tuple[Any, RecomputeTransform]:
+    """``(fun, transform)`` for :func:`call_recomputed` running ``method(module, ...)`` of a
+    Linen module.
 
     Flax refuses module variables read across a plain ``jax.checkpoint``; its lifted
     ``nn.checkpoint`` passes them in as inputs and hands the body a clone of ``module`` bound
@@ -220,8 +223,9 @@ def linen_transform(module: nn.Module, method: Callable[..., Any]) -> tuple[Any,
     return fun, transform
 
 
-def nnx_transform(module: nnx.Module, method: Callable[..., Any]) -> tuple[Any, Transform]:
-    """``(fun, transform)`` for :func:`call` running ``method(module, ...)`` of an NNX module.
+def nnx_transform(module: nnx.Module, method: Callable[..., Any]) -> tuple[Any, RecomputeTransform]:
+    """``(fun, transform)`` for :func:`call_recomputed` running ``method(module, ...)`` of an
+    NNX module.
 
     NNX refuses writes to a variable from another trace level, so the module's state goes
     into the checkpointed body as inputs, where ``method`` runs on a copy merged from it;

@@ -13,7 +13,7 @@ group did not take part). Which names are tried -- named-scope components and Fl
 paths -- is decided by ``_named_tasks``, which also turns matches into tasks during a trace.
 
 The name ``"default"`` is special: the task registered for it receives glue that has no placed
-input and no placed consumer (see ``_partition``).
+input and no placed consumer (see ``fragment._place``).
 
 This module only stores and matches; it knows nothing about meshes or tracing.
 """
@@ -189,7 +189,7 @@ def has_registrations() -> bool:
     return any(ctx._registrations for ctx in active_contexts())
 
 
-def fingerprint() -> tuple[tuple[int, int], ...]:
+def registrations_fingerprint() -> tuple[tuple[int, int], ...]:
     """Identifies the active registrations, for caches keyed by what a trace would match."""
     return tuple((id(ctx), ctx._version) for ctx in active_contexts() if ctx._registrations)
 

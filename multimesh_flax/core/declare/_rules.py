@@ -49,7 +49,12 @@ def normalise_rules(rules: Any, argument: str) -> tuple[Rule, ...]:
     return tuple(pairs)  # type: ignore[return-value]
 
 
-def _entry_names(entry: Any) -> tuple[str, ...]:
+def entry_names(entry: Any) -> tuple[str, ...]:
+    """The names in one entry of a partition spec (``None``, a name, or a tuple of names).
+
+    >>> entry_names(None), entry_names("embed"), entry_names(("data", "model"))
+    ((), ('embed',), ('data', 'model'))
+    """
     if entry is None:
         return ()
     if isinstance(entry, str):
@@ -58,7 +63,7 @@ def _entry_names(entry: Any) -> tuple[str, ...]:
 
 
 def _rule_axes(axes: Any) -> tuple[str, ...]:
-    return _entry_names(axes)
+    return entry_names(axes)
 
 
 def logical_to_mesh_spec(
@@ -104,7 +109,7 @@ def logical_to_mesh_spec(
             f"Expected at most {len(shape)} entries for an array of shape {tuple(shape)}, "
             f"got {logical}. Drop the extra entries."
         )
-    dims = [_entry_names(e) for e in entries] + [()] * (len(shape) - len(entries))
+    dims = [entry_names(e) for e in entries] + [()] * (len(shape) - len(entries))
     _check_rule_axes(rules, mesh_shape)
     assigned: list[list[str]] = [[] for _ in shape]
     used: set[str] = set()
@@ -147,13 +152,19 @@ def _spec_entry(axes: list[str]) -> Any:
     return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+    """Whether ``x`` is a leaf of a spec tree: a ``PartitionSpec`` or ``None``."""
     return x is None or isinstance(x, PartitionSpec)
 
 
-def _check_specs(axis_resources: Any) -> None:
-    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=_is_spec)
-    bad = [leaf for leaf in leaves if not _is_spec(leaf)]
+def check_specs(axis_resources: Any) -> None:
+    """Checks that ``axis_resources`` is a pytree of ``PartitionSpec``\\ s (or ``None``).
+
+    Raises:
+        PartitionSpecError: a leaf is something else (a tuple or string of names).
+    """
+    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=is_spec)
+    bad = [leaf for leaf in leaves if not is_spec(leaf)]
     if bad:
         raise errors.PartitionSpecError(
             f"Expected `axis_resources` as a PartitionSpec over logical names (or a pytree "

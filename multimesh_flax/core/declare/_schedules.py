@@ -57,7 +57,7 @@ class ScheduleOp:
         backward is split) or ``"W"`` (weight-gradient half of a split backward).
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import ScheduleOp
+      >>> from multimesh_flax.core import ScheduleOp
       >>> op = ScheduleOp.parse("B1.3")
       >>> op
       ScheduleOp(stage=1, microbatch=3, phase='B')
@@ -102,7 +102,7 @@ class Schedule:
       stage_to_row: ``stage_to_row[s]`` is the row that runs stage ``s``.
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import make_schedule
+      >>> from multimesh_flax.core import make_schedule
       >>> schedule = make_schedule("1f1b", num_stages=2, num_microbatches=3)
       >>> print(schedule)
       row 0: F0.0 F0.1 B0.0 F0.2 B0.1 B0.2
@@ -194,7 +194,7 @@ def make_schedule(
         ``custom`` order that :func:`validate_schedule` rejects.
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import make_schedule
+      >>> from multimesh_flax.core import make_schedule
       >>> print(make_schedule("gpipe", num_stages=2, num_microbatches=2))
       row 0: F0.0 F0.1 B0.0 B0.1
       row 1: F1.0 F1.1 B1.0 B1.1
@@ -368,7 +368,7 @@ def _zero_bubble_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_
 
 
 def _ready(op: ScheduleOp, done_at: dict[ScheduleOp, int], time: int, num_stages: int) -> bool:
-    return all(done_at.get(dep, time + 1) <= time for dep in _deps(op, num_stages))
+    return all(done_at.get(dep, time + 1) <= time for dep in op_deps(op, num_stages))
 
 
 def _custom_rows(
@@ -423,7 +423,7 @@ def validate_schedule(schedule: Schedule) -> None:
         belong to, or if the per-row orders deadlock. The message names the op.
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, validate_schedule
+      >>> from multimesh_flax.core import Schedule, ScheduleOp, validate_schedule
       >>> ops = lambda *names: tuple(ScheduleOp.parse(n) for n in names)
       >>> stuck = Schedule(
       ...     rows=(ops("F0.0", "B0.0"), ops("B1.0", "F1.0")),
@@ -434,10 +434,10 @@ def validate_schedule(schedule: Schedule) -> None:
       ...
       multimesh_flax.errors.InvalidScheduleError: The schedule deadlocks: ...
     """
-    _validated_order(schedule)
+    validated_order(schedule)
 
 
-def _validated_order(schedule: Schedule) -> list[tuple[int, ScheduleOp]]:
+def validated_order(schedule: Schedule) -> list[tuple[int, ScheduleOp]]:
     """Validates ``schedule`` and returns its ops as ``(row, op)`` in a runnable order."""
     _check_layout(schedule)
     positions = _check_ops(schedule)
@@ -520,7 +520,7 @@ def _check_complete(schedule: Schedule, positions: dict[ScheduleOp, tuple[int, i
         )
 
 
-def _deps(op: ScheduleOp, num_stages: int) -> tuple[ScheduleOp, ...]:
+def op_deps(op: ScheduleOp, num_stages: int) -> tuple[ScheduleOp, ...]:
     """The ops that must finish before ``op`` starts."""
     s, i = op.stage, op.microbatch
     if op.phase == "F":
@@ -543,7 +543,7 @@ def _execution_order(
         progress = False
         for r, row in enumerate(schedule.rows):
             while heads[r] < len(row) and done.issuperset(
-                _deps(row[heads[r]], schedule.num_stages)
+                op_deps(row[heads[r]], schedule.num_stages)
             ):
                 done.add(row[heads[r]])
                 order.append((r, row[heads[r]]))
@@ -564,7 +564,7 @@ def _deadlock_error(
     for r, row in enumerate(schedule.rows):
         if heads[r] < len(row):
             op = row[heads[r]]
-            dep = next(d for d in _deps(op, schedule.num_stages) if d not in done)
+            dep = next(d for d in op_deps(op, schedule.num_stages) if d not in done)
             dr, dk = positions[dep]
             waits.append(
                 f"row {r} waits at {op} (position {heads[r]}) for {dep} (row {dr} position {dk})"

@@ -57,7 +57,7 @@ def forget_warnings() -> None:
         _WARNED.clear()
 
 
-def closest(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+def closest_names(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
     """The up to ``n`` candidates most similar to ``name`` (difflib), best first."""
     pool = sorted(set(candidates))
     found = difflib.get_close_matches(name, pool, n=n, cutoff=0.5)

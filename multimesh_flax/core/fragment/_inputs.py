@@ -13,17 +13,17 @@ from typing import Any
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.fragment import _partition
-from multimesh_flax.core.trace import _blocks
+from multimesh_flax.core.trace import block_body, is_block
 
 
-def _first_constraint(eqns: Sequence[Any], var: Any) -> Any:
+def first_constraint(eqns: Sequence[Any], var: Any) -> Any:
     """The sharding of the constraint that first reads ``var`` in ``eqns``, looking into a
     block that reads it first (``None``: its first reader is no constraint)."""
     for eqn in eqns:
         if var in eqn.invars:
-            if _blocks.is_block(eqn):
-                body = _blocks.block_body(eqn)
-                return _first_constraint(body.eqns, body.invars[eqn.invars.index(var)])
+            if is_block(eqn):
+                body = block_body(eqn)
+                return first_constraint(body.eqns, body.invars[eqn.invars.index(var)])
             if eqn.primitive.name == "sharding_constraint" and eqn.invars[0] is var:
                 return eqn.params["sharding"]
             return None
@@ -69,7 +69,7 @@ def input_sharding(part: _partition.Partition, var: Any) -> Any:
     if place is None:
         return None
     first = part.first_reader(var, place)
-    constraint = _first_constraint(first.eqns, var)
+    constraint = first_constraint(first.eqns, var)
     if constraint is not None and _same_place(constraint, place):
         return canonical_sharding(constraint)
     return NamedSharding(part.place_meshes[place], PartitionSpec())

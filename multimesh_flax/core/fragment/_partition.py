@@ -1,28 +1,29 @@
-"""Placement and fragmenting: from a labelled jaxpr to per-submesh fragments.
+"""Fragmenting: from a placed program to per-submesh fragments in dispatch order.
 
-Placement gives every equation and program input exactly one *place* (the set of device ids
-of a submesh):
+Three passes, each a value in and a value out (placement, the pass before them, is
+``_place``):
 
-* task equations go to their task's submesh;
-* glue equations (loss, gradient sums, optimizer updates) go where most of their input bytes
-  were produced; glue with no produced inputs (constants, input preprocessing) goes to its
-  first consumer; glue with neither goes to the first task's submesh;
-* program inputs go to their first consumer (a parameter lives where its task uses it).
+* :func:`cut_fragments` (*cut*) cuts the equation list into fragments, each a run of
+  same-place equations that one ``jax.jit`` executes. A task equation joins the latest
+  fragment of the same ``(task, phase)``, glue joins the latest fragment on its place -- in
+  both cases only if every input of the equation is produced by that fragment or an earlier
+  one, so every dependency points from a lower fragment index to a higher one and the
+  fragments form a DAG. With microbatching (``microbatch``, see ``plan``) the keys are
+  finer: a task equation joins the latest fragment of its unit ``(stage, microbatch,
+  phase)``, glue of a microbatch the latest fragments of that microbatch on its place, and
+  glue outside every microbatch only other such glue. Under a schedule the fragments get
+  reordered later, so glue merges only where that adds no ordering constraint (see
+  ``_Cutter``).
+* :func:`arrange_fragments` (*arrange*, microbatched programs) puts the fragments in the
+  schedule's dispatch order (``plan.dispatch_order``), folds glue into earlier glue on its
+  place where that changes no order, and moves glue to the one later fragment reading it
+  (``_sink``).
+* :func:`fuse_fragments` (*fuse*, scheduled programs) runs a fragment and the next one on
+  its place as one fragment where that changes no value or order and adds no executable
+  (``_fuse``: the last stage's ``F_k`` and ``B_k``).
 
-Fragmenting then cuts the equation list into fragments, each a run of same-place equations
-that one ``jax.jit`` executes. A task equation joins the latest fragment of the same
-``(task, phase)``, glue joins the latest fragment on its place -- in both cases only if every
-input of the equation is produced by that fragment or an earlier one, so every dependency
-points from a lower fragment index to a higher one and the fragments form a DAG.
-
-With microbatching (``microbatch``, see ``_pipeline``) the keys are finer: a task equation
-joins the latest fragment of its unit ``(stage, microbatch, phase)``, glue of a microbatch
-the latest fragments of that microbatch on its place, and glue outside every microbatch only
-other such glue. Under a schedule, sums over microbatches are first re-associated into the
-schedule's order (``_accumulate``), and ``_pipeline.dispatch_order`` finally reorders the
-fragments, so glue merges only where that adds no ordering constraint (see ``_Cutter``).
-Last, ``_fuse`` runs a fragment and the next one on its place as one fragment where that
-changes no value or order and adds no executable (the last stage's ``F_k`` and ``B_k``).
+:func:`make_partition` then records where every value is produced and every program input
+must arrive: the :class:`Partition` the runtime compiles.
 """
 
 from __future__ import annotations
@@ -31,29 +32,18 @@ import bisect
 import dataclasses
 import enum
 import functools
-import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.extend.core as jex
 import numpy as np
 
-from multimesh_flax.core.declare import _devices
-from multimesh_flax.core.declare._devices import Place, place_of
+from multimesh_flax.core.declare import Place, make_auto_mesh
 from multimesh_flax.core.fragment import _fuse, _sink
-from multimesh_flax.core.plan import _accumulate, _pipeline
-from multimesh_flax.core.trace import _session, _trace
-
-
-def aval_nbytes(aval: Any) -> int:
-    """The bytes of a value of type ``aval`` (Python integers: no overflow, no NumPy call)."""
-    return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-def nbytes(var: Any) -> int:
-    """The bytes of a variable's value."""
-    return aval_nbytes(var.aval)
+from multimesh_flax.core.fragment._place import PlacedProgram
+from multimesh_flax.core.plan import PipelinePlan, Unit, dispatch_order, equation_order
+from multimesh_flax.core.trace import Equation, Label, TracedProgram
 
 
 @dataclasses.dataclass
@@ -62,11 +52,11 @@ class Fragment:
 
     index: int
     place: Place
-    label: _session.Label | None  # None: glue
+    label: Label | None  # None: glue
     eqns: list[Any] = dataclasses.field(default_factory=list)
     invars: list[Any] = dataclasses.field(default_factory=list)
     outvars: list[Any] = dataclasses.field(default_factory=list)
-    unit: _pipeline.Unit | None = None  # (region, stage, microbatch, phase) when pipelined
+    unit: Unit | None = None  # (region, stage, microbatch, phase) when pipelined
     microbatch: int | None = None
     parts: tuple[Fragment, ...] = ()  # the fragments fused into this one (``_fuse``), if any
 
@@ -75,13 +65,13 @@ class Fragment:
 class Partition:
     """The placed and fragmented program."""
 
-    traced: _trace.TracedProgram
+    traced: TracedProgram
     fragments: list[Fragment]
     input_place: dict[Any, Place]  # program input (or const) var -> home place
     home: dict[Any, Place]  # every non-literal var -> where it is produced
     place_meshes: dict[Place, jax.sharding.Mesh]  # a mesh per place for default shardings
     default_place: Place
-    plan: _pipeline.PipelinePlan | None = None  # microbatches, stages, schedules
+    plan: PipelinePlan | None = None  # microbatches, stages, schedules
 
     @functools.cached_property
     def _first_readers(self) -> dict[tuple[Any, Place], Fragment]:
@@ -94,78 +84,6 @@ class Partition:
     def first_reader(self, var: Any, place: Place) -> Fragment:
         """The first fragment on ``place`` that takes ``var`` as an input (index built once)."""
         return self._first_readers[(var, place)]
-
-
-def _consumers(jaxpr: jex.Jaxpr) -> dict[Any, list[int]]:
-    users: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jex.Literal):
-                users.setdefault(v, []).append(i)
-    return users
-
-
-def _place_meshes(traced: _trace.TracedProgram, devices: Any) -> tuple[dict[Place, Any], Place]:
-    meshes: dict[Place, Any] = {}
-    for resolved in traced.tasks.values():
-        meshes.setdefault(place_of(resolved.mesh), resolved.mesh)
-    with _devices.use_device_list(devices):
-        pool = np.array(_devices.get_device_list(), dtype=object)
-    everything = _devices.make_auto_mesh(pool, ("devices",))
-    first = next(
-        (traced.tasks[label.task].mesh for label in traced.labels if label is not None), None
-    )
-    if traced.default_task is not None:  # a task registered as "default" says where
-        first = traced.default_task.mesh
-    default_mesh = first if first is not None else everything
-    meshes.setdefault(place_of(default_mesh), default_mesh)
-    return meshes, place_of(default_mesh)
-
-
-def _pinned_place(eqn: Any, task_places: set[Place]) -> Place | None:
-    """The place a glue sharding constraint names, if it is a task's submesh.
-
-    ``with_sharding_constraint(x, NamedSharding(stage_mesh, spec))`` outside every task (e.g.
-    a training step keeping its new state where the old one was) runs on that submesh, so
-    the value ends up there; placed by its producer instead, the constraint would only fix
-    the layout and the value would stay on the producer's devices.
-    """
-    sharding = _trace.concrete_constraint(eqn)
-    if sharding is None:
-        return None
-    place = place_of(sharding.mesh)
-    return place if place in task_places else None
-
-
-def _place_equations(
-    traced: _trace.TracedProgram, default: Place, users: dict[Any, list[int]]
-) -> list[Place]:
-    eqns = traced.jaxpr.eqns
-    of_task = {uid: place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
-    places: list[Place | None] = [
-        None if label is None else of_task[label.task] for label in traced.labels
-    ]
-    producer = traced.producer
-    task_places = set(of_task.values())
-    for i, eqn in enumerate(eqns):  # glue: where most produced input bytes live
-        if places[i] is not None:
-            continue
-        places[i] = _pinned_place(eqn, task_places)
-        if places[i] is not None:
-            continue
-        weight: dict[Place, int] = {}
-        for v in eqn.invars:
-            src = None if isinstance(v, jex.Literal) else producer.get(v)
-            if src is not None and places[src] is not None:
-                weight[places[src]] = weight.get(places[src], 0) + nbytes(v) + 1
-        if weight:
-            places[i] = max(weight, key=weight.__getitem__)
-    for i in reversed(range(len(eqns))):  # remaining glue: at its first consumer
-        if places[i] is None:
-            after = sorted(u for v in eqns[i].outvars for u in users.get(v, ()))
-            placed = [places[u] for u in after if places[u] is not None]
-            places[i] = placed[0] if placed else default
-    return places  # type: ignore[return-value]
 
 
 class _Group(enum.Enum):
@@ -196,16 +114,17 @@ class _Lookup(NamedTuple):
 
 
 def _keys(
-    i: int, place: Place, label: _session.Label | None, plan: _pipeline.PipelinePlan | None
+    equation: Equation, place: Place, label: Label | None, plan: PipelinePlan | None
 ) -> tuple[list[_Lookup], list[_Key]]:
-    """Where equation ``i`` may join (in preference order) and which keys it updates."""
+    """Where an equation on ``place`` with ``label`` may join (in preference order) and
+    which keys it updates."""
     if plan is None:
         if label is None:
             return [_Lookup(_Key(_Group.PLACE, place), False)], [_Key(_Group.PLACE, place)]
         task = _Key(_Group.TASK, place, label)
         return [_Lookup(task, False)], [task, _Key(_Group.PLACE, place)]
     strict = plan.scheduled  # fragments get reordered: glue may only merge neutrally
-    mb, unit, _ = plan.equations[i]
+    mb, unit = equation.microbatch, equation.unit
     microbatch = _Key(_Group.MICROBATCH, place, mb)
     if unit is not None:
         return [_Lookup(_Key(_Group.UNIT, place, unit), False)], [
@@ -267,7 +186,7 @@ class _Cutter:
     def add(
         self,
         eqn: Any,
-        label: _session.Label | None,
+        label: Label | None,
         place: Place,
         lookups: list[_Lookup],
         updates: list[_Key],
@@ -302,25 +221,26 @@ class _Cutter:
         return frag
 
 
-def _fragment(
-    traced: _trace.TracedProgram, places: list[Place], plan: _pipeline.PipelinePlan | None
-) -> list[Fragment]:
+def cut_fragments(placed: PlacedProgram) -> list[Fragment]:
+    """The *cut* pass: the placed program's equations as fragments (see module doc), each
+    with its inputs and outputs; every dependency points to a lower fragment index."""
+    traced, plan = placed.traced, placed.plan
     cutter = _Cutter(strict=plan is not None and plan.scheduled, pool_free=plan is not None)
-    eqns = traced.jaxpr.eqns
-    order = range(len(eqns)) if plan is None else _pipeline.equation_order(traced, plan)
+    equations = traced.equations
+    order = range(len(equations)) if plan is None else equation_order(traced)
     keys: dict[Any, tuple[list[_Lookup], list[_Key]]] = {}  # the few distinct _keys results
     for i in order:
-        eqn, label, place = eqns[i], traced.labels[i], places[i]
-        if plan is not None and plan.equations[i].mixed:
-            label = None  # mixes microbatches: glue
-        facts = (place, label, None if plan is None else plan.equations[i])
+        equation = equations[i]
+        place = cast(Place, equation.place)  # set by the place pass
+        label = None if equation.mixed else equation.label  # mixing microbatches: glue
+        facts = (place, label, equation.microbatch, equation.unit, equation.mixed)
         if facts not in keys:
-            keys[facts] = _keys(i, place, label, plan)
+            keys[facts] = _keys(equation, place, label, plan)
         lookups, updates = keys[facts]
-        frag = cutter.add(eqn, label, place, lookups, updates)
+        frag = cutter.add(equation.eqn, label, place, lookups, updates)
         if plan is None:
             continue
-        mb, unit, _ = plan.equations[i]
+        mb, unit = equation.microbatch, equation.unit
         if frag.unit is None and unit is not None:
             frag.unit = unit
         if mb is not None and frag.microbatch is None:
@@ -330,7 +250,7 @@ def _fragment(
 
 
 def _assign_boundaries(
-    traced: _trace.TracedProgram, fragments: Sequence[Fragment], made_in: dict[Any, int]
+    traced: TracedProgram, fragments: Sequence[Fragment], made_in: dict[Any, int]
 ) -> None:
     needed_outside: set[Any] = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     for frag in fragments:
@@ -378,27 +298,39 @@ def _merge_glue(order: Sequence[Fragment]) -> list[Fragment]:
     return merged
 
 
-def _arrange(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, fragments: list[Fragment]
-) -> list[Fragment]:
-    """The fragments of a microbatched program in dispatch order, glue moved to its readers.
+def arrange_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list[Fragment]:
+    """The *arrange* pass: the fragments of a microbatched program in dispatch order, glue
+    moved to its readers (new fragments; ``fragments`` are left as they are).
 
-    Under a schedule: ``_pipeline.dispatch_order``, then :func:`_merge_glue`, then glue
-    that only one later glue fragment reads moves there (``_sink.sink_glue``). Scheduled or
-    not, a microbatch's input-only glue moves into the unit reading it
-    (``_sink.sink_into_units``). Boundaries are rebuilt once, if anything changed.
+    Under a schedule: ``plan.dispatch_order``, then :func:`_merge_glue`, then glue that only
+    one later glue fragment reads moves there (``_sink.sink_glue``). Scheduled or not, a
+    microbatch's input-only glue moves into the unit reading it (``_sink.sink_into_units``).
+    Those steps edit this pass's own copies of the fragments; boundaries are rebuilt once,
+    if any equation moved. Without microbatching the fragments stay in program order.
     """
-    changed = False
+    traced, plan = placed.traced, placed.plan
+    if plan is None:
+        return list(fragments)
+    ordered = dispatch_order(fragments, plan) if plan.scheduled else fragments
+    order = [_copy(frag) for frag in ordered]
+    moved = False
     if plan.scheduled:
-        order = _pipeline.dispatch_order(fragments, plan)
-        fragments = _merge_glue(order)
-        changed = len(fragments) != len(order)
-        changed = _sink.sink_glue(traced, fragments) or changed
-    changed = _sink.sink_into_units(traced, plan, fragments) or changed
-    return _rebuild_boundaries(traced, fragments) if changed else fragments
+        merged = _merge_glue(order)
+        moved = len(merged) != len(order)
+        order = merged
+        moved = _sink.sink_glue(traced, order) or moved
+    moved = _sink.sink_into_units(traced, order) or moved
+    return _rebuild_boundaries(traced, order) if moved else order
 
 
-def _rebuild_boundaries(traced: _trace.TracedProgram, fragments: list[Fragment]) -> list[Fragment]:
+def _copy(frag: Fragment) -> Fragment:
+    """A fragment of its own (its lists copied), for the steps that edit fragments."""
+    return dataclasses.replace(
+        frag, eqns=list(frag.eqns), invars=list(frag.invars), outvars=list(frag.outvars)
+    )
+
+
+def _rebuild_boundaries(traced: TracedProgram, fragments: list[Fragment]) -> list[Fragment]:
     """The non-empty fragments, their inputs and outputs recomputed after equations moved."""
     fragments = [f for f in fragments if f.eqns]
     made_in = {v: f.index for f in fragments for e in f.eqns for v in e.outvars}
@@ -408,74 +340,45 @@ def _rebuild_boundaries(traced: _trace.TracedProgram, fragments: list[Fragment])
     return fragments
 
 
-def partition(traced: _trace.TracedProgram, devices: Any = None) -> Partition:
-    """Places and fragments a traced program: a straight list of passes, each linear in the
-    number of equations.
-
-    1. ``_pipeline.analyze``: every equation's microbatch and pipeline unit, each region's
-       schedule (simulated once, on first use).
-    2. ``_accumulate.reassociate_sums`` (scheduled only): sums over microbatches become
-       chains in predicted-ready order, summed per submesh first.
-       ``_accumulate.bundle_sums`` (microbatched): each microbatch's additions of one
-       block's gradients become one equation.
-    3. ``_place_meshes`` / ``_place_equations``: one place per equation (module doc).
-    4. ``_fragment``: same-place runs cut into fragments whose dependencies point backwards.
-    5. ``_arrange`` (microbatched): under a schedule, the schedule's order
-       (``_pipeline.dispatch_order``) with glue folded into earlier glue on its place where
-       that changes no order (``_merge_glue``) and glue only a later glue fragment reads
-       moved there (``_sink.sink_glue``); in every case, a microbatch's input-only glue
-       moved into the unit reading it (``_sink.sink_into_units``).
-    6. ``_fuse.fuse_adjacent`` (scheduled only): a fragment and the next one on its place
-       run as one where that delays nothing and adds no executable (its contract there).
-    7. ``_homes``: where every value is produced and every program input must arrive.
-    """
-    plan = _pipeline.analyze(traced)
-    if plan is not None and plan.scheduled:
-        traced, plan = _accumulate.reassociate_sums(traced, plan)
-    if plan is not None:
-        traced, plan = _accumulate.bundle_sums(traced, plan)
-    meshes, default = _place_meshes(traced, devices)
-    users = _consumers(traced.jaxpr)  # the one consumer index of this program
-    places = _place_equations(traced, default, users)
-    fragments = _fragment(traced, places, plan)
-    if plan is not None:
-        fragments = _arrange(traced, plan, fragments)
-    if plan is not None and plan.scheduled:
-        outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
-        fragments = _fuse.fuse_adjacent(fragments, outputs)
-    home, input_place = _homes(traced, fragments, places, users)
-    by_id = {d.id: d for d in jax.devices()}
-    for place in set(places):
-        if place not in meshes:
-            grid = np.array([by_id[i] for i in place], dtype=object)
-            meshes[place] = _devices.make_auto_mesh(grid, ("devices",))
-    return Partition(
-        traced=traced,
-        fragments=fragments,
-        input_place=input_place,
-        home=home,
-        place_meshes=meshes,
-        default_place=default,
-        plan=plan,
-    )
+def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list[Fragment]:
+    """The *fuse* pass (scheduled programs): a fragment and the next one on its place run as
+    one where that delays nothing and adds no executable (``_fuse.fuse_adjacent``, its
+    contract there)."""
+    if placed.plan is None or not placed.plan.scheduled:
+        return list(fragments)
+    traced = placed.traced
+    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    return _fuse.fuse_adjacent(fragments, outputs)
 
 
-def _homes(
-    traced: _trace.TracedProgram,
-    fragments: Sequence[Fragment],
-    places: list[Place],
-    users: dict[Any, list[int]],
-) -> tuple[dict[Any, Place], dict[Any, Place]]:
-    """``(home, input_place)``: the place producing each value, and for each used program
-    input (or constant) the place of its first consumer, where it must arrive."""
+def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Partition:
+    """The placed program and its fragments as a :class:`Partition`: where every value is
+    produced, where every used program input (or constant) must arrive -- the place of its
+    first consumer -- and a mesh for every place."""
+    traced = placed.traced
     home: dict[Any, Place] = {}
     for frag in fragments:
         for eqn in frag.eqns:
             for v in eqn.outvars:
                 home[v] = frag.place
     input_place: dict[Any, Place] = {}
+    users = placed.users
     for v in [*traced.jaxpr.constvars, *traced.jaxpr.invars]:
         if users.get(v):
-            input_place[v] = places[users[v][0]]
+            input_place[v] = cast(Place, traced.equations[users[v][0]].place)
             home[v] = input_place[v]
-    return home, input_place
+    meshes = dict(placed.meshes)
+    by_id = {d.id: d for d in jax.devices()}
+    for place in cast("set[Place]", {e.place for e in traced.equations}):
+        if place not in meshes:
+            grid = np.array([by_id[i] for i in place], dtype=object)
+            meshes[place] = make_auto_mesh(grid, ("devices",))
+    return Partition(
+        traced=traced,
+        fragments=list(fragments),
+        input_place=input_place,
+        home=home,
+        place_meshes=meshes,
+        default_place=placed.default_place,
+        plan=placed.plan,
+    )

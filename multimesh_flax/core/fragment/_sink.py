@@ -1,8 +1,10 @@
 """Moving an equation into the one later fragment that reads it, once the order is fixed.
 
-Two passes share one mechanism (:func:`_moves`): an equation of a glue fragment whose results
-exactly one later fragment on its submesh reads, that reads no pipeline unit's output (so
-nothing it waits for changes) and is no program output, runs at the start of that reader.
+Two steps of the arrange pass (``_partition.arrange_fragments``) share one mechanism
+(:func:`_moves`): an equation of a glue fragment whose results exactly one later fragment on
+its submesh reads, that reads no pipeline unit's output (so nothing it waits for changes) and
+is no program output, runs at the start of that reader. Both edit the fragments they are
+given: the arrange pass gives them its own copies, so its input stays as it was.
 
 * :func:`sink_glue` -- into later glue. Glue is dispatched as soon as its inputs exist, so
   work that only the optimizer update at the end of a step needs (Adam's ``b1 * mu``, weight
@@ -25,16 +27,17 @@ from typing import Any
 
 import jax.extend.core as jex
 
-from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _structure, _trace
+from multimesh_flax.core.trace import TracedProgram, equation_key
 
 # A move: (position of the equation's glue fragment, the equation, position of its reader)
 _Move = tuple[int, Any, int]
 
 
-def sink_glue(traced: _trace.TracedProgram, order: Sequence[Any]) -> bool:
+def sink_glue(traced: TracedProgram, order: Sequence[Any]) -> bool:
     """Moves glue equations whose results only one later glue fragment on the same place
     reads into that fragment; returns whether any moved.
+
+    It edits the fragments of ``order``: the arrange pass hands it its own copies.
 
     Only equations that read no output of a pipeline unit move, so gradient sums still run
     as each microbatch's gradients arrive; pipeline units themselves are left as they are.
@@ -44,11 +47,10 @@ def sink_glue(traced: _trace.TracedProgram, order: Sequence[Any]) -> bool:
     return bool(moves)
 
 
-def sink_into_units(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, order: Sequence[Any]
-) -> bool:
+def sink_into_units(traced: TracedProgram, order: Sequence[Any]) -> bool:
     """Moves microbatch glue that only one unit of its microbatch reads into that unit (at
-    its start); returns whether any moved.
+    its start); returns whether any moved (editing the fragments of ``order``, as
+    :func:`sink_glue` does).
 
     Besides :func:`_moves`' conditions, the equation belongs to the unit's microbatch, and
     moves are kept per *unit group* (the units of one region, stage and phase on one place,
@@ -62,15 +64,16 @@ def sink_into_units(
     fragment and the one-hot gradient of the loss computed from it moves into the last
     stage's forward/backward unit of that microbatch.
     """
+    equations = traced.equations
     position = {id(e): i for i, e in enumerate(traced.jaxpr.eqns)}
     excluded: set[int] = set()
 
     def of_a_microbatch(eqn: Any) -> bool:
-        return id(eqn) not in excluded and plan.equations[position[id(eqn)]].microbatch is not None
+        return id(eqn) not in excluded and equations[position[id(eqn)]].microbatch is not None
 
     def of_its_microbatch(eqn: Any, target: int) -> bool:
         unit = order[target].unit
-        mb = plan.equations[position[id(eqn)]].microbatch
+        mb = equations[position[id(eqn)]].microbatch
         return unit is not None and mb == (unit.region, unit.microbatch)
 
     while True:
@@ -84,7 +87,7 @@ def sink_into_units(
 
 
 def _moves(
-    traced: _trace.TracedProgram,
+    traced: TracedProgram,
     order: Sequence[Any],
     admits: Callable[[Any], bool],
     accepts: Callable[[Any, int], bool],
@@ -174,6 +177,6 @@ def _differing(order: Sequence[Any], moves: list[_Move]) -> set[int]:
             differing.update(id(e) for x in lists for e in x)  # not every copy gets them
             continue
         for column in zip(*lists, strict=True):
-            if len({_structure.equation_key(e, memo) for e in column}) > 1:
+            if len({equation_key(e, memo) for e in column}) > 1:
                 differing.update(id(e) for e in column)
     return differing

@@ -32,8 +32,8 @@ import jax.extend.core as jex
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from multimesh_flax.core.fragment import _partition
-from multimesh_flax.core.trace import _session
+from multimesh_flax.core.fragment import aval_nbytes
+from multimesh_flax.core.trace import shape_only_trace
 
 REPLICATE_BYTES = 64 << 20
 """How many bytes of the smallest staged leaves are replicated on every device."""
@@ -70,7 +70,7 @@ def _staging(avals: Sequence[Any], mesh: Mesh) -> list[Any]:
     others are split over the devices.
     """
     shardings: list[Any] = [None] * len(avals)
-    sizes = [_partition.aval_nbytes(aval) for aval in avals]
+    sizes = [aval_nbytes(aval) for aval in avals]
     budget = REPLICATE_BYTES
     for i in sorted(range(len(avals)), key=sizes.__getitem__):
         if sizes[i] <= budget:
@@ -144,7 +144,7 @@ def sharded_initializer(
     """
     flat, treedef = jax.tree_util.tree_flatten(shardings)
     if program is None:
-        with _session.shape_only_trace():  # tasks in an initializer are not placed, by design
+        with shape_only_trace():  # tasks in an initializer are not placed, by design
             program = jax.make_jaxpr(init)()
     run = jex.jaxpr_as_fun(program)
     compiled = [(g.indices, _compile_group(run, g)) for g in _groups(flat, program.out_avals)]

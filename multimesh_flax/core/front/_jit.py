@@ -2,32 +2,43 @@
 
 Per distinct call signature (argument tree, shapes, dtypes, static arguments, device list,
 contexts) the function is traced once. If it contains no tasks and the fast path is on, the
-result is exactly ``jax.jit``. Otherwise the trace is placed, fragmented and turned into an
-``MpmdExecutable``; later calls with the same signature only dispatch.
+result is exactly ``jax.jit``. Otherwise the trace is planned, placed, fragmented and compiled
+into an ``MpmdExecutable`` (the passes of ``_build``); later calls with the same signature
+only dispatch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
-import threading
-import time
 import warnings
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.core
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices, _multimesh, _registry
-from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.declare import (
+    as_device_array,
+    check_unique,
+    get_device_list,
+    get_flag,
+    get_multi_mesh,
+    registrations_fingerprint,
+    use_device_list,
+)
+from multimesh_flax.core.fragment import Partition, input_sharding
 from multimesh_flax.core.front import _donation
-from multimesh_flax.core.run import _dispatch
-from multimesh_flax.core.trace import _trace
+from multimesh_flax.core.front._build import (
+    Build,
+    FastPath,
+    build_program,
+    collector_paused,
+    partition_program,
+)
+from multimesh_flax.core.run import MpmdExecutable
+from multimesh_flax.core.trace import TracedProgram
 
 
 def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int, ...]:
@@ -88,107 +99,34 @@ def _any_deleted(leaves: Sequence[Any], indices: tuple[int, ...]) -> bool:
     return False
 
 
-class _CollectorPause:
-    """Counts the builds under way in this process; the collector runs again after the last.
-
-    The collector is process-wide, so a per-thread pause would let the first build to finish
-    re-enable it under another thread's build. Only a collector that was running when the
-    first build began is restarted (a caller's own ``gc.disable()`` is left alone).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._builds = 0
-        self._restart = False
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._builds == 0:
-                self._restart = gc.isenabled()
-                gc.disable()
-            self._builds += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._builds -= 1
-            if self._builds == 0 and self._restart:
-                gc.enable()
-
-
-_COLLECTOR = _CollectorPause()
-
-
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pauses Python's cyclic garbage collector while a program is built and first called.
-
-    A build allocates hundreds of thousands of small objects (equations, variables, name
-    stacks) that all live until it ends; every full collection during the build re-scans
-    them, which made up about half of trace + partition time at 32 microbatches. The first
-    call traces and lowers every fragment (about a sixth of its time went to collections).
-    Cycles that become garbage meanwhile are collected once the collector runs again. Builds
-    may nest and overlap across threads: the collector runs again when the last one ends,
-    if it was running when the first began.
-
-    Example:
-        >>> import gc
-        >>> with collector_paused():
-        ...     gc.isenabled()
-        False
-        >>> gc.isenabled()
-        True
-    """
-    _COLLECTOR.enter()
-    try:
-        yield
-    finally:
-        _COLLECTOR.exit()
-
-
-class _FastPath:
-    """A program without tasks: one ``jax.jit`` of the program as traced (not traced again)."""
-
-    def __init__(self, traced: _trace.TracedProgram, donate: tuple[int, ...]) -> None:
-        # Not ``jaxpr_as_fun``, which turns ``jax_debug_nans`` off: under that flag, jit's own
-        # op-by-op re-run must see the NaN to name its primitive and source line.
-        jaxpr, consts = traced.jaxpr, traced.consts
-
-        def run(*leaves: Any) -> tuple[Any, ...]:
-            return tuple(jax.core.eval_jaxpr(jaxpr, consts, *leaves))
-
-        self.jitted = jax.jit(run, donate_argnums=donate)
-
-    def __call__(self, leaves: Sequence[Any]) -> Any:
-        return list(self.jitted(*leaves))
-
-
 class _Entry:
-    """The program built for one signature: what was traced, and how it runs.
+    """The program built for one signature (``_build.build_program``): what was traced, and
+    how it runs.
 
-    ``run`` is an ``MpmdExecutable``, or a ``_FastPath`` when the program has no tasks.
+    ``run`` is an ``MpmdExecutable``, or a ``FastPath`` when the program has no tasks.
     """
 
-    def __init__(self, run: Any, traced: _trace.TracedProgram, devices: Any) -> None:
-        self.run = run
-        self.traced = traced
+    def __init__(self, build: Build, devices: Any) -> None:
+        self.run = build.run
+        self.traced = build.traced
         self.devices = devices
-        self.out_tree = traced.out_tree
+        self.out_tree = build.traced.out_tree
         self.warm = False
         self.donation: _donation.Donation | None = None  # None: the program consumes nothing
-        self.build_seconds: dict[str, float] = {}  # "trace", "partition": wall time spent
+        self.build_seconds = build.seconds  # "trace", "partition": wall time spent
 
-    def partition(self) -> _partition.Partition:
+    def partition(self) -> Partition:
         """The placed program (on the fast path placed now, from the same trace)."""
-        if isinstance(self.run, _dispatch.MpmdExecutable):
+        if isinstance(self.run, MpmdExecutable):
             return self.run.partition
-        return _partition.partition(self.traced, self.devices)
+        return partition_program(self.traced, self.devices)
 
     def input_shardings(self) -> list[Any]:
         """Per input leaf, the sharding it should arrive in (see ``_inputs.input_sharding``);
         an unused input: replicated on the default submesh."""
         part = self.partition()
         fallback = NamedSharding(part.place_meshes[part.default_place], PartitionSpec())
-        wanted = [_inputs.input_sharding(part, v) for v in self.traced.jaxpr.invars]
+        wanted = [input_sharding(part, v) for v in self.traced.jaxpr.invars]
         return [fallback if s is None else s for s in wanted]
 
     def __call__(self, leaves: Sequence[Any]) -> Any:
@@ -245,11 +183,11 @@ class MpmdJit:
             in_tree,
             _leaf_keys(leaves),
             statics,
-            self.devices or _devices.get_device_list(),
-            id(_multimesh.get_multi_mesh()),
-            _registry.fingerprint(),  # registered tasks change the program
-            _config.get_flag("enable_recomputation"),
-            _config.get_flag("enable_fast_path"),
+            self.devices or get_device_list(),
+            id(get_multi_mesh()),
+            registrations_fingerprint(),  # registered tasks change the program
+            get_flag("enable_recomputation"),
+            get_flag("enable_fast_path"),
         )
         return leaves, in_tree, statics, key
 
@@ -277,21 +215,9 @@ class MpmdJit:
     def _build(
         self, leaves: list[Any], in_tree: Any, statics: tuple[Any, ...], donate: tuple[int, ...]
     ) -> _Entry:
+        """The program for one signature: the passes of ``_build.build_program``."""
         flat_fun = self._flat_fun(in_tree, statics)
-        with collector_paused():
-            start = time.perf_counter()
-            traced = _trace.trace_program(flat_fun, leaves, self.devices)
-            traced_at = time.perf_counter()
-            if not traced.tasks and _config.get_flag("enable_fast_path"):
-                entry = _Entry(_FastPath(traced, donate), traced, self.devices)
-            else:
-                part = _partition.partition(traced, self.devices)
-                entry = _Entry(_dispatch.MpmdExecutable(part, donate), traced, self.devices)
-            entry.build_seconds = {
-                "trace": traced_at - start,
-                "partition": time.perf_counter() - traced_at,  # with the executable's op list
-            }
-        return entry
+        return _Entry(build_program(flat_fun, leaves, self.devices, donate), self.devices)
 
     def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
@@ -307,19 +233,19 @@ class MpmdJit:
         return entry, leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _config.get_flag("ignore_transforms"):
+        if get_flag("ignore_transforms"):
             return self.fun(*args, **kwargs)
         entry, leaves = self._entry(args, kwargs)
         donation = entry.donation
         if donation is None:
-            with _devices.use_device_list(self.devices):
+            with use_device_list(self.devices):
                 return entry(leaves)
         # Claimed before the deleted check: no other thread can consume them in between.
         claimed = donation.claim(leaves, lambda i: self._leaf_name(args, kwargs, i))
         try:
             if _any_deleted(leaves, donation.donated):
                 raise self._consumed_error(args, kwargs, donation.donated)
-            with _devices.use_device_list(self.devices):
+            with use_device_list(self.devices):
                 return entry(leaves)
         finally:
             donation.release(claimed)
@@ -364,15 +290,17 @@ class MpmdJit:
         return jax.tree_util.tree_unflatten(tree, entry.input_shardings())
 
     def build_seconds(self, *args: Any, **kwargs: Any) -> dict[str, float]:
-        """Seconds spent tracing (``"trace"``) and placing and fragmenting (``"partition"``)
-        the program for these arguments, when it was built (built now if it was not)."""
+        """Seconds spent on the passes of ``_build`` for these arguments, when the program
+        was built (built now if it was not): ``"trace"`` for tracing and colouring,
+        ``"partition"`` for planning, placing, fragmenting and compiling (its programs and
+        op list; XLA compiles at the first call)."""
         return dict(self._entry(args, kwargs)[0].build_seconds)
 
     def clear_cache(self) -> None:
         """Forgets every program built so far (as ``jax.jit``'s ``clear_cache``)."""
         self._cache.clear()
 
-    def traced(self, *args: Any, **kwargs: Any) -> _trace.TracedProgram:
+    def traced(self, *args: Any, **kwargs: Any) -> TracedProgram:
         """The traced program built for these arguments (built now if it was not)."""
         return self._entry(args, kwargs)[0].traced
 
@@ -387,7 +315,7 @@ class MpmdJit:
     def describe(self, *args: Any, **kwargs: Any) -> str:
         """A readable dump of the MPMD program built for these arguments."""
         run = self.executable(*args, **kwargs)
-        if isinstance(run, _FastPath):
+        if isinstance(run, FastPath):
             return "fast path: one jax.jit (no tasks on distinct submeshes)"
         return run.describe()
 
@@ -444,11 +372,11 @@ def jit(
     donate = _normalise_argnums(donate_argnums, "donate_argnums")
     _donation.check_argnums(static, donate)
     if devices is not None:
-        devices = _devices.as_device_array(devices, "devices")
+        devices = as_device_array(devices, "devices")
         if devices.size == 0:
             raise errors.ParallelizeArgumentError(
                 "Expected at least one device in `devices`, got none. Pass a list of jax "
                 "devices, or omit `devices` for the current MultiMesh or all devices."
             )
-        _devices.check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
+        check_unique(list(np.asarray(devices, dtype=object).reshape(-1)), "devices")
     return MpmdJit(fun, devices, static, donate)

@@ -20,21 +20,22 @@ import jax
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _devices
-from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.declare import as_device_array
+from multimesh_flax.core.fragment import input_sharding
 from multimesh_flax.core.front import _jit
+from multimesh_flax.core.front._build import collector_paused, partition_program
 from multimesh_flax.core.front._initializer import sharded_initializer
-from multimesh_flax.core.trace import _session, _trace
+from multimesh_flax.core.trace import shape_only_trace, trace_program
 
 
 def derive_shardings(fun: Callable[..., Any], args: tuple[Any, ...], devices: Any) -> list[Any]:
     """Where each leaf of ``args`` should arrive for ``fun``: traced and placed, not compiled
     and not kept (``tabulate``); a compiled function reads them from its own program with
     ``MpmdJit.input_shardings``."""
-    with _jit.collector_paused():
-        traced = _trace.trace_program(fun, args, devices)
-        part = _partition.partition(traced, devices)
-    shardings = [_inputs.input_sharding(part, v) for v in traced.jaxpr.invars]
+    with collector_paused():
+        traced = trace_program(fun, args, devices)
+        part = partition_program(traced, devices)
+    shardings = [input_sharding(part, v) for v in traced.jaxpr.invars]
     fallback = jax.sharding.NamedSharding(
         part.place_meshes[part.default_place], jax.sharding.PartitionSpec()
     )
@@ -107,13 +108,13 @@ def parallelize(
         256.0
     """
     _check_args(fun, init_params, get_input_batch, initial_batch)
-    devices = None if devices is None else _devices.as_device_array(devices, "devices")
+    devices = None if devices is None else as_device_array(devices, "devices")
     has_batch = get_input_batch is not None or initial_batch is not None
-    with _session.shape_only_trace():
+    with shape_only_trace():
         params_shape = jax.eval_shape(init_params) if init_params is not None else None
     batch_shape = None
     if get_input_batch is not None:
-        with _session.shape_only_trace():
+        with shape_only_trace():
             batch_shape = jax.eval_shape(get_input_batch)
     elif initial_batch is not None:
         batch_shape = shape_structs(initial_batch)

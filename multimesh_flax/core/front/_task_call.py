@@ -3,7 +3,7 @@
 
 A frontend describes its call as a :class:`TaskCall` -- the body, how the recomputation
 checkpoint reaches the body's variables, which trees besides the arguments reveal a trace,
-how it runs as a one-task program -- and hands it to :func:`call`, which decides, in this
+how it runs as a one-task program -- and hands it to :func:`call_task`, which decides, in this
 order:
 
 1. **under** ``ignore_transforms``: the body itself, nothing else;
@@ -23,12 +23,12 @@ order:
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
-   ambient mesh, and its body run through :func:`multimesh_flax.core.declare._recompute.call`
+   ambient mesh, and its body run through :func:`multimesh_flax.core.declare.call_recomputed`
    (checkpointed when the task's recomputation policy says so).
 
 Errors are the same for every kind because they come from the same place: a task that
 cannot be resolved (``mesh_slice`` with no ``MultiMesh``, a rule naming a missing mesh axis)
-raises from :func:`call` whichever frontend made it.
+raises from :func:`call_task` whichever frontend made it.
 """
 
 from __future__ import annotations
@@ -42,21 +42,34 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from multimesh_flax.core.declare import _config, _recompute
-from multimesh_flax.core.declare._task import Task
+from multimesh_flax.core.declare import (
+    RecomputeTransform,
+    Task,
+    call_recomputed,
+    get_flag,
+    jax_transform,
+)
 from multimesh_flax.core.front._jit import jit
-from multimesh_flax.core.trace import _colour, _session
+from multimesh_flax.core.trace import (
+    ResolvedTask,
+    contains_tracer,
+    current_session,
+    enter_task,
+    flax_rules,
+    resolve_task,
+    warn_foreign_trace,
+)
 
 EagerRunner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def _no_place(_resolved: _session.ResolvedTask) -> AbstractContextManager[None]:
+def _no_place(_resolved: ResolvedTask) -> AbstractContextManager[None]:
     return nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskCall:
-    """One call of a task, as a frontend hands it to :func:`call`.
+    """One call of a task, as a frontend hands it to :func:`call_task`.
 
     Attributes:
         spec: the task, with its display name filled in.
@@ -78,17 +91,17 @@ class TaskCall:
     spec: Task
     body: Callable[..., Any]
     eager: EagerRunner
-    transform: _recompute.Transform = _recompute.jax_transform
+    transform: RecomputeTransform = jax_transform
     key: Hashable | None = None
     state: Any = ()
-    place: Callable[[_session.ResolvedTask], AbstractContextManager[Any]] = _no_place
+    place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
 
     @property
     def name(self) -> str:
         return self.spec.name or "task"
 
 
-def call(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Runs ``task_call`` on ``args``/``kwargs`` (see the module docstring for the cases).
 
     Raises:
@@ -96,14 +109,14 @@ def call(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         LogicalRulesError: a rule naming a mesh axis the task's mesh lacks.
         StrictModeError: under ``context(strict=True)``, a task traced by a foreign trace.
     """
-    if _config.get_flag("ignore_transforms"):
+    if get_flag("ignore_transforms"):
         return task_call.body(*args, **kwargs)
-    session = _session.current_session()
-    inputs_traced = _session.contains_tracer((args, kwargs, task_call.state))
+    session = current_session()
+    inputs_traced = contains_tracer((args, kwargs, task_call.state))
     if session is None and not inputs_traced and not _jax_is_tracing():
         return task_call.eager(args, kwargs)
     if session is None and inputs_traced:
-        _session.warn_foreign_trace(task_call.name)
+        warn_foreign_trace(task_call.name)
     return run_as(resolve(task_call), task_call, args, kwargs)
 
 
@@ -113,16 +126,16 @@ def _jax_is_tracing() -> bool:
     return isinstance(jnp.zeros(()), jax.core.Tracer)
 
 
-def resolve(task_call: TaskCall) -> _session.ResolvedTask:
+def resolve(task_call: TaskCall) -> ResolvedTask:
     """The ``ResolvedTask`` of the call: per instance per trace session for modules."""
-    session = _session.current_session()
+    session = current_session()
     if session is None or task_call.key is None:
-        return _session.resolve_task(task_call.spec, task_call.name)
+        return resolve_task(task_call.spec, task_call.name)
     return session.resolve_module(task_call.key, task_call.spec, task_call.name)
 
 
 def run_as(
-    resolved: _session.ResolvedTask,
+    resolved: ResolvedTask,
     task_call: TaskCall,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -130,15 +143,15 @@ def run_as(
     """The body run as ``resolved`` (entered, rules and ambient mesh set, recomputed per
     policy); also how name-registered NNX modules run as their matched task."""
     with _entered(resolved), task_call.place(resolved):
-        return _recompute.call(
+        return call_recomputed(
             task_call.body, args, kwargs, resolved.task.recompute, task_call.transform
         )
 
 
 @contextlib.contextmanager
-def _entered(resolved: _session.ResolvedTask) -> Iterator[None]:
+def _entered(resolved: ResolvedTask) -> Iterator[None]:
     """Inside ``resolved``: its marker scope, its rules, its submesh as the ambient mesh."""
-    with _session.enter_task(resolved), _colour.flax_rules(resolved):
+    with enter_task(resolved), flax_rules(resolved):
         yield
 
 

@@ -3,7 +3,7 @@
 The adapter of a function to the one task call (``front/_task_call``): the body is the
 function, the recomputation checkpoint is ``jax.checkpoint``, and called eagerly it runs as a
 one-task program compiled once with ``jit`` (and kept). Everything else -- placement, rules,
-recomputation, the foreign-trace warning, errors -- is ``_task_call.call``'s, the same for
+recomputation, the foreign-trace warning, errors -- is ``_task_call.call_task``'s, the same for
 Linen and NNX modules.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare._task import Task, make_task
+from multimesh_flax.core.declare import Task, make_task
 from multimesh_flax.core.front import _task_call
 
 
@@ -69,7 +69,7 @@ def task(
 
     @functools.wraps(fun)
     def run_task(*args: Any, **kw: Any) -> Any:
-        return _task_call.call(task_call, args, kw)
+        return _task_call.call_task(task_call, args, kw)
 
     task_call = _task_call.TaskCall(
         spec=spec, body=fun, eager=_task_call.one_task_program(run_task)

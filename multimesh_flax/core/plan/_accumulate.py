@@ -34,19 +34,20 @@ from typing import Any
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
-from multimesh_flax.core.declare import _devices
+from multimesh_flax.core.declare import place_of
 from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import _blocks, _trace
+from multimesh_flax.core.trace import Equation, TracedProgram, is_sum, make_jaxpr_object
 
 _EARLY = (-1, float("-inf"))
 _BUNDLE = "sums over microbatches"  # what a bundle's body says it is (its debug info)
 
 
-def _ready_times(traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan) -> dict[Any, Any]:
+def _ready_times(traced: TracedProgram, plan: _pipeline.PipelinePlan) -> dict[Any, Any]:
     """Per variable, the predicted ``(region rank, end)`` of the last unit it waits for."""
     ends = {unit: (rank, end) for unit, (rank, _, end) in _pipeline.unit_times(plan).items()}
     ready: dict[Any, Any] = {}
-    for eqn, (_, unit, _) in zip(traced.jaxpr.eqns, plan.equations, strict=True):
+    for equation in traced.equations:
+        eqn, unit = equation.eqn, equation.unit
         time = ends.get(unit, _EARLY) if unit is not None else _EARLY
         for v in eqn.invars:
             if not isinstance(v, jex.Literal):
@@ -63,9 +64,7 @@ class _Tree:
     leaves: list[Any]
 
 
-def _sum_trees(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, producer: dict[Any, int]
-) -> list[_Tree]:
+def _sum_trees(traced: TracedProgram, producer: dict[Any, int]) -> list[_Tree]:
     """The trees of additions rooted at sums outside every microbatch.
 
     A tree's inner nodes are additions whose only reader is another addition of the tree,
@@ -79,7 +78,7 @@ def _sum_trees(
         for v in e.invars:
             if not isinstance(v, jex.Literal):
                 uses[v] = uses.get(v, 0) + 1
-    sums = {i for i, e in enumerate(eqns) if _blocks.is_sum(e)}
+    sums = {i for i, e in enumerate(eqns) if is_sum(e)}
     inner = {
         producer[v]
         for i in sums
@@ -88,7 +87,7 @@ def _sum_trees(
     }
     trees = []
     for root in sorted(sums - inner):
-        if plan.equations[root].microbatch is not None:
+        if traced.equations[root].microbatch is not None:
             continue
         tree = _Tree(root, [], [])
         stack: list[tuple[bool, Any]] = [(True, root)]
@@ -105,25 +104,23 @@ def _sum_trees(
     return trees
 
 
-def _microbatches(
-    traced: _trace.TracedProgram, leaves: list[Any], producer: dict[Any, int]
-) -> set[Any]:
+def _microbatches(traced: TracedProgram, leaves: list[Any], producer: dict[Any, int]) -> set[Any]:
     calls = traced.microbatch_calls
     found = {
-        _pipeline.microbatch_of(traced.stacks[producer[v]], calls) for v in leaves if v in producer
+        _pipeline.microbatch_of(traced.equations[producer[v]].stack, calls)
+        for v in leaves
+        if v in producer
     }
     found.discard(None)
     return found
 
 
-def _leaf_places(
-    traced: _trace.TracedProgram, leaves: list[Any], producer: dict[Any, int]
-) -> list[Any]:
+def _leaf_places(traced: TracedProgram, leaves: list[Any], producer: dict[Any, int]) -> list[Any]:
     """Per leaf, the place of the task that produced it (``None`` for glue and inputs)."""
     places = []
     for v in leaves:
-        label = traced.labels[producer[v]] if v in producer else None
-        places.append(None if label is None else _devices.place_of(traced.tasks[label.task].mesh))
+        label = traced.equations[producer[v]].label if v in producer else None
+        places.append(None if label is None else place_of(traced.tasks[label.task].mesh))
     return places
 
 
@@ -152,7 +149,7 @@ def _sum_in_order(
         ready[partial] = key(group[-1])
     partials.sort(key=key)
     # The last-ready partial goes first: glue with equal input bytes from two places runs
-    # where its first operand lives (``_partition``), so the other partials move to it.
+    # where its first operand lives (``fragment._place``), so the other partials move to it.
     return eqns + _chain(template, [partials[-1], *partials[:-1]], out)
 
 
@@ -167,8 +164,8 @@ def _chain(template: Any, leaves: list[Any], out: Any) -> list[Any]:
 
 
 def reassociate_sums(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan
-) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    traced: TracedProgram, plan: _pipeline.PipelinePlan
+) -> tuple[TracedProgram, _pipeline.PipelinePlan]:
     """Rewrites sums over microbatches as chains in predicted-ready order (see module doc).
 
     Returns the rewritten program and plan (new equations are glue outside every
@@ -178,7 +175,7 @@ def reassociate_sums(
     eqns = traced.jaxpr.eqns
     producer = traced.producer
     replaced: dict[int, list[Any]] = {}  # root index -> new chain; other nodes -> []
-    for tree in _sum_trees(traced, plan, producer):
+    for tree in _sum_trees(traced, producer):
         if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves, producer)) < 2:
             continue
         places = _leaf_places(traced, tree.leaves, producer)
@@ -195,41 +192,35 @@ def reassociate_sums(
 
 
 def _rebuild(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan, replaced: dict[int, list[Any]]
-) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    traced: TracedProgram, plan: _pipeline.PipelinePlan, replaced: dict[int, list[Any]]
+) -> tuple[TracedProgram, _pipeline.PipelinePlan]:
     """The program with equation ``i`` replaced by the chain ``replaced[i]``.
 
-    Each per-equation fact (label, name stack, microbatch, unit, mixed) follows its equation;
-    a replacement chain is glue that mixes microbatches (it keeps only the name stack).
+    Every other equation keeps its record; a replacement chain is glue that mixes
+    microbatches (its records keep only the name stack).
     """
-    new_eqns: list[Any] = []
-    origin: list[int] = []  # per new equation, the index of the equation it comes from
-    for i, eqn in enumerate(traced.jaxpr.eqns):
-        chain = replaced.get(i, [eqn])
-        new_eqns.extend(chain)
-        origin.extend([i] * len(chain))
-
-    def column(facts: list[Any], glue: Any) -> list[Any]:
-        return [glue if i in replaced else facts[i] for i in origin]
-
+    equations: list[Equation] = []
+    for i, equation in enumerate(traced.equations):
+        chain = replaced.get(i)
+        if chain is None:
+            equations.append(equation)
+        else:
+            equations.extend(Equation(eqn, equation.stack, mixed=True) for eqn in chain)
     jaxpr = traced.jaxpr
-    program = _trace.make_jaxpr_object(
-        list(jaxpr.constvars), list(jaxpr.invars), list(jaxpr.outvars), new_eqns, "program"
+    program = make_jaxpr_object(
+        list(jaxpr.constvars),
+        list(jaxpr.invars),
+        list(jaxpr.outvars),
+        [e.eqn for e in equations],
+        "program",
     )
-    stacks = [traced.stacks[i] for i in origin]
-    traced = dataclasses.replace(
-        traced, jaxpr=program, labels=column(traced.labels, None), stacks=stacks
-    )
-    plan = dataclasses.replace(
-        plan,
-        equations=column(plan.equations, _pipeline.EquationPlan(None, None, True)),
-    )
-    return traced, plan
+    traced = dataclasses.replace(traced, jaxpr=program, equations=tuple(equations))
+    return traced, dataclasses.replace(plan, equations=traced.equations)
 
 
 def bundle_sums(
-    traced: _trace.TracedProgram, plan: _pipeline.PipelinePlan
-) -> tuple[_trace.TracedProgram, _pipeline.PipelinePlan]:
+    traced: TracedProgram, plan: _pipeline.PipelinePlan
+) -> tuple[TracedProgram, _pipeline.PipelinePlan]:
     """Bundles the sums over microbatches that add outputs of the same two equations into
     one equation at the first one's position (see module doc).
 
@@ -244,10 +235,10 @@ def bundle_sums(
     eqns, producer = traced.jaxpr.eqns, traced.producer
     group_of: dict[int, int] = {}  # sum index -> index of its bundle's first sum
     bundles: dict[tuple[int, int], list[int]] = {}
-    for i, eqn in enumerate(eqns):
-        facts = plan.equations[i]
-        glue = traced.labels[i] is None or facts.mixed
-        if not (glue and facts.microbatch is None and _blocks.is_sum(eqn)):
+    for i, equation in enumerate(traced.equations):
+        eqn = equation.eqn
+        glue = equation.label is None or equation.mixed
+        if not (glue and equation.microbatch is None and is_sum(eqn)):
             continue
         sources = [producer.get(v) for v in eqn.invars]
         if None in sources:
@@ -299,5 +290,5 @@ def _bundle_params(signature: tuple[Any, ...]) -> dict[str, Any]:
         jex.new_jaxpr_eqn([a, b], [c], prim, {}, frozenset())
         for (prim, _, _), a, b, c in zip(signature, lefts, rights, outs, strict=True)
     ]
-    body = _trace.make_jaxpr_object([], lefts + rights, outs, eqns, _BUNDLE)
+    body = make_jaxpr_object([], lefts + rights, outs, eqns, _BUNDLE)
     return {"call_jaxpr": jex.ClosedJaxpr(body, [])}

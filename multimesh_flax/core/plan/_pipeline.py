@@ -1,7 +1,8 @@
 """Pipelining: microbatches, stages and phases of a traced program, and its dispatch order.
 
 A program traced through ``microbatch`` holds the equations of chunk ``k`` under the scope
-``mmmb<uid>_<k>`` (one *region* per ``uid``). :func:`analyze` gives every equation:
+``mmmb<uid>_<k>`` (one *region* per ``uid``). :func:`analyze` gives every equation's record
+(``trace.Equation``):
 
 * its microbatch ``(uid, k)`` -- read from the innermost such scope; an equation that mixes
   values of different microbatches (gradient accumulation, which a backward taken outside
@@ -36,14 +37,18 @@ from typing import Any, NamedTuple
 import jax.extend.core as jex
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _schedules
-from multimesh_flax.core.declare._devices import Place, place_of
-from multimesh_flax.core.declare._schedules import Phase
-from multimesh_flax.core.declare._sentinel import Sentinel
+from multimesh_flax.core.declare import Phase, Place, Schedule, Sentinel, make_schedule, place_of
 from multimesh_flax.core.plan import _simulator
-from multimesh_flax.core.trace import _blocks, _session, _trace
+from multimesh_flax.core.trace import (
+    MICROBATCH_RE,
+    Equation,
+    MicrobatchCall,
+    TracedProgram,
+    each_distinct,
+    reaches_other_owner,
+    with_producers,
+)
 
-MICROBATCH_RE = _session.MICROBATCH_RE
 Microbatch = tuple[int, int]  # (region uid, k)
 
 
@@ -69,10 +74,10 @@ class Region:
     """One traced ``microbatch`` call: its options, stages and schedule."""
 
     uid: int
-    call: _session.MicrobatchCall
+    call: MicrobatchCall
     stage_tasks: list[list[Any]]  # the ResolvedTasks of each stage (microbatch 0's)
     stage_places: list[Place]
-    schedule: _schedules.Schedule | None = None
+    schedule: Schedule | None = None
 
     @functools.cached_property
     def simulated(self) -> list[tuple[Any, Any, float, float]]:
@@ -80,19 +85,15 @@ class Region:
         return [] if self.schedule is None else _simulator.simulate(self.schedule).timeline
 
 
-class EquationPlan(NamedTuple):
-    """What the plan says of one equation of the traced program."""
-
-    microbatch: Microbatch | None  # the microbatch it computes on; None: outside every one
-    unit: Unit | None  # the pipeline unit it runs in; None: glue
-    mixed: bool  # it combines several microbatches, so it is glue whatever its task label
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PipelinePlan:
-    """The plan of every equation (index-aligned with the program), and the regions."""
+    """The regions and their schedules, and the planned program's equations.
 
-    equations: list[EquationPlan]
+    ``equations`` is the planned program's own table (``TracedProgram.equations``, the same
+    tuple): each record's ``microbatch``, ``unit`` and ``mixed`` are what the plan says of it.
+    """
+
+    equations: tuple[Equation, ...]
     regions: dict[int, Region]
 
     @functools.cached_property
@@ -101,7 +102,7 @@ class PipelinePlan:
         return any(r.schedule is not None for r in self.regions.values())
 
     @property
-    def schedule(self) -> _schedules.Schedule | None:
+    def schedule(self) -> Schedule | None:
         """The schedule of the first scheduled region."""
         return next((r.schedule for r in self.regions.values() if r.schedule), None)
 
@@ -129,35 +130,42 @@ def microbatch_of(stack: str, calls: Mapping[int, Any]) -> Microbatch | None:
 _MIXED = Sentinel("several microbatches")
 
 
-def _drop_mixing(jaxpr: jex.Jaxpr, mbs: list[Microbatch | None]) -> list[bool]:
-    """Clears the microbatch of equations that read values of other microbatches.
+def _with_microbatches(
+    equations: Sequence[Equation], mbs: Sequence[Microbatch | None]
+) -> list[Equation]:
+    """The records with their microbatch (``mbs``: read from each name stack), cleared where
+    an equation reads values of other microbatches.
 
     Such values -- gradient sums, and whatever is computed from them -- are *mixed*; an
     equation of microbatch ``k`` that reads one is mixed too, and becomes glue.
     """
     of_var: dict[Any, Microbatch | None] = {}
-    mixed = [False] * len(mbs)
-    for i, eqn in enumerate(jaxpr.eqns):
+    out = []
+    for equation, mb in zip(equations, mbs, strict=True):
+        eqn = equation.eqn
         ins = {of_var.get(v) for v in eqn.invars if not isinstance(v, jex.Literal)}
         ins.discard(None)
-        out = mbs[i]
-        if mbs[i] is not None and ins - {mbs[i]}:
-            mixed[i], mbs[i], out = True, None, _MIXED
-        elif mbs[i] is None and (len(ins) > 1 or _MIXED in ins):
-            out = _MIXED
+        made, mixed = mb, False
+        if mb is not None and ins - {mb}:
+            mb, made, mixed = None, _MIXED, True
+        elif mb is None and (len(ins) > 1 or _MIXED in ins):
+            made = _MIXED
         for v in eqn.outvars:
-            of_var[v] = out
-    return mixed
+            of_var[v] = made
+        label, unit, place = equation.label, equation.unit, equation.place
+        out.append(Equation(eqn, equation.stack, label, mb, unit, mixed, place))
+    return out
 
 
 def _stage_ranks(
-    traced: _trace.TracedProgram, mbs: list[Microbatch | None], mixed: list[bool]
+    traced: TracedProgram, equations: Sequence[Equation]
 ) -> dict[tuple[int, int], list[int]]:
     """Per microbatch ``(uid, k)``: its stage tasks (uids) in order of first forward use."""
     order: dict[tuple[int, int], list[int]] = {}
     seen_specs: dict[tuple[int, int], list[Any]] = {}
-    for label, mb, mixes in zip(traced.labels, mbs, mixed, strict=True):
-        if label is None or label.phase is not Phase.F or mb is None or mixes:
+    for equation in equations:
+        label, mb = equation.label, equation.microbatch
+        if label is None or label.phase is not Phase.F or mb is None or equation.mixed:
             continue
         resolved = traced.tasks[label.task]
         if resolved.task.loop_dependent_mesh_slice is not None:
@@ -173,7 +181,7 @@ def _stage_ranks(
 
 
 def _group_stages(
-    traced: _trace.TracedProgram, order: dict[tuple[int, int], list[int]]
+    traced: TracedProgram, order: dict[tuple[int, int], list[int]]
 ) -> dict[tuple[int, int], list[list[int]]]:
     """Consecutive tasks on the same submesh form one stage (e.g. a stem and two blocks)."""
     grouped: dict[tuple[int, int], list[list[int]]] = {}
@@ -195,7 +203,7 @@ def stage_name(tasks: Sequence[Any]) -> str:
 
 
 def _regions(
-    traced: _trace.TracedProgram,
+    traced: TracedProgram,
     order: dict[tuple[int, int], list[list[int]]],
     places_of: dict[int, Place],
 ) -> dict[int, Region]:
@@ -225,58 +233,61 @@ def _check_same_stages(region: Region, k: int, tasks: list[Any], places: list[Pl
         )
 
 
-def _units(
-    traced: _trace.TracedProgram,
-    mbs: list[Microbatch | None],
+def _with_units(
+    traced: TracedProgram,
+    equations: Sequence[Equation],
     order: dict[tuple[int, int], list[list[int]]],
-) -> list[Unit | None]:
+) -> list[Equation]:
+    """The records with their pipeline unit (task equations of a microbatch's stages)."""
     stage_of = {
         (mb, t): s for mb, groups in order.items() for s, group in enumerate(groups) for t in group
     }
     spec_stage = {(mb, id(traced.tasks[t].task)): s for (mb, t), s in stage_of.items()}
-    units: list[Unit | None] = []
-    for label, mb in zip(traced.labels, mbs, strict=True):
+    out = []
+    for equation in equations:
+        label, mb = equation.label, equation.microbatch
         if label is None or mb is None:
-            units.append(None)
+            out.append(equation)
             continue
         stage = stage_of.get((mb, label.task))
         if stage is None:
             stage = spec_stage.get((mb, id(traced.tasks[label.task].task)))
-        units.append(None if stage is None else Unit(mb[0], stage, mb[1], label.phase))
-    return units
+        unit = None if stage is None else Unit(mb[0], stage, mb[1], label.phase)
+        out.append(equation._replace(unit=unit))
+    return out
 
 
-def analyze(traced: _trace.TracedProgram) -> PipelinePlan | None:
-    """The microbatch and unit of every equation, or ``None`` without microbatching.
+def analyze(traced: TracedProgram) -> tuple[TracedProgram, PipelinePlan] | None:
+    """The program with every equation's microbatch and unit, and its plan (``None``
+    without microbatching).
 
     Raises:
         InvalidScheduleError: a region's schedule does not fit its stages.
     """
-    if not traced.stacks:
-        return None
-    mbs = _trace.each_distinct(lambda s: microbatch_of(s, traced.microbatch_calls), traced.stacks)
+    mbs = each_distinct(lambda s: microbatch_of(s, traced.microbatch_calls), traced.stacks)
     if not any(mbs):
         return None
-    mixed = _drop_mixing(traced.jaxpr, mbs)
-    order = _group_stages(traced, _stage_ranks(traced, mbs, mixed))
+    equations = _with_microbatches(traced.equations, mbs)
+    order = _group_stages(traced, _stage_ranks(traced, equations))
     places_of = {uid: place_of(resolved.mesh) for uid, resolved in traced.tasks.items()}
-    regions = _regions(traced, order, places_of)
-    for region in regions.values():
-        if region.call.options.schedule is not None:
-            region.schedule = _region_schedule(region)
-    units = _units(traced, mbs, order)
-    equations = [EquationPlan(*facts) for facts in zip(mbs, units, mixed, strict=True)]
-    plan = PipelinePlan(equations=equations, regions=regions)
+    regions = {
+        uid: region
+        if region.call.options.schedule is None
+        else dataclasses.replace(region, schedule=_region_schedule(region))
+        for uid, region in _regions(traced, order, places_of).items()
+    }
+    equations = _with_units(traced, equations, order)
     split = {uid for uid, r in regions.items() if r.schedule and r.schedule.split_backward}
     if split:
-        _split_backward(traced, plan, split)
-    return plan
+        equations = _split_backward(traced, equations, split)
+    planned = dataclasses.replace(traced, equations=tuple(equations))
+    return planned, PipelinePlan(equations=planned.equations, regions=regions)
 
 
 # --- schedules for regions ------------------------------------------------------------------
 
 
-def _region_schedule(region: Region) -> _schedules.Schedule:
+def _region_schedule(region: Region) -> Schedule:
     options = region.call.options
     names = [stage_name(t) for t in region.stage_tasks]
     count = len(names)
@@ -304,7 +315,7 @@ def _region_schedule(region: Region) -> _schedules.Schedule:
     custom = None
     if options.schedule == "custom":
         custom = _custom_ops(options.custom_schedule or (), names)
-    return _schedules.make_schedule(
+    return make_schedule(
         options.schedule or "gpipe",
         count,
         region.call.num_microbatches,
@@ -342,36 +353,34 @@ def _stage_index(name: str, names: list[str]) -> int:
 # --- split backward -------------------------------------------------------------------------
 
 
-def _bwd_owners(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[Any]:
-    owners = []
-    for label, (mb, _, mixed) in zip(traced.labels, plan.equations, strict=True):
-        is_bwd = label is not None and label.phase is Phase.B and not mixed
-        owners.append((label.task, mb) if is_bwd else None)  # type: ignore[union-attr]
-    return owners
+def _backward_owner(equation: Equation) -> Any:
+    """A backward task equation's owner: its task call ``(task, microbatch)``."""
+    label = equation.label
+    is_bwd = label is not None and label.phase is Phase.B and not equation.mixed
+    return (label.task, equation.microbatch) if is_bwd else None  # type: ignore[union-attr]
 
 
-def _split_backward(traced: _trace.TracedProgram, plan: PipelinePlan, regions: set[int]) -> None:
-    """Relabels the weight-gradient part of every backward unit in ``regions`` as ``"W"``."""
+def _split_backward(
+    traced: TracedProgram, equations: list[Equation], regions: set[int]
+) -> list[Equation]:
+    """The records with the weight-gradient part of every backward unit in ``regions``
+    relabelled as ``"W"``."""
+
+    def splits(equation: Equation) -> bool:
+        unit = equation.unit
+        return unit is not None and unit.phase is Phase.B and unit.region in regions
+
     # Per equation: does an output feed (transitively) the backward of another task call?
-    critical = _blocks.reaches_other_owner(traced.jaxpr.eqns, _bwd_owners(traced, plan))
-    seeds = [
-        i
-        for i, (_, u, _) in enumerate(plan.equations)
-        if u is not None and u.phase is Phase.B and u.region in regions and critical[i]
+    critical = reaches_other_owner(equations, _backward_owner)
+    seeds = [i for i, e in enumerate(equations) if splits(e) and critical[i]]
+    needed = with_producers(equations, traced.producer, seeds, lambda e: e.unit)
+    return [
+        e._replace(unit=e.unit._replace(phase=Phase.W)) if splits(e) and i not in needed else e
+        for i, e in enumerate(equations)
     ]
-    units = [facts.unit for facts in plan.equations]
-    needed = _blocks.with_producers(traced.jaxpr.eqns, traced.producer, seeds, units)
-    for i, (_, unit, _) in enumerate(plan.equations):
-        if (
-            unit is not None
-            and unit.phase is Phase.B
-            and unit.region in regions
-            and i not in needed
-        ):
-            plan.equations[i] = plan.equations[i]._replace(unit=unit._replace(phase=Phase.W))
 
 
-def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int]:
+def equation_order(traced: TracedProgram) -> list[int]:
     """A valid equation order that puts each unit's ``W`` equations after its ``B`` ones.
 
     A backward interleaves activation- and weight-gradient equations. Each ``W`` equation
@@ -382,8 +391,8 @@ def equation_order(traced: _trace.TracedProgram, plan: PipelinePlan) -> list[int
     deferred: list[int] = []
     produced: set[Any] = set()
     current: tuple[int, int, int] | None = None
-    for i, eqn in enumerate(traced.jaxpr.eqns):
-        unit = plan.equations[i].unit
+    for i, equation in enumerate(traced.equations):
+        eqn, unit = equation.eqn, equation.unit
         reads = any(not isinstance(v, jex.Literal) and v in produced for v in eqn.invars)
         if unit is not None and unit.phase is Phase.W and current in (None, unit.work):
             current = unit.work

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Mapping
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare._schedules import Schedule, ScheduleOp, _deps, _validated_order
+from multimesh_flax.core.declare import Schedule, ScheduleOp, op_deps, validated_order
 
 _DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "transfer": 0.0}
 
@@ -42,8 +42,7 @@ class SimulationResult:
         With one stage per row this is the number of microbatches in flight.
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import make_schedule
-      >>> from multimesh_flax.core.plan._simulator import simulate
+      >>> from multimesh_flax.core import make_schedule, simulate
       >>> result = simulate(make_schedule("1f1b", num_stages=2, num_microbatches=2))
       >>> result.makespan, result.busy_time, result.peak_in_flight
       (9.0, (6.0, 6.0), (2, 1))
@@ -81,8 +80,7 @@ def simulate(
         cost is negative, not finite, or keyed by an unknown phase.
 
     Example:
-      >>> from multimesh_flax.core.declare._schedules import make_schedule
-      >>> from multimesh_flax.core.plan._simulator import simulate
+      >>> from multimesh_flax.core import make_schedule, simulate
       >>> gpipe = make_schedule("gpipe", num_stages=4, num_microbatches=8)
       >>> result = simulate(gpipe)
       >>> result.makespan, round(result.bubble_fraction, 4)  # (p - 1) / (m + p - 1) = 3/11
@@ -94,7 +92,7 @@ def simulate(
       >>> simulate(gpipe, costs=cost).makespan
       57.0
     """
-    order = _validated_order(schedule)
+    order = validated_order(schedule)
     cost = _cost_fn(costs)
     return _simulate(schedule, order, cost)
 
@@ -139,7 +137,7 @@ def _simulate(
     timeline = []
     for row, op in order:
         start = free[row]
-        for dep in _deps(op, schedule.num_stages):
+        for dep in op_deps(op, schedule.num_stages):
             crossing = schedule.stage_to_row[dep.stage] != row
             start = max(start, end[dep] + (cost(dep.stage, "transfer") if crossing else 0.0))
         duration = _duration(schedule, op, cost)

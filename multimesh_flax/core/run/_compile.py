@@ -18,13 +18,19 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core.fragment import _inputs, _partition
+from multimesh_flax.core.fragment import Fragment, canonical_spec
 from multimesh_flax.core.run import _relocate
-from multimesh_flax.core.trace import _blocks, _structure, _trace
+from multimesh_flax.core.trace import (
+    BoundedCache,
+    concrete_constraint,
+    is_block,
+    make_jaxpr_object,
+    structural_key,
+)
 
 # Compiled fragments by (structural key, donation, output shardings): shared by every
 # program of the process. Bounded: a program keeps the fragments it uses.
-_FRAGMENT_CACHE = _structure.BoundedCache(capacity=2048)
+_FRAGMENT_CACHE = BoundedCache(capacity=2048)
 
 
 def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
@@ -59,9 +65,9 @@ def _abstract_constraint(eqn: Any) -> Any:
     Identical stages on different submeshes then have identical fragment jaxprs, so they share
     one ``FragmentProgram``: traced and lowered once, compiled once, relocated to the others.
     """
-    if _blocks.is_block(eqn):
+    if is_block(eqn):
         return _abstract_block(eqn)
-    sharding = _trace.concrete_constraint(eqn)
+    sharding = concrete_constraint(eqn)
     if sharding is None:
         return eqn
     abstract = NamedSharding(
@@ -70,10 +76,10 @@ def _abstract_constraint(eqn: Any) -> Any:
     return eqn.replace(params={**eqn.params, "sharding": abstract})
 
 
-def fragment_jaxpr(frag: _partition.Fragment) -> jex.Jaxpr:
+def fragment_jaxpr(frag: Fragment) -> jex.Jaxpr:
     """The fragment as a closed-over-nothing jaxpr, sharding constraints on abstract meshes."""
     eqns = [_abstract_constraint(e) for e in frag.eqns]
-    return _trace.make_jaxpr_object(
+    return make_jaxpr_object(
         [], list(frag.invars), list(frag.outvars), eqns, f"fragment {frag.index}"
     )
 
@@ -138,7 +144,7 @@ def _signature(args: Any) -> tuple[Any, Any]:
         if not isinstance(sharding, NamedSharding):
             return tuple((jax.typeof(a), a.sharding) for a in args), None
         mesh = sharding.mesh
-        spec = _inputs.canonical_spec(sharding.spec)  # P("x", None) lays out as P("x")
+        spec = canonical_spec(sharding.spec)  # P("x", None) lays out as P("x")
         key.append((aval, mesh.axis_names, mesh.devices.shape, spec, sharding.memory_kind))
         devices.append(mesh.devices.flat)
     return tuple(key), tuple(tuple(devs) for devs in devices)
@@ -159,7 +165,7 @@ def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
 
 
 def compile_fragment(
-    frag: _partition.Fragment,
+    frag: Fragment,
     mesh: jax.sharding.Mesh,
     donate: tuple[int, ...],
     memo: dict[int, Any] | None = None,
@@ -170,7 +176,7 @@ def compile_fragment(
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
         out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
-    key = (_structure.structural_key(jaxpr, memo), donate, out_shardings)
+    key = (structural_key(jaxpr, memo), donate, out_shardings)
     return _FRAGMENT_CACHE.get_or_make(
         key,
         lambda _: FragmentProgram(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src import api_util, source_info_util
 
-from multimesh_flax.core.fragment import _partition
+from multimesh_flax.core.fragment import Fragment
 
 # What a compiled call raises when its outputs hold a NaN (inf) under jax_debug_nans (_infs);
 # JAX has no public name for it.
@@ -56,7 +56,7 @@ class _Origin(NamedTuple):
 
 
 def floating_point_error(
-    where: str, frag: _partition.Fragment, values: Sequence[Any], kind: str
+    where: str, frag: Fragment, values: Sequence[Any], kind: str
 ) -> FloatingPointError:
     """The error for a fragment whose outputs held a ``kind`` (``"nan"`` or ``"inf"``) value.
 
@@ -105,7 +105,7 @@ def _blame(origin: _Origin | None, kind: str) -> str:
     )
 
 
-def _first_origin(frag: _partition.Fragment, values: Sequence[Any], kind: str) -> _Origin | None:
+def _first_origin(frag: Fragment, values: Sequence[Any], kind: str) -> _Origin | None:
     """The origin of the fragment's first invalid output, re-run eagerly (``None``: none)."""
     origins = [_Origin(position=i) if _invalid(x, kind) else None for i, x in enumerate(values)]
     with jax.debug_nans(False), jax.debug_infs(False):  # the re-run checks values itself

@@ -26,15 +26,16 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core.declare import _thread
-from multimesh_flax.core.declare._schedules import Phase
-from multimesh_flax.core.fragment import _partition
-from multimesh_flax.core.fragment._inputs import (
-    _first_constraint,
+from multimesh_flax.core.declare import STATE, Phase
+from multimesh_flax.core.fragment import (
+    Fragment,
+    Partition,
     canonical_sharding,
+    first_constraint,
     input_sharding,
+    nbytes,
 )
-from multimesh_flax.core.plan import _pipeline
+from multimesh_flax.core.plan import SPLIT_NAMES
 from multimesh_flax.core.run import _debug_nans
 from multimesh_flax.core.run._compile import compile_fragment
 from multimesh_flax.core.run._ops import DispatchState, Op, OpKind, OpUnit, PutOp, RunOp
@@ -102,13 +103,13 @@ def record_timeline() -> Iterator[Timeline]:
         >>> [e.kind for e in timeline.events]
         ['run', 'transfer', 'run']
     """
-    previous = _thread.STATE.timeline
+    previous = STATE.timeline
     timeline = Timeline()
-    _thread.STATE.timeline = timeline
+    STATE.timeline = timeline
     try:
         yield timeline
     finally:
-        _thread.STATE.timeline = previous
+        STATE.timeline = previous
 
 
 def _event(op: Op, index: int, call: int, start: float) -> TimelineEvent:
@@ -138,7 +139,7 @@ def _event(op: Op, index: int, call: int, start: float) -> TimelineEvent:
 # --- the executable -------------------------------------------------------------------------
 
 
-def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragment | None:
+def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
     """``frag`` no longer returning the ``dropped`` values, and without the equations and
     inputs only they needed (``None`` if nothing is left to compute)."""
     if not dropped.intersection(frag.outvars):
@@ -156,6 +157,19 @@ def _without(frag: _partition.Fragment, dropped: set[Any]) -> _partition.Fragmen
     return dataclasses.replace(frag, eqns=kept[::-1], invars=invars, outvars=outvars)
 
 
+def compile_program(part: Partition, donate: Sequence[int] = ()) -> MpmdExecutable:
+    """The *compile* pass: one cached program per distinct fragment of ``part``
+    (``_compile.compile_fragment``: a ``jax.jit``, shared by identical fragments) and the op
+    list over them, ready to dispatch.
+
+    XLA compiles each program at its first dispatch (``_ops``), when the shardings of its
+    arguments are known, or relocates an executable compiled for an equally shaped submesh;
+    ``describe()`` and ``compile_count()`` report the programs and executables.
+    ``donate``: positions of the program inputs whose buffers it may consume.
+    """
+    return MpmdExecutable(part, donate)
+
+
 class MpmdExecutable:
     """A placed, fragmented program, ready to dispatch.
 
@@ -164,7 +178,7 @@ class MpmdExecutable:
     ``OpProgram`` a dispatcher reads (this class's ``__call__``, or ``ProcessDispatch``).
     """
 
-    def __init__(self, part: _partition.Partition, donate: Sequence[int] = ()) -> None:
+    def __init__(self, part: Partition, donate: Sequence[int] = ()) -> None:
         self.partition = part
         self._slots: dict[tuple[Any, Any], int] = {}
         self._consts: dict[int, Any] = {}
@@ -223,12 +237,12 @@ class MpmdExecutable:
     def _input_sharding(self, var: Any) -> Any:
         return input_sharding(self.partition, var)
 
-    def _fragment_mesh(self, frag: _partition.Fragment) -> Any:
+    def _fragment_mesh(self, frag: Fragment) -> Any:
         if frag.label is not None:
             return self.partition.traced.tasks[frag.label.task].mesh
         return self.partition.place_meshes[frag.place]
 
-    def _fragment_name(self, frag: _partition.Fragment) -> str:
+    def _fragment_name(self, frag: Fragment) -> str:
         if frag.parts:  # fused: ``stage.fwd[0]#9+head.bwd[0]#10``
             return "+".join(self._fragment_name(part) for part in frag.parts)
         mb = "" if frag.microbatch is None else f"[{frag.microbatch}]"
@@ -238,7 +252,7 @@ class MpmdExecutable:
         phase = _PHASE_NAMES[frag.label.phase]
         unit = frag.unit
         if unit is not None and unit.phase is not Phase.F and self._split(unit.region):
-            names = resolved.task.split_backprop or _pipeline.SPLIT_NAMES
+            names = resolved.task.split_backprop or SPLIT_NAMES
             phase = names[unit.phase is Phase.W]
         return f"{resolved.name}.{phase}{mb}#{frag.index}"
 
@@ -271,7 +285,7 @@ class MpmdExecutable:
         for frag in self.fragments:
             for v in frag.invars:
                 if part.home[v] != frag.place:
-                    hint = _first_constraint(frag.eqns, v) or self._fragment_mesh(frag)
+                    hint = first_constraint(frag.eqns, v) or self._fragment_mesh(frag)
                     source = self._alias.get(v, v)
                     group = transfers.setdefault(producer.get(source, -1), {})
                     entries = group.setdefault(frag.place, [])
@@ -398,7 +412,7 @@ class MpmdExecutable:
         if self.processes is not None:
             return self.processes(args)
         env = self.make_env(args)
-        timeline = _thread.STATE.timeline
+        timeline = STATE.timeline
         call = 0
         if timeline is not None:
             call, timeline.calls = timeline.calls, timeline.calls + 1
@@ -436,7 +450,7 @@ class MpmdExecutable:
         where = f"fragment `{op.name}` ({self._fragment_tasks(frag)}) on devices {list(op.place)}"
         return _debug_nans.floating_point_error(where, frag, values, getattr(error, "ty", "nan"))
 
-    def _fragment_tasks(self, frag: _partition.Fragment) -> str:
+    def _fragment_tasks(self, frag: Fragment) -> str:
         """``task `head`, backward`` for each part of a fragment (``glue``: none)."""
         words = []
         for part in frag.parts or (frag,):
@@ -470,15 +484,12 @@ class MpmdExecutable:
     def transfer_bytes(self) -> int:
         """Bytes moved between submeshes per call."""
         var_of = {slot: var for (var, _), slot in self._slots.items()}
-        return sum(
-            _partition.nbytes(var_of[s])
-            for op in self.ops
-            if op.kind is OpKind.PUT
-            for s in op.outs
-        )
+        return sum(nbytes(var_of[s]) for op in self.ops if op.kind is OpKind.PUT for s in op.outs)
 
     def describe(self) -> str:
-        """A readable dump: fragments (submesh, equations), transfers (bytes), compiles."""
+        """A readable dump: fragments (submesh, equations) and transfers (bytes) in dispatch
+        order, the compile step (distinct programs, compiled at their first dispatch) and
+        the executables compiled so far."""
         var_of = {slot: var for (var, _), slot in self._slots.items()}
         frag_of = {self._fragment_name(f): f for f in self.fragments}
         lines = []
@@ -490,11 +501,15 @@ class MpmdExecutable:
                     f"{len(op.ins)} in, {len(op.outs)} out"
                 )
             else:
-                size = sum(_partition.nbytes(var_of[s]) for s in op.outs)
+                size = sum(nbytes(var_of[s]) for s in op.outs)
                 lines.append(
                     f"put  {len(op.outs)} value(s) to devices {list(op.place)}: {size} bytes"
                 )
         runs = sum(op.kind is OpKind.RUN for op in self.ops)
+        lines.append(
+            f"compile: {len(self._programs())} programs for {runs} fragments (one jax.jit per "
+            "distinct fragment), each compiled by XLA at its first dispatch"
+        )
         lines.append(
             f"{runs} fragments, {len(self.ops) - runs} transfers "
             f"({self.transfer_bytes()} bytes), {self.compile_count()} compiled executables "

@@ -13,8 +13,9 @@ transfer's target shardings, the last input sharding that fitted) goes into the
 executable's ``DispatchState``, never into the ops. ``OpProgram`` is everything a dispatcher
 reads from an executable.
 
-This module imports nothing from ``multimesh_flax`` but a named marker (``declare._sentinel``),
-so both the core's runtime and ``multimesh_flax.distributed`` import it without a cycle.
+This module imports nothing from ``multimesh_flax`` but a named marker (``Sentinel``, from the
+``declare`` stage), so both the core's runtime and ``multimesh_flax.distributed`` import it
+without a cycle.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core.declare._sentinel import Sentinel
+from multimesh_flax.core.declare import Sentinel
 
 
 class OpKind(enum.IntEnum):

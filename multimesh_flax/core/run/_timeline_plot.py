@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare._schedules import Schedule
-from multimesh_flax.core.plan._simulator import simulate
+from multimesh_flax.core.declare import Schedule
+from multimesh_flax.core.plan import simulate
 from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", None: "#9a9a9a"}
@@ -54,7 +54,7 @@ def replay_timeline(timeline: Timeline, call: int = -1) -> list[TimelineEvent]:
 
     Example:
         >>> import multimesh_flax as mm
-        >>> from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
+        >>> from multimesh_flax.core import Timeline, TimelineEvent
         >>> ev = lambda i, place, dur, deps=(): TimelineEvent(
         ...     place, "run", f"op{i}", 0.0, dur, index=i, deps=deps)
         >>> recorded = Timeline([ev(0, (0,), 1.0), ev(1, (1,), 2.0), ev(2, (1,), 1.0, (0,))])
@@ -103,7 +103,7 @@ def recorded_bubble(timeline: Timeline, call: int = -1) -> float:
             tasks).
 
     Example:
-        >>> from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
+        >>> from multimesh_flax.core import Timeline, TimelineEvent
         >>> ev = lambda i, place, stage, deps=(): TimelineEvent(
         ...     place, "run", f"op{i}", 0.0, 1.0, stage=stage, index=i, deps=deps)
         >>> chain = Timeline([ev(0, (0,), 0), ev(1, (1,), 1, (0,))])
@@ -134,7 +134,7 @@ def measured_costs(timeline: Timeline, call: int = -1) -> dict[str, float]:
     glue fused in).
 
     Example:
-        >>> from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
+        >>> from multimesh_flax.core import Timeline, TimelineEvent
         >>> ev = lambda phase, dur: TimelineEvent((0,), "run", "x", 0.0, dur, phase=phase)
         >>> measured_costs(Timeline([ev("F", 1.0), ev("F", 3.0), ev("B", 4.0)]))
         {'F': 2.0, 'B': 4.0, 'W': 0.0, 'transfer': 0.0}
@@ -237,8 +237,8 @@ def plot_timeline(
         The ``matplotlib.figure.Figure``.
 
     Example:
-        >>> from multimesh_flax.core.run._dispatch import Timeline, TimelineEvent
-        >>> from multimesh_flax.core.declare._schedules import make_schedule
+        >>> from multimesh_flax.core import Timeline, TimelineEvent
+        >>> from multimesh_flax.core import make_schedule
         >>> ev = lambda i, place, stage, phase, deps=(): TimelineEvent(
         ...     place, "run", "x", 0.0, 1e-3, stage=stage, microbatch=0, phase=phase,
         ...     index=i, deps=deps)

@@ -7,14 +7,15 @@ transformer) ``m`` times, and every later pass would walk all of them. Instead:
 1. The inliner leaves a *placeholder* per call made inside a microbatch scope (a
    :data:`replay_p` equation holding the call's :class:`Body`).
 2. The calls of one body under name stacks that differ only in the microbatch index form a
-   *class*. Each class's body equations are labelled once, as if inlined at its first call
-   (the labels depend on the name stack, and the microbatch index changes no label).
+   *class* (:func:`gather`). Colouring labels each class's body equations once, as if
+   inlined at its first call (the labels depend on the name stack, and the microbatch index
+   changes no label).
 3. A class's body is cut into maximal runs of one task label. Each run of two or more
    equations becomes a *block*: one ``closed_call`` equation whose body (the run) every call
    of the class shares. Glue equations (no task) stay single equations, so glue is still
    placed one equation at a time.
 4. Each placeholder becomes its class's blocks and glue over its own variables, under its
-   own name stack (so every equation still shows its microbatch).
+   own name stack (so every equation still shows its microbatch): :func:`expand`.
 
 A call then costs a few dozen equations, and identical blocks keep one body object, so later
 passes and the executable cache see them as the same program. Classes in a region whose
@@ -28,14 +29,16 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
-from multimesh_flax.core.declare._schedules import Phase
+from multimesh_flax.core.declare import Phase
 from multimesh_flax.core.trace import _session
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
+from multimesh_flax.core.trace._program import Equation
 
 # Stands for one call of a body traced once, until ``expand`` replaces it.
 replay_p = jex.Primitive("mm_replay")
@@ -50,9 +53,9 @@ _SPLITTING_SCHEDULES = ("zero-bubble-h2", "custom")
 class Body:
     """A placeholder's parameter: the call's body, inlined once over placeholder variables.
 
-    ``template`` has ``invars``, ``consts`` ((variable, value) pairs), ``eqns``, ``suffixes``
-    (each equation's name stack below the call's) and ``outvars``. Not a jaxpr, so passes
-    that look for loop and branch bodies in parameters do not see it.
+    ``template`` has ``invars``, ``consts`` ((variable, value) pairs), ``equations`` (each
+    an ``Equation`` whose ``stack`` is its name stack below the call's) and ``outvars``. Not
+    a jaxpr, so passes that look for loop and branch bodies in parameters do not see it.
     """
 
     template: Any
@@ -82,28 +85,35 @@ def placeholder(template: Any, call: Any, invars: list[Any]) -> Any:
     )
 
 
-@dataclasses.dataclass
-class Expanded:
-    """The program's equations with every placeholder replaced, index-aligned lists."""
+class _Class(NamedTuple):
+    """The calls of one body whose name stacks differ only in the microbatch index."""
 
-    eqns: list[Any]
-    stacks: list[str]
-    labels: list[Any]
-    renamed: dict[Any, Any]  # placeholder outputs that are another variable or a literal
-    origins: list[int] = dataclasses.field(default_factory=list)  # index of the source eqn
-
-
-# (equations, stacks) -> (labels, equations with their constraints concretised)
-LabelFn = Callable[[list[Any], list[str]], tuple[list[Any], list[Any]]]
-
-
-@dataclasses.dataclass
-class _Class:
     template: Any
     stack: str  # the name stack of the class's first call
-    items: list[Any] = dataclasses.field(default_factory=list)  # eqns over template vars
-    labels: list[Any] = dataclasses.field(default_factory=list)
-    suffixes: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calls:
+    """A program's microbatch calls grouped into classes, and the equations colouring labels:
+    the program's own (every equation but the placeholders), then each class's body once,
+    under its first call's name stack."""
+
+    classes: dict[tuple[int, str], _Class]
+    to_colour: tuple[Equation, ...]
+    own: int  # how many of ``to_colour`` are the program's own equations (they come first)
+
+
+@dataclasses.dataclass(frozen=True)
+class Expanded:
+    """The program's equations with every placeholder replaced.
+
+    ``copies`` holds, per equation of the program given to :func:`expand`, what replaces it:
+    the equation itself, labelled, or a placeholder's blocks and glue.
+    """
+
+    copies: list[tuple[Equation, ...]]
+    renamed: dict[Any, Any]  # placeholder outputs that are another variable or a literal
+    consts: dict[Any, Any]  # the program variable of each body constant -> its value
 
 
 def _class_key(eqn: Any, stack: str) -> tuple[int, str]:
@@ -116,46 +126,50 @@ def _join(prefix: str, suffix: str) -> str:
     return f"{prefix}/{suffix}" if suffix else prefix
 
 
+def gather(equations: Sequence[Equation]) -> Calls:
+    """The classes of ``equations``' placeholders, and the equations to colour (see
+    :class:`Calls`)."""
+    classes: dict[tuple[int, str], _Class] = {}
+    own = []
+    for equation in equations:
+        eqn = equation.eqn
+        if eqn.primitive is not replay_p:
+            own.append(equation)
+            continue
+        key = _class_key(eqn, equation.stack)
+        if key not in classes:
+            classes[key] = _Class(eqn.params["body"].template, equation.stack)
+    bodies = [
+        Equation(item.eqn, _join(cls.stack, item.stack))
+        for cls in classes.values()
+        for item in cls.template.equations
+    ]
+    return Calls(classes, (*own, *bodies), len(own))
+
+
 def expand(
-    eqns: Sequence[Any],
-    stacks: Sequence[str],
-    label: LabelFn,
-    const: Callable[[Any], Any],
+    equations: Sequence[Equation],
+    calls: Calls,
+    coloured: Sequence[Equation],
     session: _session.TraceSession,
 ) -> Expanded:
-    """Labels the program and replaces each placeholder by its class's blocks and glue.
+    """Replaces each placeholder of ``equations`` by its class's blocks and glue.
 
-    ``label`` labels a list of equations (and concretises their constraints) in one go; it
-    sees the program's own equations and each class's body once. ``const`` makes the
-    program variable of a body constant (once per body, shared by all its calls).
+    ``coloured`` is ``calls.to_colour`` labelled (with constraints concretised): the
+    program's own equations, then each class's body. Each body constant becomes one program
+    variable, shared by all calls of its body.
     """
-    classes: dict[tuple[int, str], _Class] = {}
-    for eqn, stack in zip(eqns, stacks, strict=True):
-        if eqn.primitive is replay_p:
-            key = _class_key(eqn, stack)
-            if key not in classes:
-                classes[key] = _Class(eqn.params["body"].template, stack)
-    own = [i for i, e in enumerate(eqns) if e.primitive is not replay_p]
-    all_eqns = [eqns[i] for i in own]
-    all_stacks = [stacks[i] for i in own]
-    for cls in classes.values():
-        all_eqns.extend(cls.template.eqns)
-        all_stacks.extend(_join(cls.stack, s) for s in cls.template.suffixes)
-    labels, labelled = label(all_eqns, all_stacks)
-    at = len(own)
-    for cls in classes.values():
-        n = len(cls.template.eqns)
-        body = _Labelled(labelled[at : at + n], labels[at : at + n], cls.template.suffixes)
-        _segment(cls, body, _splits_backward(cls.stack, session))
+    items: dict[tuple[int, str], tuple[Equation, ...]] = {}
+    at = calls.own
+    for key, cls in calls.classes.items():
+        n = len(cls.template.equations)
+        body = [
+            labelled._replace(stack=item.stack)
+            for labelled, item in zip(coloured[at : at + n], cls.template.equations, strict=True)
+        ]
+        items[key] = _segment(cls.template, body, _splits_backward(cls.stack, session))
         at += n
-    return _emit(eqns, stacks, own, labelled, labels, classes, const)
-
-
-@dataclasses.dataclass
-class _Labelled:
-    eqns: list[Any]
-    labels: list[Any]
-    suffixes: list[str]
+    return _emit(equations, iter(coloured[: calls.own]), calls.classes, items)
 
 
 def _splits_backward(stack: str, session: _session.TraceSession) -> bool:
@@ -173,57 +187,70 @@ def _cap(items: set[Any]) -> set[Any]:
     return items if len(items) <= 2 else set(list(items)[:2])
 
 
-def reaches_other_owner(eqns: Sequence[Any], owners: Sequence[Any]) -> list[bool]:
+def reaches_other_owner(
+    equations: Sequence[Equation], owner: Callable[[Equation], Any]
+) -> list[bool]:
     """Per equation: does an output feed (transitively) an equation of another owner?
 
-    ``owners`` gives each equation's owner, ``None`` for equations that own nothing (their
-    readers' owners still count through them).
+    ``owner(equation)`` is the equation's owner, ``None`` for equations that own nothing
+    (their readers' owners still count through them).
     """
+    owners = [owner(e) for e in equations]
     reach: dict[Any, set[Any]] = {}
     critical = [False] * len(owners)
     for i in reversed(range(len(owners))):
+        eqn = equations[i].eqn
         out: set[Any] = set()
-        for v in eqns[i].outvars:
+        for v in eqn.outvars:
             out |= reach.get(v, set())
         critical[i] = bool(out - {owners[i]})
         mine = _cap(out | ({owners[i]} if owners[i] is not None else set()))
-        for v in eqns[i].invars:
+        for v in eqn.invars:
             if not isinstance(v, jex.Literal):
                 reach[v] = _cap(reach.get(v, set()) | mine)
     return critical
 
 
-def _activation_gradient(body: _Labelled) -> set[int]:
+def _backward_task(equation: Equation) -> int | None:
+    label = equation.label
+    return label.task if label is not None and label.phase is Phase.B else None
+
+
+def _activation_gradient(body: Sequence[Equation]) -> set[int]:
     """The backward equations of a body that ``plan/_pipeline`` keeps in ``B`` when it splits
     the backward: those feeding another task's backward, and their producers in their own
     run of the label. The other backward equations become ``W``; blocks must not mix them."""
-    owners = [lab.task if lab is not None and lab.phase is Phase.B else None for lab in body.labels]
-    critical = reaches_other_owner(body.eqns, owners)
-    producer = {v: i for i, eqn in enumerate(body.eqns) for v in eqn.outvars}
-    seeds = [i for i, owner in enumerate(owners) if owner is not None and critical[i]]
-    return with_producers(body.eqns, producer, seeds, body.labels)
+    critical = reaches_other_owner(body, _backward_task)
+    producer = {v: i for i, e in enumerate(body) for v in e.eqn.outvars}
+    seeds = [i for i, e in enumerate(body) if critical[i] and _backward_task(e) is not None]
+    return with_producers(body, producer, seeds, lambda e: e.label)
 
 
 def with_producers(
-    eqns: Sequence[Any], producer: dict[Any, int], seeds: Sequence[int], groups: Sequence[Any]
+    equations: Sequence[Equation],
+    producer: dict[Any, int],
+    seeds: Sequence[int],
+    group: Callable[[Equation], Any],
 ) -> set[int]:
     """``seeds`` and, transitively, the producers of their inputs in their own group
-    (``groups[i]``: equation ``i``'s label or pipeline unit)."""
+    (``group(equation)``: its label or pipeline unit)."""
     stack, found = list(seeds), set()
     while stack:
         i = stack.pop()
         if i in found:
             continue
         found.add(i)
-        for v in eqns[i].invars:
+        mine = group(equations[i])
+        for v in equations[i].eqn.invars:
             j = None if isinstance(v, jex.Literal) else producer.get(v)
-            if j is not None and groups[j] == groups[i]:
+            if j is not None and group(equations[j]) == mine:
                 stack.append(j)
     return found
 
 
-def _segment(cls: _Class, body: _Labelled, split: bool) -> None:
-    """Fills ``cls.items``: the body's runs of one task label as blocks, glue as is.
+def _segment(template: Any, body: Sequence[Equation], split: bool) -> tuple[Equation, ...]:
+    """A class's items: the body's runs of one task label as blocks, glue as is (``body``:
+    its equations labelled, each ``stack`` below the call's own; so are the items').
 
     Sums that only feed the body's outputs, directly or through such sums, stay single
     equations too: they may add a parameter's gradient shares from two tasks, which
@@ -231,24 +258,26 @@ def _segment(cls: _Class, body: _Labelled, split: bool) -> None:
     before they move). With ``split`` (a schedule splitting the backward), a backward run
     is also cut where it passes between activation and weight gradient.
     """
-    last_use = _last_uses(body.eqns, cls.template.outvars)
-    single = _output_sums(body.eqns, cls.template.outvars)
+    eqns = [e.eqn for e in body]
+    last_use = _last_uses(eqns, template.outvars)
+    single = _output_sums(eqns, template.outvars)
     activation = _activation_gradient(body) if split else set()
 
     def key(i: int) -> tuple[Any, bool]:
-        return body.labels[i], i in activation
+        return body[i].label, i in activation
 
+    items = []
     start = 0
-    while start < len(body.eqns):
+    while start < len(body):
         end = start + 1
-        if body.labels[start] is not None and start not in single:
-            while end < len(body.eqns) and key(end) == key(start) and end not in single:
+        if body[start].label is not None and start not in single:
+            while end < len(body) and key(end) == key(start) and end not in single:
                 end += 1
-        run = body.eqns[start:end]
-        cls.items.append(run[0] if len(run) == 1 else _block(run, end, last_use))
-        cls.labels.append(body.labels[start])
-        cls.suffixes.append(body.suffixes[start])
+        run = eqns[start:end]
+        item = run[0] if len(run) == 1 else _block(run, end, last_use)
+        items.append(body[start]._replace(eqn=item))
         start = end
+    return tuple(items)
 
 
 def _output_sums(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[int]:
@@ -315,38 +344,44 @@ def _block(run: Sequence[Any], end: int, last_use: dict[Any, int]) -> Any:
 
 
 def _emit(
-    eqns: Sequence[Any],
-    stacks: Sequence[str],
-    own: list[int],
-    labelled: list[Any],
-    labels: list[Any],
+    equations: Sequence[Equation],
+    own: Any,
     classes: dict[tuple[int, str], _Class],
-    const: Callable[[Any], Any],
+    items: dict[tuple[int, str], tuple[Equation, ...]],
 ) -> Expanded:
-    out = Expanded([], [], [], {})
-    own_at = {i: n for n, i in enumerate(own)}
-    consts: dict[int, list[tuple[Any, Any]]] = {}
-    for i, (eqn, stack) in enumerate(zip(eqns, stacks, strict=True)):
+    """Each equation's replacement: the next of ``own`` (coloured) for an equation of the
+    program's own, its class's items over its own variables for a placeholder."""
+    out = Expanded([], {}, {})
+    consts: dict[int, list[tuple[Any, Any]]] = {}  # per body: (body variable, program variable)
+    for equation in equations:
+        eqn, stack = equation.eqn, equation.stack
         if eqn.primitive is not replay_p:
-            out.eqns.append(labelled[own_at[i]])
-            out.stacks.append(stack)
-            out.labels.append(labels[own_at[i]])
-            out.origins.append(i)
+            out.copies.append((next(own),))
             continue
-        cls = classes[_class_key(eqn, stack)]
-        template = cls.template
+        key = _class_key(eqn, stack)
+        template = classes[key].template
         if id(template) not in consts:
-            consts[id(template)] = [(v, const(value)) for v, value in template.consts]
-        _instantiate(cls, eqn, stack, consts[id(template)], out)
-        out.origins.extend([i] * (len(out.eqns) - len(out.origins)))
+            consts[id(template)] = [(v, _const(value, out.consts)) for v, value in template.consts]
+        out.copies.append(_instantiate(template, items[key], eqn, stack, consts[id(template)], out))
     return out
 
 
+def _const(value: Any, consts: dict[Any, Any]) -> Any:
+    """A new program variable for a body constant, recorded in ``consts``."""
+    var = jex.Var(jax.typeof(value))
+    consts[var] = value
+    return var
+
+
 def _instantiate(
-    cls: _Class, call: Any, stack: str, consts: list[tuple[Any, Any]], out: Expanded
-) -> None:
-    """Appends one call's copy of its class's items to ``out``."""
-    template = cls.template
+    template: Any,
+    items: tuple[Equation, ...],
+    call: Any,
+    stack: str,
+    consts: list[tuple[Any, Any]],
+    out: Expanded,
+) -> tuple[Equation, ...]:
+    """One call's copy of its class's items (``out.renamed``: what the call's outputs are)."""
     args = [out.renamed.get(v, v) if isinstance(v, jex.Var) else v for v in call.invars]
     env: dict[Any, Any] = dict(zip(template.invars, args, strict=True))
     env.update(consts)
@@ -355,27 +390,30 @@ def _instantiate(
     for tv, pv in zip(template.outvars, call.outvars, strict=True):
         if not isinstance(tv, jex.Literal) and tv not in env and tv not in preset:
             preset[tv] = pv
-    for item, task, suffix in zip(cls.items, cls.labels, cls.suffixes, strict=True):
-        invars = [v if isinstance(v, jex.Literal) else env[v] for v in item.invars]
-        outvars = [preset.get(v) or jex.Var(v.aval) for v in item.outvars]
-        env.update(zip(item.outvars, outvars, strict=True))
-        out.eqns.append(item.replace(invars=invars, outvars=outvars))
-        out.stacks.append(_join(stack, suffix))
-        out.labels.append(task)
+    copies = []
+    for item in items:
+        eqn = item.eqn
+        invars = [v if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
+        outvars = [preset.get(v) or jex.Var(v.aval) for v in eqn.outvars]
+        env.update(zip(eqn.outvars, outvars, strict=True))
+        copy = eqn.replace(invars=invars, outvars=outvars)
+        copies.append(Equation(copy, _join(stack, item.stack), item.label))
     for tv, pv in zip(template.outvars, call.outvars, strict=True):
         value = tv if isinstance(tv, jex.Literal) else env[tv]
         if value is not pv:
             out.renamed[pv] = value
+    return tuple(copies)
 
 
-def rename(eqns: list[Any], renamed: dict[Any, Any]) -> list[Any]:
-    """``eqns`` reading ``renamed[v]`` wherever they read a renamed ``v``."""
+def rename(equations: list[Equation], renamed: dict[Any, Any]) -> list[Equation]:
+    """``equations`` reading ``renamed[v]`` wherever they read a renamed ``v``."""
     if not renamed:
-        return eqns
+        return equations
     out = []
-    for eqn in eqns:
+    for equation in equations:
+        eqn = equation.eqn
         if any(not isinstance(v, jex.Literal) and v in renamed for v in eqn.invars):
             invars = [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars]
-            eqn = eqn.replace(invars=invars)
-        out.append(eqn)
+            equation = equation._replace(eqn=eqn.replace(invars=invars))
+        out.append(equation)
     return out

@@ -12,7 +12,7 @@ trace a program, so that a registered task behaves like an explicit ``task``:
   ``LogicallyPartitioned`` parameters.
 * **Named scopes.** JAX offers no hook when a ``jax.named_scope`` opens, so scopes are matched
   from name stacks: at trace time by :func:`current_task` (which ``with_sharding_constraint``
-  uses), after tracing by :func:`label_equations`, which colours every equation by the
+  uses), after tracing by :func:`colour_equations`, which colours every equation by the
   innermost explicit marker or matching scope component of its name stack. Under
   ``transpose(`` the component belongs to the backward pass, which runs as
   ``callback(name, True)``'s task.
@@ -37,16 +37,25 @@ from jax.sharding import AbstractMesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
-    _config,
-    _devices,
-    _recompute,
-    _registry,
-    _task,
-    _thread,
-    _warnings,
+    STATE,
+    Match,
+    Phase,
+    Registration,
+    Task,
+    active_contexts,
+    call_recomputed,
+    closest_names,
+    effective,
+    find_match,
+    get_flag,
+    has_registrations,
+    inactive_contexts,
+    linen_transform,
+    use_device_list,
+    warn_placement,
 )
-from multimesh_flax.core.declare._schedules import Phase
 from multimesh_flax.core.trace import _session
+from multimesh_flax.core.trace._program import Equation, each_distinct
 
 _TRANSFORM = re.compile(r"^\w+\((.*)\)$")
 _EMPTY_MESH = AbstractMesh((), ())
@@ -74,7 +83,7 @@ def _components(stack: str) -> list[tuple[str, int]]:
     return found
 
 
-def _same_task(a: _task.Task, b: _task.Task) -> bool:
+def _same_task(a: Task, b: Task) -> bool:
     if a is b:
         return True
     return all(getattr(a, f.name) == getattr(b, f.name) for f in dataclasses.fields(a))
@@ -94,13 +103,13 @@ class _SessionState:
         self.labels = learnt.labels
         self.modules = learnt.modules
 
-    def match(self, *names: str) -> _registry.Match | None:
+    def match(self, *names: str) -> Match | None:
         """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
         if names not in self.matches:
-            self.matches[names] = _registry.find_match(*names)
+            self.matches[names] = find_match(*names)
         return self.matches[names]
 
-    def resolve(self, match: _registry.Match, backprop: bool) -> _session.ResolvedTask:
+    def resolve(self, match: Match, backprop: bool) -> _session.ResolvedTask:
         """The task of ``match`` for the forward or backward pass (resolved once)."""
         key = (match.registration, match.name, backprop)
         if key not in self.resolved:
@@ -140,16 +149,18 @@ class _SessionState:
         return None
 
 
-def _state(session: _session.TraceSession) -> _SessionState:
+def registry_state(session: _session.TraceSession) -> _SessionState:
+    """Matching and resolving registered tasks in ``session`` (``match``, ``resolve``, and the
+    module uids it entered, ``modules``); what it learns is kept on the session."""
     return _SessionState(session)
 
 
-def task_for(match: _registry.Match, backprop: bool) -> _task.Task:
+def task_for(match: Match, backprop: bool) -> Task:
     registration = match.registration
     if registration.task is not None:
         return registration.task
     spec = registration.callback(match.name, backprop)  # type: ignore[misc]
-    if not isinstance(spec, _task.Task):
+    if not isinstance(spec, Task):
         raise errors.TaskCallbackError(
             f"The callback of matcher {registration.pattern.pattern!r} returned "
             f"{type(spec).__name__}: {spec!r} for matched name {match.name!r} "
@@ -159,7 +170,7 @@ def task_for(match: _registry.Match, backprop: bool) -> _task.Task:
     return spec
 
 
-def _resolve(spec: _task.Task, match: _registry.Match) -> _session.ResolvedTask:
+def _resolve(spec: Task, match: Match) -> _session.ResolvedTask:
     try:
         return _session.resolve_task(spec, match.name)
     except errors.MultiMeshError as e:
@@ -175,7 +186,7 @@ def default_task() -> _session.ResolvedTask | None:
     It decides where glue goes that has no placed input and no placed consumer (and unused
     program inputs); without it that is the first task's submesh.
     """
-    match = _registry.find_match("default")
+    match = find_match("default")
     if match is None:
         return None
     return _resolve(task_for(match, False), match)
@@ -193,9 +204,9 @@ def current_task() -> _session.ResolvedTask | None:
     """
     explicit = _session.current_task()
     session = _session.current_session()
-    if session is None or not _registry.has_registrations():
+    if session is None or not has_registrations():
         return explicit
-    label = _state(session).stack_label(_current_name_stack())
+    label = registry_state(session).stack_label(_current_name_stack())
     return explicit if label is None else session.tasks[label.task]
 
 
@@ -209,7 +220,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     Constraints made this way name the abstract mesh; :func:`concretise_constraints` puts
     them back on the task's devices after tracing.
     """
-    _thread.STATE.flax_rules.append(resolved.uid)
+    STATE.flax_rules.append(resolved.uid)
     try:
         with (
             nn.logical_axis_rules(resolved.rules),
@@ -218,7 +229,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
         ):
             yield
     finally:
-        _thread.STATE.flax_rules.pop()
+        STATE.flax_rules.pop()
 
 
 def module_names(module: nn.Module) -> tuple[str, ...]:
@@ -229,9 +240,9 @@ def module_names(module: nn.Module) -> tuple[str, ...]:
 
 def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
     session = _session.current_session()
-    if session is None or _config.get_flag("ignore_transforms"):
+    if session is None or get_flag("ignore_transforms"):
         return next_fun(*args, **kwargs)
-    state = _state(session)
+    state = registry_state(session)
     match = state.match(*module_names(context.module))
     if match is not None:
         resolved = state.resolve(match, False)
@@ -241,7 +252,7 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
                 return _call_registered(next_fun, args, kwargs, context, resolved)
     else:
         resolved = current_task()  # a matched named scope around this module
-        active = _thread.STATE.flax_rules[-1] if _thread.STATE.flax_rules else None
+        active = STATE.flax_rules[-1] if STATE.flax_rules else None
         if resolved is not None and resolved.uid in state.origin and resolved.uid != active:
             with flax_rules(resolved):
                 return next_fun(*args, **kwargs)
@@ -253,21 +264,16 @@ def _call_registered(
 ) -> Any:
     """A matched module's ``__call__``, recomputed in the backward pass when the registered
     task's policy says so (other methods run as they are)."""
-    if (
-        context.method_name != "__call__"
-        or not _recompute.effective(resolved.task.recompute).enabled
-    ):
+    if context.method_name != "__call__" or not effective(resolved.task.recompute).enabled:
         return next_fun(*args, **kwargs)
-    fun, transform = _recompute.linen_transform(
-        context.module, lambda clone, *a, **k: clone(*a, **k)
-    )
-    return _recompute.call(fun, args, kwargs, resolved.task.recompute, transform)
+    fun, transform = linen_transform(context.module, lambda clone, *a, **k: clone(*a, **k))
+    return call_recomputed(fun, args, kwargs, resolved.task.recompute, transform)
 
 
 @contextlib.contextmanager
 def intercept_flax_modules() -> Iterator[None]:
     """Runs matched Flax module methods as their registered tasks (while registrations exist)."""
-    if not _registry.has_registrations():
+    if not has_registrations():
         yield
         return
     with nn.intercept_methods(_intercept):
@@ -318,37 +324,50 @@ def marker_label(stack: str, tasks: dict[int, _session.ResolvedTask]) -> _sessio
     return _session.Label(int(last.group(1)), Phase.B if backward else Phase.F)
 
 
-def label_equations(
-    eqns: Sequence[Any],
-    stacks: Sequence[str],
-    labels: Sequence[Any],
-    session: _session.TraceSession,
-    devices: Any,
-) -> list[Any]:
-    """Relabels equations where a registered task is the innermost task of their name stack.
-
-    ``labels`` are the labels from explicit markers alone; an equation keeps its label where
-    the innermost task is that marker's (forward, or a backward that is the same task), and
-    gets ``(task uid, "fwd" | "bwd")`` of the registered task otherwise. Backward tasks of
-    registrations are resolved here, against ``devices``.
+def colour_equations(
+    equations: Sequence[Equation], session: _session.TraceSession, devices: Any
+) -> list[Equation]:
+    """``equations`` with their labels: the innermost explicit task marker of each name
+    stack (:func:`marker_label`), then registered tasks where they are innermost
+    (:func:`label_equations`); constraints then go onto their task's mesh
+    (:func:`concretise_constraints`).
 
     Raises:
         TaskInControlFlowError: a registered scope starts inside a loop or conditional.
     """
+    marks = each_distinct(lambda s: marker_label(s, session.tasks), [e.stack for e in equations])
+    marked = [Equation(e.eqn, e.stack, label) for e, label in zip(equations, marks, strict=True)]
+    return concretise_constraints(label_equations(marked, session, devices), session)
+
+
+def label_equations(
+    equations: list[Equation], session: _session.TraceSession, devices: Any
+) -> list[Equation]:
+    """Relabels equations where a registered task is the innermost task of their name stack.
+
+    ``equations`` carry the labels from explicit markers alone; an equation keeps its label
+    where the innermost task is that marker's (forward, or a backward that is the same task),
+    and gets ``(task uid, "fwd" | "bwd")`` of the registered task otherwise. Backward tasks
+    of registrations are resolved here, against ``devices``.
+
+    Raises:
+        TaskInControlFlowError: a registered scope starts inside a loop or conditional.
+    """
+    stacks = [e.stack for e in equations]
     warn_inactive(stacks)
-    if not _registry.has_registrations() and not session.registered.used:
-        return list(labels)
-    state = _state(session)
-    out: list[Any] = []
-    with _devices.use_device_list(devices):
-        for eqn, stack, label in zip(eqns, stacks, labels, strict=True):
-            mine = state.stack_label(stack)
-            if jex.jaxprs_in_params(eqn.params):
-                _check_control_flow(eqn, mine, state)
-            keep = mine is None or label == mine
-            out.append(label if keep else mine)
+    if not has_registrations() and not session.registered.used:
+        return equations
+    state = registry_state(session)
+    out: list[Equation] = []
+    with use_device_list(devices):
+        for equation in equations:
+            mine = state.stack_label(equation.stack)
+            if jex.jaxprs_in_params(equation.eqn.params):
+                _check_control_flow(equation.eqn, mine, state)
+            keep = mine is None or equation.label == mine
+            out.append(equation if keep else equation._replace(label=mine))
     warn_unmatched(state, stacks)
-    _check_scope_recompute(state, {label.task for label in out if label is not None})
+    _check_scope_recompute(state, {e.label.task for e in out if e.label is not None})
     return out
 
 
@@ -361,7 +380,7 @@ def _check_scope_recompute(state: _SessionState, uids: set[int]) -> None:
     """
     for uid in sorted(uids & state.origin.keys() - state.modules):
         task, name = state.session.tasks[uid].task, state.origin[uid].name
-        if not _recompute.effective(task.recompute).enabled:
+        if not effective(task.recompute).enabled:
             continue
         advice = (
             "a named scope has no call to wrap in `jax.checkpoint`. Wrap the scoped code in a "
@@ -374,7 +393,7 @@ def _check_scope_recompute(state: _SessionState, uids: set[int]) -> None:
                 f"task registered for {state.origin[uid].registration.pattern.pattern!r}, "
                 f"matched only by the named scope {name!r}: {advice}"
             )
-        _warnings.warn_placement(
+        warn_placement(
             ("scope-recompute", name),
             f"The task of named scope {name!r} is not recomputed although recomputation is "
             f"on for the step: {advice}",
@@ -385,16 +404,16 @@ def warn_inactive(stacks: Sequence[str]) -> None:
     """Warns when a registry (a ``MultiMesh`` or ``Context``) that is *not* active holds a
     matcher matching a name of the traced program that no active registration matches:
     probably a missing ``with multi:``."""
-    inactive = _registry.inactive_contexts()
+    inactive = inactive_contexts()
     if not inactive:
         return
     names = {name for stack in set(stacks) for name, _ in _components(stack)}
-    names = {n for n in names if _registry.find_match(n) is None}  # not claimed by active ones
+    names = {n for n in names if find_match(n) is None}  # not claimed by active ones
     for ctx in inactive:
         for registration in ctx.registrations:
             hit = next((n for n in sorted(names) if registration.matched_name(n)), None)
             if hit is not None:
-                _warnings.warn_placement(
+                warn_placement(
                     ("inactive", id(ctx), id(registration)),
                     f"{ctx!r} has a task registered for {registration.pattern.pattern!r}, "
                     f"which matches {hit!r} in the traced program, but it is not active, so "
@@ -417,7 +436,7 @@ def warn_unmatched(state: _SessionState, stacks: Sequence[str]) -> None:
     scopes = {name for stack in set(stacks) for name, _ in _components(stack)}
     modules = {n for names in state.matches for n in names}
     seen = sorted(n for n in scopes | modules if not _OURS.match(n))
-    for ctx in _registry.active_contexts():
+    for ctx in active_contexts():
         for registration in ctx.registrations:
             if registration.matched_name("default") is not None:
                 continue
@@ -425,14 +444,14 @@ def warn_unmatched(state: _SessionState, stacks: Sequence[str]) -> None:
                 _warn_unmatched(registration, seen)
 
 
-def _warn_unmatched(registration: _registry.Registration, seen: list[str]) -> None:
+def _warn_unmatched(registration: Registration, seen: list[str]) -> None:
     pattern = registration.pattern.pattern
     shown = seen if len(seen) <= 20 else [*seen[:20], f"... ({len(seen)} in all)"]
-    _warnings.warn_placement(
+    warn_placement(
         ("unmatched", id(registration)),
         f"register_task matcher {pattern!r} matched no name in the traced program, so "
         "nothing was placed by it (it runs wherever other tasks or glue put it, often on "
-        f"all devices). Closest names: {_warnings.closest(pattern, seen)}; names seen "
+        f"all devices). Closest names: {closest_names(pattern, seen)}; names seen "
         f"(named scopes and Flax module paths): {shown}. Matchers must match a whole name "
         "(re.fullmatch): fix the pattern, e.g. 'layer_([0-9]+)' for 'layer_0'.",
     )
@@ -453,8 +472,8 @@ def _retarget(eqn: Any, mesh: jax.sharding.Mesh) -> Any:
 
 
 def concretise_constraints(
-    eqns: Sequence[Any], labels: Sequence[Any], session: _session.TraceSession
-) -> list[Any]:
+    equations: list[Equation], session: _session.TraceSession
+) -> list[Equation]:
     """Puts Flax's and registered tasks' sharding constraints onto the task's own mesh.
 
     Flax constraints name the task's abstract mesh (see :func:`flax_rules`); they get its
@@ -465,7 +484,8 @@ def concretise_constraints(
     origin = session.registered.origin
     tasks = session.tasks
     out = []
-    for eqn, label in zip(eqns, labels, strict=True):
+    for equation in equations:
+        eqn, label = equation.eqn, equation.label
         sharding = eqn.params.get("sharding")
         if (
             label is not None
@@ -474,6 +494,6 @@ def concretise_constraints(
             and (label.task in origin or isinstance(sharding.mesh, AbstractMesh))
             and sharding.mesh != tasks[label.task].mesh
         ):
-            eqn = _retarget(eqn, tasks[label.task].mesh)
-        out.append(eqn)
+            equation = equation._replace(eqn=_retarget(eqn, tasks[label.task].mesh))
+        out.append(equation)
     return out

@@ -15,12 +15,14 @@ from jax._src import source_info_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _warnings
-from multimesh_flax.core.declare._rules import (
-    _check_specs,
-    _entry_names,
-    _is_spec,
+from multimesh_flax.core.declare import (
+    check_specs,
+    closest_names,
+    entry_names,
+    get_flag,
+    is_spec,
     logical_to_mesh_spec,
+    warn_placement,
 )
 from multimesh_flax.core.trace import _colour, _session
 
@@ -36,7 +38,7 @@ def warn_unmapped_names(logical: PartitionSpec, resolved: _session.ResolvedTask)
     if resolved.task.logical_axes is None or not known:
         return
     for entry in logical:
-        for name in _entry_names(entry):
+        for name in entry_names(entry):
             if name not in known:
                 _warn_unmapped(name, known, resolved)
 
@@ -50,10 +52,10 @@ def _warn_unmapped(name: str, known: set[str], resolved: _session.ResolvedTask) 
         )
     else:
         what = f"has no rule in task {resolved.name!r}"
-    _warnings.warn_placement(
+    warn_placement(
         ("logical-name", name, resolved.name),
         f"Logical axis name {name!r} {what}, so that dimension is replicated. Closest rule "
-        f"names: {_warnings.closest(name, known)}; rules: {list(resolved.rules)}. Fix the "
+        f"names: {closest_names(name, known)}; rules: {list(resolved.rules)}. Fix the "
         f"name, add a rule ({name!r}, <mesh axis>) to `logical_axes`, or ({name!r}, None) to "
         "replicate on purpose.",
     )
@@ -96,7 +98,7 @@ def _mesh_given(axis_resources: Any) -> bool:
     """Whether a mesh is set (``jax.set_mesh``) or ``axis_resources`` names one itself."""
     if not jax.sharding.get_abstract_mesh().empty:
         return True
-    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=_is_spec)
+    leaves = jax.tree_util.tree_leaves(axis_resources, is_leaf=is_spec)
     return any(isinstance(leaf, jax.sharding.Sharding) for leaf in leaves)
 
 
@@ -128,19 +130,19 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         >>> mm.jit(f_task)(jnp.ones((8, 2))).sharding.spec
         P('x',)
     """
-    if _config.get_flag("ignore_transforms"):
+    if get_flag("ignore_transforms"):
         return x
     resolved = _colour.current_task()
     if resolved is None:
-        if _config.get_flag("autoshard") or not _mesh_given(axis_resources):
+        if get_flag("autoshard") or not _mesh_given(axis_resources):
             return x
         return jax.lax.with_sharding_constraint(x, axis_resources)
-    _check_specs(axis_resources)
+    check_specs(axis_resources)
     return jax.tree_util.tree_map(
         lambda spec, sub: jax.tree_util.tree_map(
             lambda leaf: _constrain_leaf(leaf, spec, resolved), sub
         ),
         axis_resources,
         x,
-        is_leaf=_is_spec,
+        is_leaf=is_spec,
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import jax.extend.core as jex
@@ -195,7 +196,15 @@ def stack_of(parts: list[Any], aval: Any, like: Any) -> list[Any]:
 def at_first_use(
     eqns: list[Any], stacks: list[str], labels: list[Any], late: list[bool]
 ) -> tuple[list[Any], list[str], list[Any]]:
-    """The program with each ``late`` equation moved to just before its first reader.
+    """``eqns``, ``stacks`` and ``labels`` in :func:`first_use_order` (``late[i]``: whether
+    equation ``i`` recomputes a hoisted value)."""
+    order = first_use_order(eqns, {i for i, flag in enumerate(late) if flag})
+    return [eqns[i] for i in order], [stacks[i] for i in order], [labels[i] for i in order]
+
+
+def first_use_order(eqns: Sequence[Any], late: Collection[int]) -> list[int]:
+    """The program order with each equation at a position in ``late`` moved to just before
+    its first reader (positions into ``eqns``).
 
     A hoisted value is recomputed in each iteration before that iteration's body, but the
     body holds every stage: a later stage's parameter reshape would come before the first
@@ -223,7 +232,7 @@ def at_first_use(
             stack.extend((pending[v], False) for v in reversed(reads) if v in pending)
 
     for i, eqn in enumerate(eqns):
-        if late[i]:
+        if i in late:
             pending.update((v, i) for v in eqn.outvars)
             continue
         for v in eqn.invars:
@@ -233,4 +242,4 @@ def at_first_use(
     for i in sorted(set(pending.values())):
         if any(v in pending for v in eqns[i].outvars):
             release(i)
-    return [eqns[i] for i in order], [stacks[i] for i in order], [labels[i] for i in order]
+    return order

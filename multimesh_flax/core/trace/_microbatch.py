@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _schedules
+from multimesh_flax.core.declare import ScheduleOp, ignore_transforms
 from multimesh_flax.core.trace import _constraints, _loops, _session
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
@@ -58,9 +58,9 @@ def _check_positive(**values: Any) -> None:
 
 
 def _check_custom_entry(entry: Any) -> None:
-    if isinstance(entry, (_schedules.ScheduleOp, str)):
+    if isinstance(entry, (ScheduleOp, str)):
         if isinstance(entry, str):
-            _schedules.ScheduleOp.parse(entry)
+            ScheduleOp.parse(entry)
         return
     if isinstance(entry, (tuple, list)) and len(entry) == 3:
         stage, microbatch, phase = entry
@@ -326,7 +326,7 @@ def _explaining_split(
 
 def _fits_unsplit(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     try:
-        with _config.ignore_transforms():
+        with ignore_transforms():
             jax.eval_shape(functools.partial(fun, **kwargs), *args)
     except Exception:
         return False

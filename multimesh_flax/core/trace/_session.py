@@ -29,10 +29,19 @@ import numpy as np
 from jax.sharding import Mesh
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _devices, _multimesh, _registry, _thread, _warnings
-from multimesh_flax.core.declare._rules import Rule
-from multimesh_flax.core.declare._schedules import Phase
-from multimesh_flax.core.declare._task import Task
+from multimesh_flax.core.declare import (
+    STATE,
+    Match,
+    Phase,
+    Registration,
+    Rule,
+    Task,
+    TaskMesh,
+    get_device_list,
+    get_multi_mesh,
+    make_auto_mesh,
+    warn_placement,
+)
 
 MARKER_RE = re.compile(r"mmtask(\d+)_")
 MICROBATCH_RE = re.compile(r"mmmb(\d+)_(\d+)")  # the scope of microbatch k of call uid
@@ -69,7 +78,7 @@ def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
     one, else iteration 0's slice.
     """
     loop_slice = spec.loop_dependent_mesh_slice
-    index = _thread.STATE.microbatch_index
+    index = STATE.microbatch_index
     has_home = spec.mesh is not None or spec.mesh_slice is not None
     if loop_slice is None or (index is None and has_home):
         return spec.mesh_slice
@@ -80,7 +89,7 @@ def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
 
 
 def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
-    multi = _multimesh.get_multi_mesh()
+    multi = get_multi_mesh()
     mesh_slice = _mesh_slice(spec)
     if mesh_slice is not None:
         if multi is None:
@@ -90,16 +99,14 @@ def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
             )
         identity = tuple((n, n) for n in multi.axis_names)
         return multi.slice(**mesh_slice), identity
-    if isinstance(spec.mesh, _devices.TaskMesh):
+    if isinstance(spec.mesh, TaskMesh):
         mesh = spec.mesh.to_mesh()
     elif isinstance(spec.mesh, Mesh):
-        mesh = _devices.make_auto_mesh(spec.mesh.devices, spec.mesh.axis_names)
+        mesh = make_auto_mesh(spec.mesh.devices, spec.mesh.axis_names)
     elif multi is not None:
         mesh = multi.mesh
     else:
-        mesh = _devices.make_auto_mesh(
-            np.array(_devices.get_device_list(), dtype=object), ("devices",)
-        )
+        mesh = make_auto_mesh(np.array(get_device_list(), dtype=object), ("devices",))
     return mesh, tuple((n, n) for n in mesh.axis_names)
 
 
@@ -159,11 +166,11 @@ class RegisteredTasks:
     """What a trace learns about name-registered tasks (``trace/_colour`` fills it in)."""
 
     used: bool = False  # whether any registered matching ran in this trace
-    resolved: dict[tuple[_registry.Registration, str, bool], ResolvedTask] = dataclasses.field(
+    resolved: dict[tuple[Registration, str, bool], ResolvedTask] = dataclasses.field(
         default_factory=dict
     )  # (registration, matched name, backprop) -> its task
-    origin: dict[int, _registry.Match] = dataclasses.field(default_factory=dict)  # uid -> match
-    matches: dict[tuple[str, ...], _registry.Match | None] = dataclasses.field(
+    origin: dict[int, Match] = dataclasses.field(default_factory=dict)  # uid -> match
+    matches: dict[tuple[str, ...], Match | None] = dataclasses.field(
         default_factory=dict
     )  # scope or module names -> the winning registration
     labels: dict[str, Label | None] = dataclasses.field(default_factory=dict)  # by name stack
@@ -213,11 +220,11 @@ class TraceSession:
 def shape_only_trace() -> Iterator[None]:
     """Marks the body as a trace for shapes or variables only (``jax.eval_shape`` of an
     initializer): tasks met there are not placed, by design, so nothing is warned."""
-    _thread.STATE.shape_only += 1
+    STATE.shape_only += 1
     try:
         yield
     finally:
-        _thread.STATE.shape_only -= 1
+        STATE.shape_only -= 1
 
 
 def warn_foreign_trace(name: str) -> None:
@@ -226,9 +233,9 @@ def warn_foreign_trace(name: str) -> None:
     Raises:
         StrictModeError: under ``context(strict=True)``.
     """
-    if _thread.STATE.shape_only:
+    if STATE.shape_only:
         return
-    _warnings.warn_placement(
+    warn_placement(
         ("foreign-trace", name),
         f"Task {name!r} is traced by a JAX transformation that is not multimesh_flax's "
         "(jax.jit, jax.grad, jax.vmap, ... outside `multimesh_flax.jit`), so it is not placed "
@@ -241,26 +248,26 @@ def warn_foreign_trace(name: str) -> None:
 @contextlib.contextmanager
 def microbatch_iteration(index: int) -> Iterator[None]:
     """Marks the body as microbatch iteration ``index`` (for ``loop_dependent_mesh_slice``)."""
-    previous = _thread.STATE.microbatch_index
-    _thread.STATE.microbatch_index = index
+    previous = STATE.microbatch_index
+    STATE.microbatch_index = index
     try:
         yield
     finally:
-        _thread.STATE.microbatch_index = previous
+        STATE.microbatch_index = previous
 
 
 def current_microbatch_index() -> int | None:
     """The microbatch iteration being traced (see :func:`microbatch_iteration`), or ``None``."""
-    return _thread.STATE.microbatch_index
+    return STATE.microbatch_index
 
 
 def current_task() -> ResolvedTask | None:
     """The innermost task being traced, or ``None`` outside every task."""
-    return _thread.STATE.task_stack[-1] if _thread.STATE.task_stack else None
+    return STATE.task_stack[-1] if STATE.task_stack else None
 
 
 def current_session() -> TraceSession | None:
-    return _thread.STATE.sessions[-1] if _thread.STATE.sessions else None
+    return STATE.sessions[-1] if STATE.sessions else None
 
 
 # JAX caches the jaxprs it traces for ``jax.checkpoint``, an inner ``jax.jit``, loop and
@@ -283,12 +290,12 @@ def trace_session() -> Iterator[TraceSession]:
     ``_SESSION_CACHE_KEY``), so every task met is entered in this session.
     """
     session = TraceSession()
-    _thread.STATE.sessions.append(session)
+    STATE.sessions.append(session)
     try:
         with _SESSION_CACHE_KEY(next(_SESSION_UIDS)):
             yield session
     finally:
-        _thread.STATE.sessions.pop()
+        STATE.sessions.pop()
 
 
 @contextlib.contextmanager
@@ -297,12 +304,12 @@ def enter_task(resolved: ResolvedTask) -> Iterator[ResolvedTask]:
     session = current_session()
     if session is not None:
         session.tasks[resolved.uid] = resolved
-    _thread.STATE.task_stack.append(resolved)
+    STATE.task_stack.append(resolved)
     try:
         with jax.named_scope(resolved.marker):
             yield resolved
     finally:
-        _thread.STATE.task_stack.pop()
+        STATE.task_stack.pop()
 
 
 def contains_tracer(tree: Any) -> bool:

@@ -1,21 +1,26 @@
 """Tracing: capture a program once as a flat jaxpr and colour every equation by task.
 
-``trace_program`` runs ``jax.make_jaxpr`` inside a trace session (so each task call records
-its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative calls so that task
-boundaries become visible at the top level, unrolls each microbatch loop (a ``scan``, see
-``_loops``) into one run of its body per microbatch -- each microbatch's call of a body traced
-once becomes a placeholder that ``_blocks`` turns into a few block equations -- drops what
-no output needs, and labels every equation with
-a ``Label(task uid, phase)`` -- phase ``F`` or ``B`` (the name stack shows ``transpose(``
-before the task's marker) -- or ``None`` for glue. Tasks registered by name
-(``register_task``) are entered around matching Flax modules while tracing and matched on name
-stacks afterwards; ``_named_tasks`` does both.
+Two passes, each a value in and a value out:
+
+* :func:`capture_program` (*trace*) runs ``jax.make_jaxpr`` inside a trace session (so each
+  task call records its resolved mesh), inlines nested ``jit``/``checkpoint``/custom-derivative
+  calls so that task boundaries become visible at the top level, unrolls each microbatch loop
+  (a ``scan``, see ``_loops``) into one run of its body per microbatch -- each microbatch's
+  call of a body traced once stays a placeholder -- and drops what no output needs: a
+  :class:`CapturedProgram`.
+* :func:`colour_program` (*colour*) labels every equation with a ``Label(task uid, phase)``
+  -- phase ``F`` or ``B`` (the name stack shows ``transpose(`` before the task's marker) --
+  or ``None`` for glue (``_colour``: explicit markers, then tasks registered by name), and
+  turns each placeholder into its call's blocks, one per run of a label (``_blocks``): a
+  :class:`~._program.TracedProgram`.
+
+:func:`trace_program` runs both. Tasks registered by name (``register_task``) are entered
+around matching Flax modules while tracing and matched on name stacks afterwards.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,9 +29,10 @@ import jax.extend.core as jex
 from jax.sharding import Mesh, NamedSharding
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import _config, _devices
+from multimesh_flax.core.declare import autoshard, use_device_list
 from multimesh_flax.core.trace import _blocks, _colour, _loops, _session
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
+from multimesh_flax.core.trace._program import Equation, TracedProgram
 
 # Call-like primitives whose body is inlined (evaluation only: our programs are not
 # differentiated after tracing, so dropping custom derivative rules is exact).
@@ -44,28 +50,21 @@ _INLINE_PARAM = {
 }
 
 
-@dataclasses.dataclass
-class TracedProgram:
-    """A flat jaxpr of the program with a task label per equation."""
+@dataclasses.dataclass(frozen=True)
+class CapturedProgram:
+    """A program as :func:`capture_program` hands it to :func:`colour_program`: inlined, no
+    equation labelled yet, each microbatch's call of a body traced once still a placeholder
+    (``_blocks.replay_p``)."""
 
-    jaxpr: jex.Jaxpr
-    consts: list[Any]
-    labels: list[_session.Label | None]  # per equation; None: glue
-    tasks: dict[int, _session.ResolvedTask]
+    equations: tuple[Equation, ...]  # ``eqn`` and ``stack`` of each equation
+    consts: dict[Any, Any]  # constant variable -> its value
+    invars: list[Any]
+    outvars: list[Any]
+    recomputed: frozenset[int]  # ids of the equations recomputing hoisted values (``_loops``)
     out_tree: Any
-    stacks: list[str] = dataclasses.field(default_factory=list)  # name stack per equation
-    default_task: _session.ResolvedTask | None = None  # registered for "default": glue fallback
-    session: _session.TraceSession | None = None  # what the trace learnt (tasks, microbatches)
-
-    @functools.cached_property
-    def producer(self) -> dict[Any, int]:
-        """The index of the equation producing each variable (built once per program)."""
-        return {v: i for i, e in enumerate(self.jaxpr.eqns) for v in e.outvars}
-
-    @property
-    def microbatch_calls(self) -> dict[int, _session.MicrobatchCall]:
-        """The ``microbatch`` calls traced in this program, by scope uid."""
-        return self.session.microbatch_calls if self.session is not None else {}
+    default_task: _session.ResolvedTask | None  # registered for "default": glue fallback
+    session: _session.TraceSession
+    devices: Any  # the device list registered backward tasks resolve against
 
 
 def concrete_constraint(eqn: Any) -> NamedSharding | None:
@@ -95,8 +94,7 @@ class _Template:
 
     invars: list[Any]  # placeholders for the body's inputs
     consts: list[tuple[Any, Any]]  # (placeholder, value): each call gets fresh const vars
-    eqns: list[Any]  # over placeholders
-    suffixes: list[str]  # name stack of each equation below the call's own
+    equations: list[Equation]  # over placeholders; ``stack``: below the call's own
     outvars: list[Any]
     has_replays: bool = False  # whether its equations hold microbatch-call placeholders
 
@@ -112,8 +110,7 @@ class _Inliner:
     """
 
     def __init__(self, templates: dict[int, tuple[Any, _Template]] | None = None) -> None:
-        self.eqns: list[Any] = []
-        self.stacks: list[str] = []
+        self.equations: list[Equation] = []  # what it emitted, with full name stacks
         self.consts: dict[Any, Any] = {}
         # Templates by id of the call parameter holding the body (the value pins the id).
         self.templates: dict[int, tuple[Any, _Template]] = {} if templates is None else templates
@@ -188,8 +185,7 @@ class _Inliner:
         return outvars
 
     def _append(self, eqn: Any, stack: str) -> None:
-        self.eqns.append(eqn)
-        self.stacks.append(stack)
+        self.equations.append(Equation(eqn, stack))
 
     # --- microbatch loops (``_loops``) ------------------------------------------------------
 
@@ -261,9 +257,9 @@ class _Inliner:
         outs = source.per_iteration.get(k)
         if outs is None:
             invars = [self._at(a, uid, k) for a in source.invars]
-            start = len(self.eqns)
+            start = len(self.equations)
             outs = self._emit(source.eqn, invars, _loops.in_iteration(source.stack, uid, k))
-            self.recomputed.update(id(e) for e in self.eqns[start:])
+            self.recomputed.update(id(e.eqn) for e in self.equations[start:])
             source.per_iteration[k] = outs
         return outs[value.index]
 
@@ -290,8 +286,8 @@ class _Inliner:
         in_vars = [jex.Var(v.aval) for v in inner.invars]
         outs = sub.run(inner, const_vars, in_vars, "")
         consts = [*zip(const_vars, values, strict=True), *sub.consts.items()]
-        replays = any(e.primitive is _blocks.replay_p for e in sub.eqns)
-        template = _Template(in_vars, consts, sub.eqns, sub.stacks, outs, replays)
+        replays = any(e.eqn.primitive is _blocks.replay_p for e in sub.equations)
+        template = _Template(in_vars, consts, sub.equations, outs, replays)
         self.templates[id(body)] = (body, template)
         return template
 
@@ -299,13 +295,13 @@ class _Inliner:
         env: dict[Any, Any] = dict(zip(template.invars, args, strict=True))
         for var, value in template.consts:
             env[var] = self._const(value)
-        append_eqn, append_stack = self.eqns.append, self.stacks.append
-        for eqn, suffix in zip(template.eqns, template.suffixes, strict=True):
+        append = self.equations.append
+        for item in template.equations:  # ``stack``: below the call's own
+            eqn = item.eqn
             invars = [a if isinstance(a, jex.Literal) else env[a] for a in eqn.invars]
             outvars = [jex.Var(v.aval) for v in eqn.outvars]
             env.update(zip(eqn.outvars, outvars, strict=True))
-            append_eqn(eqn.replace(invars=invars, outvars=outvars))
-            append_stack(_join(prefix, suffix))
+            append(Equation(eqn.replace(invars=invars, outvars=outvars), _join(prefix, item.stack)))
         return [a if isinstance(a, jex.Literal) else env[a] for a in template.outvars]
 
     def _const(self, value: Any) -> Any:
@@ -332,44 +328,30 @@ def _check_no_inner_tasks(eqn: Any) -> None:
             )
 
 
-def _live(eqns: list[Any], stacks: list[str], outs: Sequence[Any]) -> tuple[list[Any], list[str]]:
-    """The equations (and their stacks) that an output or an effect needs: unrolling a
-    microbatch loop leaves the batch's reshape into stacked chunks unread (``_loops``)."""
+def _live(equations: list[Equation], outs: Sequence[Any]) -> tuple[Equation, ...]:
+    """The equations that an output or an effect needs: unrolling a microbatch loop leaves
+    the batch's reshape into stacked chunks unread (``_loops``)."""
     live = {v for v in outs if not isinstance(v, jex.Literal)}
     keep = []
-    for i in reversed(range(len(eqns))):
-        eqn = eqns[i]
+    for equation in reversed(equations):
+        eqn = equation.eqn
         if eqn.effects or any(v in live for v in eqn.outvars):
-            keep.append(i)
+            keep.append(equation)
             live.update(v for v in eqn.invars if not isinstance(v, jex.Literal))
-    keep.reverse()
-    return [eqns[i] for i in keep], [stacks[i] for i in keep]
+    return tuple(reversed(keep))
 
 
-def each_distinct(fn: Callable[[str], Any], stacks: Sequence[str]) -> list[Any]:
-    """``[fn(s) for s in stacks]``, calling ``fn`` once per distinct name stack (the m
-    microbatches of a program repeat the same few thousand stacks over all its equations).
+def capture_program(
+    fun: Callable[..., Any], args: Sequence[Any], devices: Any = None
+) -> CapturedProgram:
+    """The *trace* pass: ``fun(*args)`` as one flat program, nothing labelled yet.
 
-    >>> each_distinct(len, ["a/b", "a", "a/b"])
-    [3, 1, 3]
-    """
-    memo: dict[str, Any] = {}
-    return [memo[s] if s in memo else memo.setdefault(s, fn(s)) for s in stacks]
-
-
-def trace_program(
-    fun: Callable[..., Any],
-    args: Sequence[Any],
-    devices: Any = None,
-) -> TracedProgram:
-    """Traces ``fun(*args)`` (args: pytrees of arrays or ``ShapeDtypeStruct``s).
-
-    The program's inputs are the flattened leaves of ``args``; its outputs the flattened
-    leaves of the result, whose tree is ``out_tree``.
+    ``args`` are pytrees of arrays or ``ShapeDtypeStruct``\\ s; the program's inputs are their
+    flattened leaves, its outputs the flattened leaves of the result (tree: ``out_tree``).
     """
     with (
-        _devices.use_device_list(devices),
-        _config.autoshard(),
+        use_device_list(devices),
+        autoshard(),
         _session.trace_session() as session,
         _colour.intercept_flax_modules(),  # registered Flax modules enter their tasks
     ):
@@ -382,30 +364,65 @@ def trace_program(
     const_vars = [inliner._const(c) for c in consts]
     in_vars = [jex.Var(v.aval) for v in outer.invars]
     outs = inliner.run(outer, const_vars, in_vars, "")
-
-    def label(eqns: list[Any], stacks: list[str]) -> tuple[list[Any], list[Any]]:
-        labels = each_distinct(lambda s: _colour.marker_label(s, session.tasks), stacks)
-        # Registered tasks (named scopes, backward callbacks) where they are innermost.
-        labels = _colour.label_equations(eqns, stacks, labels, session, devices)
-        return labels, _colour.concretise_constraints(eqns, labels, session)
-
-    eqns, stacks = _live(inliner.eqns, inliner.stacks, outs)
-    program = _blocks.expand(eqns, stacks, label, inliner._const, session)
-    late = [id(eqns[i]) in inliner.recomputed for i in program.origins]
-    eqns = _blocks.rename(program.eqns, program.renamed)
-    eqns, program.stacks, program.labels = _loops.at_first_use(
-        eqns, program.stacks, program.labels, late
-    )
-    outs = [a if isinstance(a, jex.Literal) else program.renamed.get(a, a) for a in outs]
-    const_items = list(inliner.consts.items())
-    jaxpr = make_jaxpr_object([v for v, _ in const_items], in_vars, outs, eqns, "program")
-    return TracedProgram(
-        jaxpr=jaxpr,
-        consts=[c for _, c in const_items],
-        labels=program.labels,
-        tasks=session.tasks,
+    return CapturedProgram(
+        equations=_live(inliner.equations, outs),
+        consts=inliner.consts,
+        invars=in_vars,
+        outvars=outs,
+        recomputed=frozenset(inliner.recomputed),
         out_tree=jax.tree_util.tree_structure(out_shape),
-        stacks=program.stacks,
         default_task=default,
         session=session,
+        devices=devices,
     )
+
+
+def colour_program(captured: CapturedProgram) -> TracedProgram:
+    """The *colour* pass: every equation labelled with its task and phase (or as glue), each
+    microbatch's call expanded into its blocks.
+
+    Colouring sees the program's own equations and each class of microbatch calls' body
+    once (``_blocks.gather``); the blocks are runs of one label (``_blocks.expand``); hoisted
+    values recomputed per microbatch move to their first reader (``_loops``).
+    """
+    session = captured.session
+    calls = _blocks.gather(captured.equations)
+    coloured = _colour.colour_equations(calls.to_colour, session, captured.devices)
+    expanded = _blocks.expand(captured.equations, calls, coloured, session)
+    equations: list[Equation] = []
+    late: set[int] = set()  # positions of the equations recomputing hoisted values
+    for source, copies in zip(captured.equations, expanded.copies, strict=True):
+        if id(source.eqn) in captured.recomputed:
+            late.update(range(len(equations), len(equations) + len(copies)))
+        equations.extend(copies)
+    equations = _blocks.rename(equations, expanded.renamed)
+    order = _loops.first_use_order([e.eqn for e in equations], late)
+    equations = [equations[i] for i in order]
+    renamed = expanded.renamed
+    outs = [a if isinstance(a, jex.Literal) else renamed.get(a, a) for a in captured.outvars]
+    consts = {**captured.consts, **expanded.consts}
+    eqns = [e.eqn for e in equations]
+    jaxpr = make_jaxpr_object(list(consts), captured.invars, outs, eqns, "program")
+    return TracedProgram(
+        jaxpr=jaxpr,
+        consts=list(consts.values()),
+        equations=tuple(equations),
+        tasks=session.tasks,
+        out_tree=captured.out_tree,
+        default_task=captured.default_task,
+        session=session,
+    )
+
+
+def trace_program(
+    fun: Callable[..., Any],
+    args: Sequence[Any],
+    devices: Any = None,
+) -> TracedProgram:
+    """Traces ``fun(*args)`` and colours it: :func:`capture_program`, then
+    :func:`colour_program` (args: pytrees of arrays or ``ShapeDtypeStruct``\\ s).
+
+    The program's inputs are the flattened leaves of ``args``; its outputs the flattened
+    leaves of the result, whose tree is ``out_tree``.
+    """
+    return colour_program(capture_program(fun, args, devices))
