@@ -204,7 +204,7 @@ def build_mpmd(
     data, model = stage_layout(workload, stages, m, devices)
     multi = make_multimesh(stages, data, model, devices=jax.devices()[:devices])
     batch = workload.batch_data()
-    step_fn, state, _ = mm.parallelize_step(
+    built = mm.parallelize_step(
         workload.family()(workload.config(), stages=stages),
         workload.make_optimizer(),
         multi,
@@ -215,7 +215,7 @@ def build_mpmd(
         **options,
     )
     name = mpmd_name(workload, stages, m, schedule)
-    return MpmdRunner(name, step_fn, state, batch, multi)
+    return MpmdRunner(name, built.step, built.state, batch, multi)
 
 
 LAYOUTS = {

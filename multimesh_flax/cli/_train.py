@@ -183,7 +183,7 @@ def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
     with mm.context(strict=True):  # our own job: a PlacementWarning is an error
         with multi:
             placement = mm.layers.get_placement(model, rng, example["inputs"])
-        step_fn, state, _ = mm.parallelize_step(
+        built = mm.parallelize_step(
             model,
             _optimizer.make_optimizer(options.optimizer, horizon),
             multi,
@@ -196,6 +196,7 @@ def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
             precision=options.precision,
             recompute=options.recompute,
         )
+    step_fn, state = built.step, built.state
     if options.init_from is not None and not options.resume:
         state = state.replace(params=_pretrained_params(options, multi))
     return _Built(step_fn, state, placement, model, multi, rate)

@@ -9,6 +9,7 @@ from multimesh_flax.layers._nonfinite import NonFinite as NonFinite
 from multimesh_flax.layers._nonfinite import StepCheck as StepCheck
 from multimesh_flax.layers._placement_report import Placement as Placement
 from multimesh_flax.layers._precision import Precision as Precision
+from multimesh_flax.layers._step import ParallelStep as ParallelStep
 from multimesh_flax.layers._step import TrainState as TrainState
 from multimesh_flax.layers._step import parallelize_step as parallelize_step
 from multimesh_flax.layers._tabulate import get_placement as get_placement

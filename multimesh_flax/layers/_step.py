@@ -630,6 +630,38 @@ def _derive(jitted: MpmdJit, state: Any, batch_shape: Any) -> tuple[Any, Any]:
     return state_sh, batch_sh
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class ParallelStep:
+    """What `parallelize_step` returns: the compiled step, its placed state, the mesh.
+
+    Attributes:
+        step: ``step(state, batch) -> (loss, new_state)`` (a :class:`StepFn`; donates
+            ``state``).
+        state: the initial :class:`TrainState`, already on its submeshes.
+        mesh: the ``MultiMesh`` or ``jax.sharding.Mesh`` the step runs on.
+        prepare_batch: with ``local_batch``, ``prepare_batch(local)`` assembles the global
+            batch from this process's part in the step's input shardings; else ``None``.
+
+    Unpacking works as in earlier versions: ``step, state, mesh = ...``, with a fourth
+    value, ``prepare_batch``, only when it is not ``None``.
+    """
+
+    step: StepFn
+    state: Any
+    mesh: Any
+    prepare_batch: Callable[[Any], Any] | None = None
+
+    def __iter__(self) -> Any:
+        values = (self.step, self.state, self.mesh)
+        if self.prepare_batch is not None:
+            values += (self.prepare_batch,)
+        return iter(values)
+
+    def __repr__(self) -> str:
+        extra = ", prepare_batch" if self.prepare_batch is not None else ""
+        return f"ParallelStep(step, state at step {int(self.state.step)}, mesh{extra})"
+
+
 def parallelize_step(
     model: nn.Module,
     optimizer: optax.GradientTransformation,
@@ -647,7 +679,7 @@ def parallelize_step(
     nonfinite: _nonfinite.NonFinite | str | None = None,
     recompute: Any = None,
     precision: _precision.Precision | str | None = None,
-) -> tuple[Any, ...]:
+) -> ParallelStep:
     """Builds a placed training state and a compiled MPMD training step.
 
     Args:
@@ -706,10 +738,12 @@ def parallelize_step(
             dtype keep it (see ``multimesh_flax.layers._precision``).
 
     Returns:
-        ``(step_fn, state, mesh)``, or ``(step_fn, state, mesh, prepare_batch)`` with
-        ``local_batch``. ``step_fn(state, batch) -> (loss, new_state)`` donates ``state``.
-        ``state`` is a :class:`TrainState` (a Flax ``TrainState``) already on its submeshes.
-        ``prepare_batch(local)`` assembles the global batch in the step's input shardings.
+        A :class:`ParallelStep`: ``.step`` (``step(state, batch) -> (loss, new_state)``,
+        donates ``state``), ``.state`` (a :class:`TrainState`, a Flax ``TrainState``, already
+        on its submeshes), ``.mesh``, and ``.prepare_batch`` with ``local_batch``
+        (``prepare_batch(local)`` assembles the global batch in the step's input shardings;
+        ``None`` without). It unpacks as ``step, state, mesh`` (``..., prepare_batch`` with
+        ``local_batch``), as in earlier versions.
 
     Raises:
         ParallelizeArgumentError: a model, optimizer, ``loss_fn`` or ``rng`` of the wrong
@@ -732,11 +766,12 @@ def parallelize_step(
         ...         x = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[0, 1]))(4)(x)
         ...         x = mm.layers.task(nn.Dense, mesh=mm.TaskMesh(devices=[2, 3]))(1)(x)
         ...         return (x ** 2).mean()
-        >>> step, state, mesh = mm.layers.parallelize_step(
-        ...     Net(), optax.sgd(0.1), global_batch=jnp.ones((8, 3)))
-        >>> sorted(d.id for d in state.params["Dense_1"]["kernel"].devices())
+        >>> built = mm.layers.parallelize_step(Net(), optax.sgd(0.1), global_batch=jnp.ones((8, 3)))
+        >>> built
+        ParallelStep(step, state at step 0, mesh)
+        >>> sorted(d.id for d in built.state.params["Dense_1"]["kernel"].devices())
         [2, 3]
-        >>> loss, state = step(state, jnp.ones((8, 3)))
+        >>> loss, state = built.step(built.state, jnp.ones((8, 3)))
         >>> int(state.step)
         1
 
@@ -779,11 +814,11 @@ def parallelize_step(
         )()
     step_fn = StepFn(jitted, multi, mode)
     if local_batch is None:
-        return step_fn, state, result_mesh
+        return ParallelStep(step_fn, state, result_mesh)
 
     def prepare_batch(local: Any) -> Any:
         return jax.tree_util.tree_map(
             lambda s, x: jax.make_array_from_process_local_data(s, np.asarray(x)), batch_sh, local
         )
 
-    return step_fn, state, result_mesh, prepare_batch
+    return ParallelStep(step_fn, state, result_mesh, prepare_batch)

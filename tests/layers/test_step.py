@@ -159,14 +159,25 @@ def test_loss_fn_receives_the_model_and_a_dict_batch():
 
 
 def test_local_batch_returns_prepare_batch():
-    step, state, mesh, prepare = layers.parallelize_step(
+    built = layers.parallelize_step(
         Pipeline(), optax.sgd(0.1), local_batch=(np.asarray(X), np.asarray(Y))
     )
+    assert isinstance(built, layers.ParallelStep) and repr(built).endswith("prepare_batch)")
+    step, state, mesh, prepare = built  # unpacks as in earlier versions: 4 values here
+    assert prepare is built.prepare_batch and step is built.step and state is built.state
     batch = prepare((np.asarray(X), np.asarray(Y)))
     assert device_ids(batch[0]) == [0, 1, 2, 3]
     np.testing.assert_array_equal(batch[0], X)
     loss, _ = step(state, batch)
     assert np.isfinite(float(loss))
+
+
+def test_the_result_is_a_named_record_that_unpacks_to_three_without_local_batch():
+    built = layers.parallelize_step(Pipeline(), optax.sgd(0.1), global_batch=(X, Y))
+    assert built.prepare_batch is None
+    assert repr(built) == "ParallelStep(step, state at step 0, mesh)"
+    step, state, mesh = built
+    assert step is built.step and state is built.state and mesh is built.mesh
 
 
 def test_replicate_inputs_false_splits_the_batch_over_the_submesh():
