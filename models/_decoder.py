@@ -4,13 +4,14 @@
   on both branches. A family says which norm, attention and MLP it uses (``make_norm``,
   ``make_attention``, ``make_mlp``); parameter names are the same for every family.
 * `StagedDecoder` -- ``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``, each placed on
-  its pipeline stage when ``stages`` is set (`models.pipeline`). A family names its three
-  stage classes (``stem_cls``, ``block_cls``, ``head_cls``) and, if its head takes more
-  than the residual stream, overrides ``logits``.
+  its pipeline stage when ``stages`` or ``layers_per_stage`` is set (`models.pipeline`). A
+  family names its three stage classes (``stem_cls``, ``block_cls``, ``head_cls``) and, if
+  its head takes more than the residual stream, overrides ``logits``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import ClassVar
 
 import flax.linen as nn
@@ -82,35 +83,52 @@ class PreNormBlock(nn.Module):
 class StagedDecoder(nn.Module):
     """``stem``, ``blocks_0`` ... ``blocks_{L-1}``, ``head``, optionally one task per stage.
 
+    ``stages`` and ``layers_per_stage`` are checked when the module is built; with
+    ``layers_per_stage`` alone, ``stages`` is set to its length. The parameter names do not
+    depend on either, so parameters move between any two splits unchanged.
+
     Attributes:
         config: Model hyperparameters.
-        stages: ``None`` (run where called) or a pipeline stage count that divides
-            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
+        stages: ``None`` (run where called, unless ``layers_per_stage`` is given) or a
+            pipeline stage count that divides ``config.num_layers``: an even split; see
+            `models.pipeline` (needs a current ``MultiMesh``).
+        layers_per_stage: ``None`` or the blocks of every stage, in order, adding up to
+            ``config.num_layers`` (e.g. ``(1, 3, 3, 1)``): an uneven split. The stem goes
+            with the first stage and the head with the last, so only those may hold no
+            block.
+
+    Raises:
+        InvalidTaskError: ``stages`` does not divide the blocks, or ``layers_per_stage`` is
+            not a valid split of them or disagrees with ``stages``
+            (`models.pipeline.get_layers_per_stage`).
     """
 
     config: ModelConfig
     stages: int | None = None
+    layers_per_stage: Sequence[int] | None = None
 
     stem_cls: ClassVar[type[nn.Module]]
     block_cls: ClassVar[type[nn.Module]]
     head_cls: ClassVar[type[nn.Module]]
 
-    def setup(self):
-        cfg, stages = self.config, self.stages
-        if stages is not None:
-            pipeline.check_stages(cfg.num_layers, stages)
-        last = 0 if stages is None else stages - 1
-        self.stem = pipeline.on_stage(self.stem_cls, 0, stages)(cfg)
-        self.blocks = [
-            pipeline.on_stage(self.block_cls, self._stage_of(i), stages)(cfg)
-            for i in range(cfg.num_layers)
-        ]
-        self.head = pipeline.on_stage(self.head_cls, last, stages)(cfg)
+    def __post_init__(self):
+        split = pipeline.get_layers_per_stage(
+            self.config.num_layers, self.stages, self.layers_per_stage
+        )
+        if split is not None and self.layers_per_stage is not None:  # hashable; the stage count
+            object.__setattr__(self, "layers_per_stage", split)
+            object.__setattr__(self, "stages", len(split))
+        super().__post_init__()
 
-    def _stage_of(self, index: int) -> int:
-        if self.stages is None:
-            return 0
-        return pipeline.stage_of_block(index, self.config.num_layers, self.stages)
+    def setup(self):
+        cfg = self.config
+        split = pipeline.get_layers_per_stage(cfg.num_layers, self.stages, self.layers_per_stage)
+        staged = split is not None
+        where = pipeline.block_stages(split) if staged else (0,) * cfg.num_layers
+        last = len(split) - 1 if staged else 0
+        self.stem = pipeline.on_stage(self.stem_cls, 0, staged)(cfg)
+        self.blocks = [pipeline.on_stage(self.block_cls, stage, staged)(cfg) for stage in where]
+        self.head = pipeline.on_stage(self.head_cls, last, staged)(cfg)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The head applied to the final residual stream."""

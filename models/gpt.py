@@ -12,7 +12,8 @@ The model is a sequence of named stages, so a pipeline can cut it anywhere:
 ``pos_embed``), ``blocks_0`` ... ``blocks_{L-1}`` and ``head`` (``final_norm``): each stage's
 parameters are one sub-dict, ``params["stem"]``, ``params["blocks_i"]``, ``params["head"]``;
 ``GPTHead`` also takes ``params["stem"]["embed"]["embedding"]`` as an argument. The tree is the
-same whether or not the model is pipelined (``stages``, see `models.pipeline`).
+same whether or not the model is pipelined, and however its blocks are split between the
+stages (``stages`` or ``layers_per_stage``, see `models.pipeline`).
 """
 
 from __future__ import annotations
@@ -188,7 +189,16 @@ class GPT(StagedDecoder):
     Attributes:
         config: Model hyperparameters; ``config.family`` should be ``Family.GPT``.
         stages: ``None`` (run where called) or a pipeline stage count that divides
-            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
+            ``config.num_layers``: an even split; see `models.pipeline` (needs a current
+            ``MultiMesh``).
+        layers_per_stage: ``None`` or the blocks of every stage (e.g. ``(1, 3, 3, 1)``),
+            adding up to ``config.num_layers``: an uneven split, instead of ``stages``. The
+            stem goes with the first stage and the head with the last, so only those may
+            hold no block.
+
+    Raises:
+        InvalidTaskError: ``stages`` does not divide the blocks, or ``layers_per_stage`` is
+            not a split of them (see `models.pipeline.get_layers_per_stage`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -200,6 +210,18 @@ class GPT(StagedDecoder):
         ['stem', 'blocks_0', 'blocks_1', 'head']
         >>> model.apply({"params": params}, tokens).shape
         (2, 8, 264)
+
+        Pipelined unevenly, one block on stage 0 (with the stem) and three on stage 1:
+
+        >>> import multimesh_flax as mm
+        >>> from models.pipeline import make_multimesh
+        >>> staged = GPT(get_config("gpt-tiny", num_layers=4), layers_per_stage=(1, 3))
+        >>> staged.stages
+        2
+        >>> with make_multimesh(2, 2, 2):
+        ...     placement = mm.layers.get_placement(staged, jax.random.key(0), tokens)
+        >>> {p.task: min(d.id for d in p.sharding.device_set) for p in placement.params}
+        {'blocks_0': 0, 'blocks_1': 4, 'blocks_2': 4, 'blocks_3': 4, 'head': 4, 'stem': 0}
     """
 
     stem_cls = GPTEmbed

@@ -14,8 +14,9 @@ it anywhere:
 
 `Llama` chains them. Its parameter tree has the top-level keys ``stem`` (``embed``),
 ``blocks_0`` ... ``blocks_{L-1}`` and ``head`` (``final_norm``, ``lm_head``): each stage's
-parameters are one sub-dict. The tree is the same whether or not the model is pipelined
-(``stages``, see `models.pipeline`).
+parameters are one sub-dict. The tree is the same whether or not the model is pipelined, and
+however its blocks are split between the stages (``stages`` or ``layers_per_stage``, see
+`models.pipeline`).
 """
 
 from __future__ import annotations
@@ -165,7 +166,16 @@ class Llama(StagedDecoder):
     Attributes:
         config: Model hyperparameters; ``config.family`` should be ``Family.LLAMA``.
         stages: ``None`` (run where called) or a pipeline stage count that divides
-            ``config.num_layers``; see `models.pipeline` (needs a current ``MultiMesh``).
+            ``config.num_layers``: an even split; see `models.pipeline` (needs a current
+            ``MultiMesh``).
+        layers_per_stage: ``None`` or the blocks of every stage (e.g. ``(1, 3, 3, 1)``),
+            adding up to ``config.num_layers``: an uneven split, instead of ``stages``. The
+            stem goes with the first stage and the head with the last, so only those may
+            hold no block.
+
+    Raises:
+        InvalidTaskError: ``stages`` does not divide the blocks, or ``layers_per_stage`` is
+            not a split of them (see `models.pipeline.get_layers_per_stage`).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -177,6 +187,8 @@ class Llama(StagedDecoder):
         ['stem', 'blocks_0', 'blocks_1', 'head']
         >>> model.apply({"params": params}, tokens).shape
         (2, 8, 264)
+        >>> Llama(get_config("llama-tiny", num_layers=4), layers_per_stage=(0, 3, 1)).stages
+        3
     """
 
     stem_cls = LlamaEmbed

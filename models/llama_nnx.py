@@ -10,15 +10,17 @@ NNX model unchanged, and both give the same logits. Every variable carries the L
 logical names as its ``out_sharding``, and activations are constrained with
 ``multimesh_flax.with_sharding_constraint`` (the identity when called eagerly).
 
-With ``stages=S`` the stem, blocks and head are ``Task[...]`` modules on the stages of a
-``("stage", "data", "model")`` MultiMesh exactly as in `models.pipeline`: stem on stage 0,
-block ``i`` on stage ``i * S // L``, head on stage ``S - 1``; constructed inside ``with
-multi_mesh:``, each stage's variables are born on its submesh. Not ported: the KV cache
-(``decode``); use the Linen model for generation.
+With ``stages=S`` or ``layers_per_stage=(n_0, ..., n_{S-1})`` the stem, blocks and head are
+``Task[...]`` modules on the stages of a ``("stage", "data", "model")`` MultiMesh exactly as
+in `models.pipeline`: stem on stage 0, the blocks in order (``L / S`` per stage, or ``n_s``
+on stage ``s``), head on stage ``S - 1``; constructed inside ``with multi_mesh:``, each
+stage's variables are born on its submesh. The variable paths do not depend on the split.
+Not ported: the KV cache (``decode``); use the Linen model for generation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -221,8 +223,8 @@ class LlamaHeadNNX(nnx.Module):
         return _constrain(self.lm_head(self.final_norm(x)), (BATCH, LENGTH, VOCAB))
 
 
-def _on_stage(cls: type, stage: int, stages: int | None) -> type:
-    if stages is None:
+def _on_stage(cls: type, stage: int, staged: bool) -> type:
+    if not staged:
         return cls
     return mm.task(cls, mesh_slice={"stage": stage}, logical_axes=NNX_LOGICAL_RULES)
 
@@ -233,9 +235,18 @@ class LlamaNNX(nnx.Module):
     Args:
         config: Model hyperparameters (``models.get_config("llama-tiny")``, ...).
         stages: ``None`` (plain modules) or a pipeline stage count dividing
-            ``config.num_layers``; then construct it inside ``with multi_mesh:`` (a
-            ``("stage", "data", "model")`` MultiMesh, `models.pipeline.make_multimesh`).
+            ``config.num_layers`` (an even split); then construct it inside ``with
+            multi_mesh:`` (a ``("stage", "data", "model")`` MultiMesh,
+            `models.pipeline.make_multimesh`).
+        layers_per_stage: ``None`` or the blocks of every stage (e.g. ``(1, 3, 3, 1)``),
+            adding up to ``config.num_layers``: an uneven split, instead of ``stages``
+            (construct it inside ``with multi_mesh:`` likewise). Only the first stage (with
+            the stem) and the last (with the head) may hold no block.
         rngs: NNX random streams (``params``; ``dropout`` for training with dropout).
+
+    Raises:
+        InvalidTaskError: ``stages`` does not divide the blocks, or ``layers_per_stage`` is
+            not a split of them (see `models.pipeline.get_layers_per_stage`).
 
     Example:
         >>> from flax import nnx
@@ -247,19 +258,35 @@ class LlamaNNX(nnx.Module):
         (2, 8, 264)
         >>> model.blocks_1.attn.key.kernel.get_value().shape  # as in the Linen tree
         (64, 2, 16)
+
+        Three blocks on stage 0 (with the stem), one on stage 1 (with the head):
+
+        >>> from models.pipeline import make_multimesh
+        >>> with make_multimesh(2, 2, 2):
+        ...     staged = LlamaNNX(get_config("llama-tiny", num_layers=4),
+        ...                       layers_per_stage=(3, 1), rngs=nnx.Rngs(0))
+        >>> sorted(d.id for d in staged.blocks_3.mlp.up.kernel.get_value().devices())
+        [4, 5, 6, 7]
     """
 
-    def __init__(self, config: ModelConfig, *, stages: int | None = None, rngs: nnx.Rngs) -> None:
-        if stages is not None:
-            pipeline.check_stages(config.num_layers, stages)
-        last = 0 if stages is None else stages - 1
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        stages: int | None = None,
+        layers_per_stage: Sequence[int] | None = None,
+        rngs: nnx.Rngs,
+    ) -> None:
+        split = pipeline.get_layers_per_stage(config.num_layers, stages, layers_per_stage)
+        staged = split is not None
+        where = pipeline.block_stages(split) if staged else (0,) * config.num_layers
+        last = len(split) - 1 if staged else 0
         self.num_layers = config.num_layers
         self.config = config
-        self.stem = _on_stage(LlamaEmbedNNX, 0, stages)(config, rngs=rngs)
-        for i in range(config.num_layers):
-            stage = 0 if stages is None else pipeline.stage_of_block(i, config.num_layers, stages)
-            setattr(self, f"blocks_{i}", _on_stage(LlamaBlockNNX, stage, stages)(config, rngs=rngs))
-        self.head = _on_stage(LlamaHeadNNX, last, stages)(config, rngs=rngs)
+        self.stem = _on_stage(LlamaEmbedNNX, 0, staged)(config, rngs=rngs)
+        for i, stage in enumerate(where):
+            setattr(self, f"blocks_{i}", _on_stage(LlamaBlockNNX, stage, staged)(config, rngs=rngs))
+        self.head = _on_stage(LlamaHeadNNX, last, staged)(config, rngs=rngs)
 
     def __call__(
         self, tokens: jax.Array, positions: jax.Array | None = None, *, deterministic: bool = True

@@ -52,7 +52,8 @@ def whole_run(tmp_path_factory):
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = _cli.main(
-            ["train", "--out", str(out), *TINY, "--steps", str(STEPS), "--check-reference", "--samples"]
+            ["train", "--out", str(out), *TINY, "--steps", str(STEPS), "--check-reference"]
+            + ["--samples"]  # this run's samples are checked below
         )
     assert code == 0, stderr.getvalue()
     return out, json.loads((out / "metrics.json").read_text()), stdout.getvalue()
@@ -131,6 +132,31 @@ def test_default_arguments_parse_to_the_documented_run(tmp_path, monkeypatch):
     assert not (tmp_path / "runs").exists()  # nothing is written before training
 
 
+def test_layers_per_stage_sets_the_stage_count_and_resume_may_change_it(monkeypatch):
+    def resolve(*args):
+        parsed = vars(_cli._parser().parse_args(["train", "--out", "run", *args]))
+        given = {k: v for k, v in parsed.items() if k not in ("command", "devices")}
+        return _run_options.resolve_options(given)
+
+    uneven = resolve("--layers", "8", "--layers-per-stage", "1,3,3,1", "--tensor", "1")
+    assert (uneven.stages, uneven.layers_per_stage, uneven.layout) == (4, (1, 3, 3, 1), "4x2x1")
+    assert _run_options.check_options(uneven, jax.device_count()).num_layers == 8
+    with pytest.raises(RunOptionError, match=r"`--stages` 2 and `--layers-per-stage` 1,3,3,1"):
+        resolve("--stages", "2", "--layers-per-stage", "1,3,3,1")
+    # A resumed run keeps its saved split (a JSON list) unless --stages or
+    # --layers-per-stage gives a new one.
+    saved = {k: getattr(uneven, k) for k in (*_run_options.RUN_KEYS, *_run_options.LAYOUT_KEYS)}
+    saved["layers_per_stage"] = [1, 3, 3, 1]
+    monkeypatch.setattr(_run_options, "_resume_dir", Path)
+    monkeypatch.setattr(_run_options, "_saved_options", lambda run_dir: saved)
+    kept = resolve("--resume")
+    assert (kept.stages, kept.layers_per_stage) == (4, (1, 3, 3, 1))
+    even = resolve("--resume", "--stages", "2")
+    assert (even.stages, even.layers_per_stage) == (2, None)
+    other = resolve("--resume", "--layers-per-stage", "3,5")
+    assert (other.stages, other.layers_per_stage) == (2, (3, 5))
+
+
 BAD_TRAIN_ARGS = {
     "stages_do_not_divide_layers": (["--stages", "3"], "does not divide the 2 layers"),
     "device_product_mismatch": (["--tensor", "1"], "= 8 (the devices available)"),
@@ -139,6 +165,11 @@ BAD_TRAIN_ARGS = {
     "tensor_does_not_divide_heads": (["--stages", "1", "--tensor", "8", "--data", "1"], "heads"),
     "sequence_too_long": (["--seq-len", "129"], "`--seq-len` <= 128"),
     "non_positive_steps": (["--steps", "0"], "`--steps` to be a positive integer"),
+    "layers_per_stage_wrong_sum": (["--layers-per-stage", "1,2"], "add up to the 2 layers"),
+    "layers_per_stage_empty_middle": (
+        ["--layers", "4", "--layers-per-stage", "2,0,2"],
+        "leaves stage 1 without blocks",
+    ),
 }
 
 
@@ -159,6 +190,7 @@ BAD_COMMANDS = {
     "other_device_count": (["train", "--devices", "4"], "already runs with 8 CPU devices"),
     "unknown_schedule": (["train", "--schedule", "zigzag"], "invalid choice"),
     "not_a_number": (["train", "--steps", "many"], "invalid int value"),
+    "layers_per_stage_not_counts": (["train", "--layers-per-stage", "1;3"], "separated by commas"),
     "unknown_command": (["fly"], "invalid choice"),
     "odd_demo_devices": (["demo", "--devices", "3"], "even number"),
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,7 @@ def _stored_dtype(files: _files.TensorFiles, rules: list[Rule]) -> Any:
 
 def _read(
     folder: Path,
-    stages: int,
+    split: tuple[int | None, Sequence[int] | None],
     dtype: Any,
     vocab_multiple: int | None,
     put: Callable[[ModelConfig, ParamPath, np.ndarray], Any],
@@ -110,7 +110,7 @@ def _read(
             "directory. Pass the folder that holds config.json and the safetensors files."
         )
     config, tied = _config.read_config(folder, dtype or np.float32)
-    pipeline.check_stages(config.num_layers, stages)
+    pipeline.get_layers_per_stage(config.num_layers, *split)
     module = family_module(config)
     rules = module.rules(config, tied)
     vocab = _padded_vocab(config, vocab_multiple)
@@ -132,7 +132,8 @@ def _read(
 def load(
     path: str | os.PathLike,
     *,
-    stages: int = 1,
+    stages: int | None = None,
+    layers_per_stage: Sequence[int] | None = None,
     dtype: Any = None,
     vocab_multiple: int | None = None,
 ) -> tuple[ModelConfig, dict]:
@@ -145,8 +146,10 @@ def load(
     Args:
         path: A folder with ``config.json`` and ``model.safetensors`` (or sharded files with
             ``model.safetensors.index.json``), as ``save_pretrained`` writes it.
-        stages: The pipeline stage count the model will run with; checked to divide the
-            layers (the parameter tree itself is the same for every stage count).
+        stages: The pipeline stage count the model will run with, if any; checked to
+            divide the layers (the parameter tree itself is the same for every split).
+        layers_per_stage: Or the blocks of every stage, for an uneven split; checked to be
+            a split of the layers (`models.pipeline.get_layers_per_stage`).
         dtype: Cast every tensor to this dtype (and set the config's dtypes to it); ``None``
             keeps the stored dtype (bfloat16 and float16 checkpoints load as stored).
         vocab_multiple: Pad the vocabulary with zero rows up to a multiple of this, so it
@@ -163,7 +166,8 @@ def load(
             than ``"llama3"``, Llama's ``attention_bias``, Qwen's sliding-window layers, ...).
         PretrainedTensorError: A missing, extra, wrongly shaped or unreadable tensor, one
             with a non-floating dtype (``I32``, ...), or one holding NaN or inf values.
-        InvalidTaskError: `stages` does not divide the layer count.
+        InvalidTaskError: `stages` does not divide the layer count, or `layers_per_stage`
+            is not a split of it.
 
     Example:
         >>> from models import hf, make_model
@@ -176,7 +180,8 @@ def load(
         >>> qwen3.qk_norm, qwen3.head_dim, qwen3.embed_dim // qwen3.num_heads
         (True, 16, 8)
     """
-    return _read(Path(path), stages, dtype, vocab_multiple, lambda _c, _p, array: array)
+    split = (stages, layers_per_stage)
+    return _read(Path(path), split, dtype, vocab_multiple, lambda _c, _p, array: array)
 
 
 def load_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelConfig:
@@ -199,9 +204,11 @@ def load_config(path: str | os.PathLike, *, dtype: Any = None) -> ModelConfig:
     return _config.read_config(folder, dtype or stored)[0]
 
 
-def _placements(config: ModelConfig, stages: int, multimesh: mm.MultiMesh) -> dict:
-    model = make_model(config)
-    model = type(model)(config, stages=stages)
+def _placements(
+    config: ModelConfig, split: tuple[int | None, Sequence[int] | None], multimesh: mm.MultiMesh
+) -> dict:
+    stages, layers_per_stage = split
+    model = type(make_model(config))(config, stages=stages, layers_per_stage=layers_per_stage)
     batch = int(dict(multimesh.shape).get("data", 1))
     tokens = jax.ShapeDtypeStruct((batch, min(8, config.max_len)), np.int32)
     with multimesh:
@@ -224,21 +231,25 @@ def load_placed(
     path: str | os.PathLike,
     multimesh: mm.MultiMesh,
     *,
-    stages: int,
+    stages: int | None = None,
+    layers_per_stage: Sequence[int] | None = None,
     dtype: Any = None,
     vocab_multiple: int | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Like `load`, but every tensor goes straight onto its stage's submesh, sharded.
 
-    The shardings are those of the pipelined model (``GPT``/``Llama`` with ``stages``) on
-    `multimesh` (axes ``("stage", "data", "model")``, see `models.pipeline.make_multimesh`),
-    i.e. exactly where ``mm.parallelize_step`` keeps them, so ``state.replace(params=...)``
-    swaps them into a training state without moving anything.
+    The shardings are those of the pipelined model (``GPT``/``Llama`` with ``stages`` or
+    ``layers_per_stage``) on `multimesh` (axes ``("stage", "data", "model")``, see
+    `models.pipeline.make_multimesh`), i.e. exactly where ``mm.parallelize_step`` keeps
+    them, so ``state.replace(params=...)`` swaps them into a training state without moving
+    anything.
 
     Args:
         path: The model folder (see `load`).
         multimesh: The ``MultiMesh`` the model will run on.
         stages: The pipeline stage count; must divide the layers and match ``"stage"``.
+        layers_per_stage: Or the blocks of every stage (an uneven split, as for ``GPT``
+            and ``Llama``); its length must match ``"stage"``. One of the two is required.
         dtype: As for `load`.
         vocab_multiple: As for `load`; required when the vocabulary does not split over
             the ``model`` axis.
@@ -248,15 +259,23 @@ def load_placed(
 
     Raises:
         VocabularySplitError: The vocabulary does not split over the ``model`` axis.
+        InvalidTaskError: Neither `stages` nor `layers_per_stage` is given.
         Everything `load` raises.
     """
     folder = Path(path)
+    split = (stages, layers_per_stage)
+    if split == (None, None):
+        raise errors.InvalidTaskError(
+            "`load_placed` puts every tensor on its pipeline stage, so it needs the split: "
+            "got neither `stages` nor `layers_per_stage`. Pass `stages=S` (the size of the "
+            "MultiMesh's 'stage' axis) or `layers_per_stage=(...)`."
+        )
     shardings: dict = {}
 
     def put(config: ModelConfig, param: ParamPath, array: np.ndarray) -> jax.Array:
         if not shardings:
             _check_vocab_split(config, multimesh, folder)
-            shardings.update(_placements(config, stages, multimesh))
+            shardings.update(_placements(config, split, multimesh))
         return jax.device_put(array, shardings[param])
 
-    return _read(folder, stages, dtype, vocab_multiple, put)
+    return _read(folder, split, dtype, vocab_multiple, put)

@@ -4,6 +4,8 @@
   simulated CPU devices (real devices on a GPU host) with 4 microbatches under 1F1B, and
   writes a run folder: ``metrics.json``, ``loss.png``, ``timeline.png``, ``samples.txt`` and
   an orbax ``checkpoint/``. ``--resume`` continues a run, on the same or another layout.
+  ``--layers-per-stage 1,3,3,1`` splits the blocks unevenly between the stages (its length
+  is the stage count; the stem goes with the first stage, the head with the last).
   ``--init-from HF_DIR`` fine-tunes a Hugging Face GPT-2/Llama/Qwen/Mistral checkpoint instead
   (`models.hf`), on any stage layout, tokenizing with its ``tokenizer.json`` when it has one.
   ``--dataset PATH`` trains on the user's own ``.txt``/``.jsonl``/``.parquet`` files instead
@@ -94,6 +96,14 @@ def _add_train(sub: Any) -> None:
     add("--model", help=f"model preset: {', '.join(PRESETS)} ({d.model})")
     add("--layers", type=int, help="transformer blocks (default: the preset's)")
     add("--stages", type=int, help=f"pipeline stages; must divide the layers ({d.stages})")
+    add(
+        "--layers-per-stage",
+        type=_layers_per_stage,
+        metavar="N,N,...",
+        help="the blocks of every stage, e.g. 1,3,3,1 for 8 layers on 4 stages: an uneven "
+        "split instead of --stages (its length is the stage count); only the first stage "
+        "(with the embedding) and the last (with the head) may hold 0 (default: even)",
+    )
     add("--data", type=int, help=f"data-parallel replicas per stage ({d.data})")
     add("--tensor", type=int, help=f"tensor-parallel devices per replica ({d.tensor})")
     add("--microbatches", type=int, help=f"microbatches per step ({d.microbatches})")
@@ -175,6 +185,19 @@ def _add_train(sub: Any) -> None:
         "evenly between them (default: one process)",
     )
     _add_compile_cache(add)
+
+
+def _layers_per_stage(text: str) -> tuple[int, ...]:
+    """``--layers-per-stage``: comma-separated block counts, one per stage, each >= 0."""
+    try:
+        counts = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected block counts separated by commas, one per stage (e.g. 1,3,3,1), got {text!r}"
+        ) from None
+    if any(count < 0 for count in counts):
+        raise argparse.ArgumentTypeError(f"expected counts >= 0, got {text!r}")
+    return counts
 
 
 def _clip_norm(text: str) -> float:
@@ -351,7 +374,7 @@ def _run_train(args: argparse.Namespace) -> int:
         result = _train.train(options, report=lambda _: None)
         return 0 if result.stopped_by is None else _print_stop(result)
     print(
-        f"mmflax train: {model} on {options.layout} (stages x data x tensor), "
+        f"mmflax train: {model} on {options.layout_description}, "
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)

@@ -5,8 +5,9 @@ same saved settings, so they share this module:
 
 * `model_config` resolves a preset name and a layer count into a `models.ModelConfig`
   (`run_config` also reads it from a Hugging Face folder given as ``init_from``);
-  `make_model` builds the model for it, pipelined over ``stages`` or unstaged (``None``). The
-  parameter tree is the same either way, so a checkpoint moves between them.
+  `make_model` builds the model for it, pipelined over ``stages`` (or the uneven
+  ``layers_per_stage``) or unstaged (``None``). The parameter tree is the same either way, so
+  a checkpoint moves between them.
 * `compute_config`: the config a ``--precision`` computes in (bfloat16 activations for
   ``bf16`` and ``pure-bf16``). The optimizer lives in `_optimizer`.
 * `lm_loss` is the next-token cross entropy in ``parallelize_step``'s ``loss_fn`` form.
@@ -93,10 +94,15 @@ def make_tokenizer(init_from: str | None) -> Any:
     return ByteTokenizer(multiple=vocab)  # byte ids; decodes every id the model can emit
 
 
-def make_model(config: ModelConfig, stages: int | None = None) -> nn.Module:
-    """``GPT`` or ``Llama`` for ``config``, in ``stages`` pipeline stages (``None``: unstaged)."""
+def make_model(
+    config: ModelConfig,
+    stages: int | None = None,
+    layers_per_stage: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """``GPT`` or ``Llama`` for ``config``, in ``stages`` pipeline stages (``None``: unstaged),
+    or split as ``layers_per_stage`` says (the blocks of every stage)."""
     family = GPT if config.family is Family.GPT else Llama
-    return family(config, stages=stages)
+    return family(config, stages=stages, layers_per_stage=layers_per_stage)
 
 
 def compute_config(config: ModelConfig, precision: str) -> ModelConfig:

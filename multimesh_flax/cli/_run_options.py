@@ -10,8 +10,9 @@ resumed run may change (the parameter tree does not depend on them); `KEPT_KEYS`
 
 `resolve_options` fills what the user left unset -- with the defaults, or with ``resume``
 with the settings saved in the run's checkpoint -- and `check_options` rejects
-contradictions (an unknown preset, stages that do not divide the layers, a layout that does
-not cover the devices, a batch that the microbatches and data replicas do not divide)
+contradictions (an unknown preset, stages that do not divide the layers, a
+``layers_per_stage`` that is not a split of them, a layout that does not cover the devices,
+a batch that the microbatches and data replicas do not divide)
 before anything is traced or compiled, raising `multimesh_flax.cli.errors.RunOptionError`.
 """
 
@@ -57,7 +58,15 @@ RUN_KEYS = (
 """Settings that define a run: a resumed run keeps them."""
 KEPT_KEYS = ("eval_every", "tensorboard")
 """Settings a resumed run keeps unless they are given again."""
-LAYOUT_KEYS = ("stages", "data", "tensor", "microbatches", "schedule", "recompute")
+LAYOUT_KEYS = (
+    "stages",
+    "layers_per_stage",
+    "data",
+    "tensor",
+    "microbatches",
+    "schedule",
+    "recompute",
+)
 """Settings of the parallel layout: a resumed run may change them."""
 RUNS_DIR = Path("runs")
 PRETRAINED = "pretrained"
@@ -72,6 +81,8 @@ class TrainOptions:
         model: a preset of `models.PRESETS` (`PRETRAINED` with ``init_from``).
         layers: transformer blocks (``None``: the preset's count).
         stages, data, tensor: the layout: pipeline stages, each on ``data x tensor`` devices.
+        layers_per_stage: the blocks of every stage (``None``: ``layers / stages`` each);
+            ``stages`` is then its length. Part of the layout: a resumed run may change it.
         microbatches: microbatches per step; ``schedule``: their pipeline schedule.
         steps: optimizer steps this invocation runs (a resumed run runs that many more).
         batch_size, seq_len: windows per batch and tokens per window.
@@ -113,6 +124,7 @@ class TrainOptions:
     model: str = "gpt-tiny"
     layers: int | None = None
     stages: int = 2
+    layers_per_stage: tuple[int, ...] | None = None
     data: int = 2
     tensor: int = 2
     microbatches: int = 4
@@ -149,6 +161,15 @@ class TrainOptions:
     def layout(self) -> str:
         """``stages x data x tensor``, e.g. ``"2x2x2"``."""
         return f"{self.stages}x{self.data}x{self.tensor}"
+
+    @property
+    def layout_description(self) -> str:
+        """The layout for people: ``"2x2x2 (stages x data x tensor)"``, followed by the
+        blocks of every stage when ``layers_per_stage`` is set."""
+        text = f"{self.layout} (stages x data x tensor)"
+        if self.layers_per_stage is None:
+            return text
+        return f"{text}, blocks per stage {','.join(map(str, self.layers_per_stage))}"
 
     @property
     def rows_per_step(self) -> int:
@@ -243,6 +264,8 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
     if chosen.get("resume"):
         run_dir = _resume_dir(chosen.get("out"))
         saved = _saved_options(run_dir)
+        if {"stages", "layers_per_stage"} & chosen.keys():  # a new split replaces the saved one
+            saved = {k: v for k, v in saved.items() if k not in ("stages", "layers_per_stage")}
         defaults = TrainOptions()
         for key in RUN_KEYS:
             was = saved.get(key, getattr(defaults, key))  # older runs lack newer settings
@@ -258,10 +281,26 @@ def resolve_options(given: Mapping[str, Any]) -> TrainOptions:
         chosen.setdefault("out", fresh_run_dir())
     if chosen.get("init_from") is not None:
         chosen.setdefault("model", PRETRAINED)
+    _resolve_split(chosen)
     options = TrainOptions(**chosen)
     if options.layers is None and options.model in PRESETS:
         options = dataclasses.replace(options, layers=PRESETS[options.model].num_layers)
     return options
+
+
+def _resolve_split(chosen: dict[str, Any]) -> None:
+    """``layers_per_stage`` as a tuple, and ``stages`` its length (an error if one disagrees)."""
+    if chosen.get("layers_per_stage") is None:
+        return
+    split = tuple(chosen["layers_per_stage"])  # a list when read back from a checkpoint
+    stages = chosen.get("stages", len(split))
+    if stages != len(split):
+        raise _fail(
+            f"`--stages` {stages} and `--layers-per-stage` {','.join(map(str, split))} "
+            f"({len(split)} stages) disagree. Drop `--stages`: the length of "
+            "`--layers-per-stage` is the stage count."
+        )
+    chosen.update(layers_per_stage=split, stages=len(split))
 
 
 def _check_data_choice(chosen: Mapping[str, Any]) -> None:
@@ -337,12 +376,15 @@ def _check_model(options: TrainOptions) -> ModelConfig:
             f"Unknown `--model` preset {options.model!r}. Available presets: {', '.join(PRESETS)}."
         )
     config = _recipe.run_config(options.model, options.layers, options.init_from)
-    if config.num_layers % options.stages:
+    if options.layers_per_stage is not None:
+        _check_split(options, config)
+    elif config.num_layers % options.stages:
         divisors = [d for d in range(1, config.num_layers + 1) if config.num_layers % d == 0]
         raise _fail(
             f"`--stages` {options.stages} does not divide the {config.num_layers} layers of "
             f"{options.model}: every stage needs the same number of blocks. Use one of "
-            f"{divisors}, or change the layer count with `--layers`."
+            f"{divisors}, change the layer count with `--layers`, or split the layers "
+            "unevenly with `--layers-per-stage`."
         )
     if options.seq_len > config.max_len:
         raise _fail(
@@ -358,6 +400,26 @@ def _check_model(options: TrainOptions) -> ModelConfig:
             "which tensor parallelism splits. Use a `--tensor` that divides them (1, 2, ...)."
         )
     return config
+
+
+def _check_split(options: TrainOptions, config: ModelConfig) -> None:
+    """``--layers-per-stage`` against the model's layers (`models.pipeline`'s rules)."""
+    assert options.layers_per_stage is not None
+    split, layers = options.layers_per_stage, config.num_layers
+    text = ",".join(map(str, split))
+    if any(count < 0 for count in split) or sum(split) != layers:
+        raise _fail(
+            f"Expected `--layers-per-stage` to add up to the {layers} layers of "
+            f"{options.model}, got {text} (adding up to {sum(split)}). Give every stage its "
+            "blocks so that each layer has one, or change the layer count with `--layers`."
+        )
+    empty = [stage for stage in range(1, len(split) - 1) if split[stage] == 0]
+    if empty:
+        raise _fail(
+            f"`--layers-per-stage` {text} leaves stage {empty[0]} without blocks; only the "
+            "first stage (which holds the embedding) and the last (which holds the head) "
+            "may hold none. Drop that stage or move a block onto it."
+        )
 
 
 def _check_layout(options: TrainOptions, device_count: int) -> None:

@@ -1,8 +1,9 @@
 """Training runs behind ``mmflax train``: a reference model, pipelined, trained on a corpus.
 
 A run trains a preset of `models` (``gpt-tiny`` by default) cut into ``stages`` pipeline
-stages, each on a ``data x tensor`` submesh of a ``MultiMesh`` (`models.pipeline`), with
-``microbatches`` microbatches per step under a pipeline ``schedule``. The settings come from
+stages (evenly, or ``layers_per_stage`` blocks on each), each on a ``data x tensor`` submesh
+of a ``MultiMesh`` (`models.pipeline`), with ``microbatches`` microbatches per step under a
+pipeline ``schedule``. The settings come from
 `_run_options`; the step from ``parallelize_step`` (with the run's ``precision`` and
 ``recompute``); model, loss and batches from `_recipe`; the optimizer and its learning-rate
 schedule, which ends at the step the invocation is going to, from `_optimizer`.
@@ -176,7 +177,7 @@ def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
     K times ``--microbatches`` microbatches whose gradients it averages before the update.
     """
     multi = make_multimesh(options.stages, options.data, options.tensor)
-    model = _recipe.make_model(config, options.stages)
+    model = _recipe.make_model(config, options.stages, options.layers_per_stage)
     example = _recipe.example_batch(options.rows_per_step, options.seq_len)
     rng = jax.random.key(options.seed)
     rate = _optimizer.make_schedule(options.optimizer, horizon)
@@ -208,7 +209,13 @@ def _pretrained_params(options: TrainOptions, multi: mm.MultiMesh) -> Any:
 
     assert options.init_from is not None
     dtype = jnp.bfloat16 if options.precision == "pure-bf16" else np.float32  # as the state
-    _, params = hf.load_placed(options.init_from, multi, stages=options.stages, dtype=dtype)
+    _, params = hf.load_placed(
+        options.init_from,
+        multi,
+        stages=options.stages,
+        layers_per_stage=options.layers_per_stage,
+        dtype=dtype,
+    )
     return params
 
 
@@ -668,7 +675,7 @@ def _restore(
     if start == 0:
         return state
     state = ckpt.restore(start, target=state)
-    report(f"resumed step {start} of '{run_dir}' on layout {options.layout}")
+    report(f"resumed step {start} of '{run_dir}' on layout {options.layout_description}")
     return state
 
 
@@ -696,9 +703,16 @@ def _finish(
     for key in _run_files.EVAL_KEYS:
         evals[key] += steps.evals[key]
     end = start + steps.count
-    invocations.append({"start_step": start, "end_step": end, "layout": options.layout})
+    invocations.append(
+        {
+            "start_step": start,
+            "end_step": end,
+            "layout": options.layout,
+            "layers_per_stage": options.layers_per_stage,
+        }
+    )
     resumed_at = [v["start_step"] for v in invocations if v["start_step"] > 0]
-    title = f"{options.model}, {options.layout} (stages x data x tensor), {options.schedule}"
+    title = f"{options.model}, {options.layout_description}, {options.schedule}"
     prompt = _sample.DEFAULT_PROMPT
     header = f"{options.model} at step {start} (before) and step {end} (after); prompt {prompt!r}"
     if jax.process_index() == 0:

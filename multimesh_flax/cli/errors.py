@@ -15,16 +15,17 @@ class RunOptionError(MultiMeshError, ValueError):
     """An ``mmflax`` option contradicts the model, the devices or the run folder.
 
     Raised before anything is compiled: an unknown model preset, a ``--stages`` count that
-    does not divide the model's layers, ``--stages`` x ``--data`` x ``--tensor`` different
-    from the device count, a batch that ``--microbatches`` x ``--data`` does not divide, a
-    ``--tensor`` size that does not divide the heads or widths, a ``--devices`` count after
-    JAX already started with another, a ``--resume`` that changes the model or data of the
-    saved run, a fresh ``--out`` that already holds a run, an ``--eval-fraction`` outside
-    (0, 1) or without a ``--dataset`` to hold out from, a ``--grad-accum`` below 1, a
-    negative ``--clip-norm``, a ``--min-lr-ratio`` outside [0, 1], a ``--lr-schedule
-    cosine`` whose ``--warmup`` leaves no step to decay over, or ``--check-reference`` with
-    a bfloat16 ``--precision``. The message names the option, the value received and the
-    values that would work.
+    does not divide the model's layers, a ``--layers-per-stage`` that does not add up to
+    them, leaves a middle stage empty or disagrees with ``--stages``, ``--stages`` x
+    ``--data`` x ``--tensor`` different from the device count, a batch that
+    ``--microbatches`` x ``--data`` does not divide, a ``--tensor`` size that does not
+    divide the heads or widths, a ``--devices`` count after JAX already started with
+    another, a ``--resume`` that changes the model or data of the saved run, a fresh
+    ``--out`` that already holds a run, an ``--eval-fraction`` outside (0, 1) or without a
+    ``--dataset`` to hold out from, a ``--grad-accum`` below 1, a negative ``--clip-norm``,
+    a ``--min-lr-ratio`` outside [0, 1], a ``--lr-schedule cosine`` whose ``--warmup``
+    leaves no step to decay over, or ``--check-reference`` with a bfloat16 ``--precision``.
+    The message names the option, the value received and the values that would work.
     """
 
 

@@ -1,5 +1,6 @@
-"""The NNX Llama port: Linen's variable names, a Linen checkpoint gives the same logits, and
-pipelined training (2 stages, 1F1B, 4 microbatches) matches the single-device NNX run."""
+"""The NNX Llama port: Linen's variable names, a Linen checkpoint gives the same logits (also
+pipelined over an uneven split), and pipelined training (2 stages, 1F1B, 4 microbatches)
+matches the single-device NNX run."""
 
 import jax
 import jax.numpy as jnp
@@ -50,15 +51,17 @@ def test_variable_paths_and_shapes_are_the_linen_parameter_tree():
     assert shapes == jax.tree_util.tree_map(np.shape, params)
 
 
-def test_linen_checkpoint_gives_the_same_logits_plain_and_pipelined():
+def test_linen_checkpoint_gives_the_same_logits_plain_and_pipelined_unevenly():
     params = _linen_params()
     tokens = _batch()["inputs"]
     expected = Llama(CONFIG).apply({"params": params}, tokens)
     np.testing.assert_allclose(_plain_model(params)(tokens), expected, rtol=1e-5, atol=1e-5)
+    # An uneven split (the even one trains below): one block with the stem, three with the head.
     with make_multimesh(2, 2, 2):
-        staged = LlamaNNX(CONFIG, stages=2, rngs=nnx.Rngs(0))
+        staged = LlamaNNX(CONFIG, layers_per_stage=(1, 3), rngs=nnx.Rngs(0))
         load_linen_params(staged, params)
-        assert _ids(staged.blocks_3.mlp.up.kernel.get_value()) == [4, 5, 6, 7]
+        assert _ids(staged.blocks_0.mlp.up.kernel.get_value()) == [0, 1, 2, 3]
+        assert _ids(staged.blocks_1.mlp.up.kernel.get_value()) == [4, 5, 6, 7]
         logits = mm.jit(lambda m, x: m(x))(staged, tokens)
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5)
 

@@ -1,17 +1,29 @@
-"""Reference models with blocks on submeshes: placement, tied embeddings, and training
-parity with the single-device model."""
+"""Reference models with blocks on submeshes: placement, tied embeddings, training parity
+with the single-device model on even and uneven stage splits, and checkpoints that move
+between splits."""
+
+from pathlib import Path
 
 import jax
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 import multimesh_flax as mm
-from models import GPT, Llama, cross_entropy_loss, get_config
-from models.pipeline import check_stages, make_multimesh, stage_of_block
-from multimesh_flax import errors
+from models import GPT, Llama, cross_entropy_loss, get_config, hf
+from models.llama_nnx import LlamaNNX
+from models.pipeline import (
+    block_stages,
+    check_stages,
+    get_layers_per_stage,
+    make_multimesh,
+    stage_of_block,
+)
+from multimesh_flax import checkpoint, errors
 
 STEPS = 5
+GPT2_FOLDER = Path(__file__).resolve().parents[1] / "fixtures" / "hf" / "gpt2"
 
 
 def _batch(seed=0, batch=8, length=16):
@@ -47,23 +59,36 @@ def _ids(array):
     return sorted(d.id for d in array.devices())
 
 
-# Every pair of (layout, family), (layout, schedule) and (family, schedule) values once: a
-# pairwise cover of the 2 x 2 x 2 grid (each run compiles a whole pipelined step; GPT under
-# every schedule on 2 stages is also in test_pipeline_schedules.py).
+def _staged(family, config, split):
+    """``family`` pipelined over ``split``: a stage count (even) or the blocks per stage."""
+    if isinstance(split, int):
+        return family(config, stages=split)
+    return family(config, layers_per_stage=split)
+
+
+# Pairwise over (layout, family, schedule) and (even, uneven) split: every run compiles a whole
+# pipelined step. An int split is `stages=S`; a tuple is `layers_per_stage`, the uneven ones
+# with blocks-free end stages (only the stem or the head) among them. GPT under every
+# schedule on 2 even stages is also in test_pipeline_schedules.py.
 PAIRWISE = [
-    ((2, 2, 2), GPT, "gpipe"),
-    ((2, 2, 2), Llama, "1f1b"),
-    ((4, 2, 1), GPT, "1f1b"),
-    ((4, 2, 1), Llama, "gpipe"),
+    ((2, 2, 2), GPT, "gpipe", 2),
+    ((2, 2, 2), Llama, "1f1b", (3, 1)),
+    ((4, 2, 1), GPT, "1f1b", 4),
+    ((4, 2, 1), Llama, "gpipe", (0, 2, 2, 0)),
+    ((4, 2, 1), GPT, "zero-bubble-h2", (1, 2, 1, 0)),
 ]
 
 
+def _case_id(layout, family, schedule, split):
+    shape = "-".join(map(str, layout))
+    kind = "even" if isinstance(split, int) else "uneven" + "".join(map(str, split))
+    return f"{shape}-{family.__name__.lower()}-{schedule}-{kind}"
+
+
 @pytest.mark.parametrize(
-    "layout, family, schedule",
-    PAIRWISE,
-    ids=[f"{s}-{d}-{m}-{f.__name__.lower()}-{sch}" for (s, d, m), f, sch in PAIRWISE],
+    "layout, family, schedule, split", PAIRWISE, ids=[_case_id(*case) for case in PAIRWISE]
 )
-def test_pipelined_training_matches_single_device(layout, family, schedule):
+def test_pipelined_training_matches_single_device(layout, family, schedule, split):
     stages, data, model = layout
     config = get_config(f"{family.__name__.lower()}-tiny", num_layers=4)
     multi = make_multimesh(stages, data, model)
@@ -72,7 +97,7 @@ def test_pipelined_training_matches_single_device(layout, family, schedule):
     optimizer = optax.sgd(0.05, momentum=0.9)
     batches = [_batch(seed % 2) for seed in range(STEPS)]
     step, state, _ = mm.parallelize_step(
-        family(config, stages=stages),
+        _staged(family, config, split),
         optimizer,
         multi,
         batches[0],
@@ -82,11 +107,13 @@ def test_pipelined_training_matches_single_device(layout, family, schedule):
     )
     assert step.executable(state, batches[0]).schedule.name == schedule
     per_stage = 8 // stages
+    where = block_stages((4 // split,) * split if isinstance(split, int) else split)
     for i in range(4):
-        stage = stage_of_block(i, 4, stages)
-        expected = list(range(stage * per_stage, (stage + 1) * per_stage))
+        expected = list(range(where[i] * per_stage, (where[i] + 1) * per_stage))
         for leaf in jax.tree_util.tree_leaves(state.params[f"blocks_{i}"]):
             assert _ids(leaf) == expected
+    for leaf in jax.tree_util.tree_leaves(state.params["stem"]):
+        assert _ids(leaf) == list(range(per_stage))
     for leaf in jax.tree_util.tree_leaves(state.params["head"]):
         assert _ids(leaf) == list(range(8 - per_stage, 8))
     start = jax.tree_util.tree_map(np.asarray, state.params)
@@ -132,3 +159,97 @@ def test_stage_assignment_and_errors():
         jax.eval_shape(
             GPT(get_config("gpt-tiny"), stages=3).init, jax.random.key(0), _batch()["inputs"]
         )
+    assert get_layers_per_stage(4, stages=2, layers_per_stage=[1, 3]) == (1, 3)  # agreeing
+    assert block_stages(get_layers_per_stage(8, layers_per_stage=(1, 3, 3, 1))) == (
+        0, 1, 1, 1, 2, 2, 2, 3,
+    )  # fmt: skip
+    model = Llama(get_config("llama-tiny", num_layers=4), layers_per_stage=[0, 4])
+    assert (model.stages, model.layers_per_stage) == (2, (0, 4))
+    with pytest.raises(errors.InvalidTaskError, match="neither `stages` nor `layers_per_stage`"):
+        hf.load_placed(GPT2_FOLDER, make_multimesh(2, 2, 2))
+
+
+# `layers_per_stage` for 4 blocks that is not a split of them: the value, then what the
+# message must say (what was expected and what was received).
+BAD_SPLITS = {
+    "wrong_sum": (
+        dict(layers_per_stage=(1, 2)),
+        ("add up to the model's 4 blocks", "adds up to 3"),
+    ),
+    "negative": (dict(layers_per_stage=(5, -1)), (">= 0", "(5, -1)")),
+    "empty_middle_stage": (
+        dict(layers_per_stage=(2, 0, 2)),
+        ("between the first and the last", "stage 1 would run nothing", "e.g. (2, 2)"),
+    ),
+    "not_counts": (dict(layers_per_stage=4), ("sequence of block counts", "got 4", "stages=S")),
+    "disagrees_with_stages": (
+        dict(stages=4, layers_per_stage=(1, 3)),
+        ("`stages`=4", "(2 stages) disagree", "alone"),
+    ),
+}
+
+
+@pytest.mark.parametrize("kwargs, messages", BAD_SPLITS.values(), ids=BAD_SPLITS.keys())
+def test_bad_layers_per_stage_raise_invalid_task_error(kwargs, messages):
+    gpt, llama = get_config("gpt-tiny", num_layers=4), get_config("llama-tiny", num_layers=4)
+    builders = [
+        lambda: get_layers_per_stage(4, **kwargs),
+        lambda: GPT(gpt, **kwargs),
+        lambda: Llama(llama, **kwargs),
+        lambda: LlamaNNX(llama, **kwargs, rngs=None),
+        lambda: hf.load(GPT2_FOLDER, **kwargs),  # 4 layers
+    ]
+    for build in builders:
+        with pytest.raises(errors.InvalidTaskError) as raised:
+            build()
+        for message in messages:
+            assert message in str(raised.value)
+
+
+def _placed(model, params, multi, abstract=False):
+    """``params`` (host arrays) where the pipelined ``model`` keeps them on ``multi``; or,
+    with ``abstract``, their shapes with those shardings (a restore target)."""
+    with multi:
+        placement = mm.layers.get_placement(model, jax.random.key(0), _batch()["inputs"])
+    shardings = {tuple(p.path.split("/")): p.sharding for p in placement.params}
+
+    def put(path, x):
+        sharding = shardings[tuple(k.key for k in path)]
+        if abstract:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        return jax.device_put(x, sharding)
+
+    return jax.tree_util.tree_map_with_path(put, params)
+
+
+def test_checkpoints_move_between_even_and_uneven_splits_bit_exactly(tmp_path):
+    config, tokens = get_config("gpt-tiny", num_layers=4), _batch()["inputs"]
+    shapes = jax.eval_shape(GPT(config).init, jax.random.key(3), tokens)["params"]
+    rng = np.random.default_rng(3)  # random values of the right shapes: no init to compile
+    params = jax.tree_util.tree_map(
+        lambda x: (0.1 * rng.standard_normal(x.shape)).astype(np.float32), nn.meta.unbox(shapes)
+    )
+    multi = make_multimesh(2, 2, 2)
+    even, uneven = GPT(config, stages=2), GPT(config, layers_per_stage=(1, 3))
+    saved = _placed(even, params, multi)
+    assert _ids(saved["blocks_1"]["mlp"]["fc"]["kernel"]) == [0, 1, 2, 3]
+    checkpoint.save_checkpoint(tmp_path / "even", 1, saved)
+
+    restored = checkpoint.restore_checkpoint(
+        tmp_path / "even", _placed(uneven, params, multi, abstract=True)
+    )
+    assert _ids(restored["blocks_1"]["mlp"]["fc"]["kernel"]) == [4, 5, 6, 7]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, restored, params)
+    with multi:
+        logits = {
+            name: mm.jit(lambda p, x, model=model: model.apply({"params": p}, x))(p, tokens)
+            for name, model, p in (("even", even, saved), ("uneven", uneven, restored))
+        }
+    np.testing.assert_array_equal(logits["uneven"], logits["even"])
+
+    # ... and back from the uneven split onto another even layout: 4 stages of 2 devices.
+    checkpoint.save_checkpoint(tmp_path / "uneven", 1, restored)
+    four = _placed(GPT(config, stages=4), params, make_multimesh(4, 2, 1), abstract=True)
+    back = checkpoint.restore_checkpoint(tmp_path / "uneven", four)
+    assert _ids(back["blocks_1"]["mlp"]["fc"]["kernel"]) == [2, 3]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
