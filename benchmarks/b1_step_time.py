@@ -2,10 +2,11 @@
 
 For each workload (``gpt-tiny`` with 4 blocks; ``gpt-small`` at a reduced batch and sequence
 length) the ``jax.jit`` baselines of ``_common.LAYOUTS`` (two of them in a smoke run) are
-timed together, round by round, and the fastest is *the* baseline. Then every pipelined configuration -- 2 and 4
-stages, ``m`` microbatches, GPipe and 1F1B (identical for ``m = 1``, run once) -- is timed
-alternating step by step with that baseline; the reported ratio is the median step time of
-the pipeline over the baseline's median over the same rounds. Target: at most 1.10 for
+timed together, round by round, and the fastest is *the* baseline. Then every pipelined
+configuration -- 2 and 4 stages, ``m`` microbatches, GPipe and 1F1B (identical for
+``m = 1``, run once) -- is timed alternating step by step with that baseline; the reported
+ratio is the median step time of the pipeline over the baseline's median over the same
+rounds. Target: at most 1.10 for
 ``m <= 4``. Compilations during the timed steps are counted too (they must be 0).
 
 For ``gpt-tiny`` every ``m > 1`` configuration is also timed against ``jax.jit`` in the best

@@ -195,7 +195,7 @@ MUTATIONS = (
     Mutation(
         "blocks-abstract-constraints",
         "multimesh_flax/core/run/_compile.py",
-        "    if _blocks.is_block(eqn):\n        return _abstract_block(eqn)\n",
+        "    if is_block(eqn):\n        return _abstract_block(eqn)\n",
         "",
         ("tests/core/test_blocks.py",),
         "blocks: constraints inside a block keep their concrete mesh (stages share no program)",
@@ -203,7 +203,7 @@ MUTATIONS = (
     Mutation(
         "blocks-first-constraint",
         "multimesh_flax/core/fragment/_inputs.py",
-        "            if _blocks.is_block(eqn):",
+        "            if is_block(eqn):",
         "            if False:",
         ("tests/core/test_blocks.py",),
         "blocks: an input's first constraint inside a block is not seen (it arrives replicated)",
@@ -211,7 +211,7 @@ MUTATIONS = (
     Mutation(
         "blocks-output-sums",
         "multimesh_flax/core/trace/_blocks.py",
-        "    single = _output_sums(body.eqns, cls.template.outvars)",
+        "    single = _output_sums(eqns, template.outvars)",
         "    single: set[int] = set()",
         ("tests/core/test_accumulate.py",),
         "blocks: a tied gradient's in-microbatch sum is hidden in a block (no per-submesh sums)",
@@ -259,16 +259,16 @@ MUTATIONS = (
     Mutation(
         "accumulate-bundle-mixed-only",
         "multimesh_flax/core/plan/_accumulate.py",
-        "        if not (glue and facts.microbatch is None and _blocks.is_sum(eqn)):",
-        "        if not (facts.mixed and _blocks.is_sum(eqn)):",
+        "        if not (glue and equation.microbatch is None and is_sum(eqn)):",
+        "        if not (equation.mixed and is_sum(eqn)):",
         ("tests/core/test_accumulate.py",),
         "bundles: the loop's own sums over microbatches (gradients taken inside it) stay unbundled",
     ),
     Mutation(
         "sink-units-off",
         "multimesh_flax/core/fragment/_partition.py",
-        "    changed = _sink.sink_into_units(traced, plan, fragments) or changed",
-        "    changed = bool(changed)",
+        "    moved = _sink.sink_into_units(traced, order) or moved",
+        "    moved = bool(moved)",
         ("tests/core/test_sink_units.py",),
         "a microbatch's input-only glue (the loss's one-hot backward) stays pooled up front",
     ),
@@ -340,8 +340,8 @@ MUTATIONS = (
     Mutation(
         "loops-first-use",
         "multimesh_flax/core/trace/_trace.py",
-        "    late = [id(eqns[i]) in inliner.recomputed for i in program.origins]",
-        "    late = [False for i in program.origins]",
+        "        if id(source.eqn) in captured.recomputed:",
+        "        if False:",
         ("tests/core/test_loops.py",),
         "loops: a hoisted value recomputed before the whole body puts its stage first",
     ),
@@ -356,7 +356,7 @@ MUTATIONS = (
     Mutation(
         "fast-path-autoshard",
         "multimesh_flax/core/trace/_trace.py",
-        "        _config.autoshard(),\n        _session.trace_session() as session,",
+        "        autoshard(),\n        _session.trace_session() as session,",
         "        _session.trace_session() as session,",
         ("tests/core/test_parallelize_spmd.py",),
         "tracing: programs (the task-free fast path too) are traced without autoshard",

@@ -135,7 +135,8 @@ def qwen3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("qwen3") / "run"
     init = str(FIXTURES / "qwen3")
     code, stdout, stderr = _main(
-        "train", "--init-from", init, "--out", str(out), "--steps", "2", *TINY, *QWEN3_LAYOUT, "--no-samples"
+        *("train", "--init-from", init, "--out", str(out), "--steps", "2", *TINY, *QWEN3_LAYOUT),
+        "--no-samples",
     )
     assert code == 0, stderr
     return out, json.loads((out / "metrics.json").read_text())
