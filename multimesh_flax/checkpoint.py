@@ -66,6 +66,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -627,9 +628,17 @@ def _damage(error: BaseException) -> str | None:
     return None
 
 
-def _is_orbax_coroutine(unraisable: Any) -> bool:
+def _is_abandoned_read(unraisable: Any) -> bool:
+    """An orbax read coroutine closed by the collector, or a read's completion posted to its
+    closed event loop (``RuntimeError: Event loop is closed`` raised inside asyncio)."""
     code = getattr(unraisable.object, "cr_code", None)
-    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+    if code is not None:
+        return f"{os.sep}orbax{os.sep}" in code.co_filename
+    error = getattr(unraisable, "exc_value", None)
+    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
+        return False
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and f"{os.sep}asyncio{os.sep}" in frames[-1].filename
 
 
 def _drop_abandoned_reads() -> None:
@@ -639,16 +648,17 @@ def _drop_abandoned_reads() -> None:
     still pending, so when one leaf's read fails the reads of the other leaves stay
     suspended; they are closed whenever the garbage collector reaches them, which may be
     long after the restore, once tensorstore lets go of them. Each then reports an
-    exception that says nothing (the failure itself is raised to the caller). From the
-    first failed restore on, reports whose object is one of orbax's coroutines are dropped;
-    every other report goes to the hook that was installed before.
+    exception that says nothing (the failure itself is raised to the caller); a read that
+    completes after the loop closed reports "Event loop is closed". From the first failed
+    restore on, those two reports are dropped (`_is_abandoned_read`); every other report
+    goes to the hook that was installed before.
     """
     if getattr(sys.unraisablehook, "_drops_orbax_reads", False):
         return
     report = sys.unraisablehook
 
     def drop_orbax_reads(unraisable: Any) -> None:
-        if not _is_orbax_coroutine(unraisable):
+        if not _is_abandoned_read(unraisable):
             report(unraisable)
 
     drop_orbax_reads._drops_orbax_reads = True  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ hard timeout and is killed by its pid.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import glob
 import json
@@ -286,10 +287,22 @@ def test_abandoned_reads_of_a_failed_restore_report_nothing(tmp_path, monkeypatc
     read = serialization._read_array_index_and_device_put(*[None] * 3, **_READ_ARGS)
     try:
         sys.unraisablehook(SimpleNamespace(object=read))
+        sys.unraisablehook(SimpleNamespace(object=None, exc_value=_closed_loop_error()))
         sys.unraisablehook(other := SimpleNamespace(object=object()))
     finally:
         read.close()
     assert reports == [other]
+
+
+def _closed_loop_error() -> RuntimeError:
+    """What a read finishing after orbax closed its event loop reports."""
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        return e
+    raise AssertionError("a closed loop accepted a callback")
 
 
 _READ_ARGS = dict.fromkeys(

@@ -642,8 +642,8 @@ class ParallelStep:
         prepare_batch: with ``local_batch``, ``prepare_batch(local)`` assembles the global
             batch from this process's part in the step's input shardings; else ``None``.
 
-    Unpacking works as in earlier versions: ``step, state, mesh = ...``, with a fourth
-    value, ``prepare_batch``, only when it is not ``None``.
+    Unpacking and indexing work as in earlier versions: ``step, state, mesh = ...``, with a
+    fourth value, ``prepare_batch``, only when it is not ``None``.
     """
 
     step: StepFn
@@ -651,11 +651,18 @@ class ParallelStep:
     mesh: Any
     prepare_batch: Callable[[Any], Any] | None = None
 
-    def __iter__(self) -> Any:
+    def _values(self) -> tuple[Any, ...]:
         values = (self.step, self.state, self.mesh)
-        if self.prepare_batch is not None:
-            values += (self.prepare_batch,)
-        return iter(values)
+        return values if self.prepare_batch is None else (*values, self.prepare_batch)
+
+    def __iter__(self) -> Any:
+        return iter(self._values())
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self._values()[index]
 
     def __repr__(self) -> str:
         extra = ", prepare_batch" if self.prepare_batch is not None else ""

@@ -178,6 +178,7 @@ def test_the_result_is_a_named_record_that_unpacks_to_three_without_local_batch(
     assert repr(built) == "ParallelStep(step, state at step 0, mesh)"
     step, state, mesh = built
     assert step is built.step and state is built.state and mesh is built.mesh
+    assert len(built) == 3 and built[0] is step and built[:2] == (step, state)
 
 
 def test_replicate_inputs_false_splits_the_batch_over_the_submesh():
