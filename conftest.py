@@ -84,3 +84,17 @@ def _default_sigint_and_sigterm():
     if threading.current_thread() is threading.main_thread():
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "heavy: runs for 15 s or more; scheduled first, so the two workers finish together",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    """``heavy`` tests first (stable otherwise): with ``--dist loadgroup`` (``dev.py test``)
+    the workers take tests one at a time in this order, and the longest ones started first
+    leave short ones, not a long one, for the end of the run."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)

@@ -51,7 +51,10 @@ def main(argv: list[str]) -> int:
     if argv[0] == "run":
         cmd = [str(BIN / "mmflax"), *(argv[1:] or ["train"])]  # default: the main job
     else:
-        cmd = [str(BIN / "python"), "-m", "pytest", "-n", "2", "-q", *argv[1:]]
+        # loadgroup: a module marked `xdist_group` (it shares an expensive fixture) runs on one
+        # worker; every other test is handed out one at a time, the `heavy` ones first.
+        cmd = [str(BIN / "python"), "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q"]
+        cmd += argv[1:]
     return subprocess.run(cmd, cwd=ROOT, env=env).returncode
 
 

@@ -68,6 +68,7 @@ def _initial_params(workload):
     return model, nn.unbox(params)["params"]
 
 
+@pytest.mark.heavy
 def test_peer_gradients_equal_the_unpipelined_gradients():
     workload, stages, microbatches = _common.TINY, 2, 4
     model, params = _initial_params(workload)
@@ -81,6 +82,7 @@ def test_peer_gradients_equal_the_unpipelined_gradients():
     _assert_trees_close(spmd.unstack_params(grads), want_grads, ATOL)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 4)])
 def test_peer_steps_equal_the_unpipelined_step(stages, microbatches):
     workload = _common.TINY

@@ -13,6 +13,9 @@ from pathlib import Path
 import jax
 import pytest
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the smoke run.
+pytestmark = pytest.mark.xdist_group("test_benchmarks")
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTION_FILES = {
     "b0_calibration": ["concurrency", "effective_parallel_devices"],

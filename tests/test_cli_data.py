@@ -280,6 +280,7 @@ def _params(out):
         return jax.tree.leaves(jax.tree.map(np.asarray, ckpt.restore()))
 
 
+@pytest.mark.heavy
 def test_train_on_jsonl_with_eval_and_resume_matches_the_uninterrupted_run(jsonl, tmp_path, capsys):
     """4 steps saving at step 2; then the run as a kill after that save leaves it (step 4's
     checkpoint gone), resumed: the same losses, evaluations and parameters, bit for bit."""

@@ -97,6 +97,7 @@ def reference_run(tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy
 def test_signals_and_kills_at_random_points_resume_to_the_uninterrupted_parameters(
     reference_run, tmp_path
 ):
@@ -154,6 +155,7 @@ def _assert_same_run(out: Path, reference: Path) -> None:
         assert loss == reference_losses[step], step
 
 
+@pytest.mark.heavy
 def test_a_non_finite_step_stops_the_run_naming_it_and_only_finite_states_are_saved(
     tmp_path, capsys
 ):

@@ -21,6 +21,9 @@ import safetensors
 from models import cross_entropy_loss, hf, make_model
 from multimesh_flax.cli import _cli, _recipe, _sample
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the two fine-tuning runs.
+pytestmark = pytest.mark.xdist_group("test_cli_pretrained")
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "hf"
 TINY = ["--batch-size", "8", "--seq-len", "32", "--warmup", "1", "--log-every", "1"]
 LAYOUT = ["--stages", "4", "--data", "2", "--tensor", "1"]

@@ -34,6 +34,9 @@ from multimesh_flax.cli import _cli, _data, _optimizer, _recipe, _run_options, _
 from multimesh_flax.cli._optimizer import OptimizerSettings
 from multimesh_flax.cli.errors import RunOptionError
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the recipe runs.
+pytestmark = pytest.mark.xdist_group("test_cli_recipe")
+
 LR, WARMUP, RATIO, CLIP, STEPS = 5e-3, 1, 0.2, 0.5, 4
 TINY = [
     *("--batch-size", "8", "--seq-len", "32", "--microbatches", "2", "--log-every", "1"),

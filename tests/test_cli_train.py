@@ -25,6 +25,9 @@ from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _cli, _run_options, _sample
 from multimesh_flax.cli.errors import RunOptionError
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the trained run.
+pytestmark = pytest.mark.xdist_group("test_cli_train")
+
 # Text generation before and after training compiles four programs; only `whole_run` samples.
 TINY = [
     *("--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "4"),

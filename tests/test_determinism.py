@@ -31,6 +31,9 @@ import multimesh_flax as mm
 from models import GPT, cross_entropy_loss, get_config
 from models.pipeline import make_multimesh
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the cached training runs.
+pytestmark = pytest.mark.xdist_group("test_determinism")
+
 STEPS = 4
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -53,6 +53,7 @@ def test_there_are_notebooks():
     assert len(SOURCES) >= 8, [p.name for p in SOURCES]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("source", SOURCES, ids=IDS)
 def test_notebook_runs_in_smoke_mode(source, monkeypatch):
     monkeypatch.setenv("MMFLAX_SMOKE", "1")

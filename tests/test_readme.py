@@ -24,6 +24,9 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the README programs.
+pytestmark = pytest.mark.xdist_group("test_readme")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 

@@ -28,6 +28,7 @@ import os
 import jax
 import numpy as np
 import optax
+import pytest
 
 import multimesh_flax as mm
 from models import GPT, cross_entropy_loss, get_config
@@ -74,6 +75,7 @@ def _sample(step_fn, state, batch) -> dict:
     }
 
 
+@pytest.mark.heavy
 def test_500_pipelined_steps_do_not_leak():
     batches = [_batch(0), _batch(1)]
     step, state, _ = mm.parallelize_step(

@@ -25,6 +25,9 @@ import tensorstore as ts
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.distributed import launch
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the two-process job.
+pytestmark = pytest.mark.xdist_group("test_multiprocess")
+
 JOB = Path(__file__).with_name("mp_job.py")
 LOST_BOUND_S = 20.0  # heartbeat timeout 5 s + watchdog poll 0.1 s + slack for a loaded host
 

@@ -15,6 +15,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _cli
@@ -43,6 +44,7 @@ def _launch_train(out, *extra):
     return result.output(0)
 
 
+@pytest.mark.heavy
 def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     """Steps 1-3 in 2 processes, then ``--resume`` for steps 4-5 in 2 processes: the same
     losses and checkpoint as 5 steps in one process."""

@@ -12,6 +12,9 @@ import multimesh_flax as mm
 from multimesh_flax import layers
 from tests.layers._models import Pipeline
 
+# One worker runs these tests (dev.py's --dist loadgroup): they share the fp32 and bf16 runs.
+pytestmark = pytest.mark.xdist_group("test_precision")
+
 X = jax.random.normal(jax.random.key(1), (8, 16))
 Y = jax.random.normal(jax.random.key(2), (8, 16))
 STEPS = 50

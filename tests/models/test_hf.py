@@ -91,6 +91,7 @@ def test_load_placed_puts_every_tensor_on_its_stage_sharded():
     assert table.sharding.shard_shape(table.shape) == (config.vocab_size // 2, config.embed_dim)
 
 
+@pytest.mark.heavy
 def test_fine_tuning_a_loaded_checkpoint_pipelined_starts_from_its_loss():
     """The first pipelined training step's loss is the loss of transformers' logits."""
     tokens, expected = _reference("llama")

@@ -82,6 +82,7 @@ def _plain_step(model, optimizer, batch):
     return loss
 
 
+@pytest.mark.heavy
 def test_pipelined_training_matches_single_device():
     params = _linen_params()
     batches = [_batch(seed % 2) for seed in range(STEPS)]

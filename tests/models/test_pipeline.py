@@ -85,6 +85,7 @@ def _case_id(layout, family, schedule, split):
     return f"{shape}-{family.__name__.lower()}-{schedule}-{kind}"
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "layout, family, schedule, split", PAIRWISE, ids=[_case_id(*case) for case in PAIRWISE]
 )
