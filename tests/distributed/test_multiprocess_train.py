@@ -1,11 +1,15 @@
 """``mmflax train --processes 2`` and ``mmflax launch``: the main job across processes.
 
-The pipelined GPT (2 stages x (2 data x 2 tensor), 1F1B, 4 microbatches, 5 steps) runs as 2
-launched processes of 4 CPU devices -- 3 steps, then 2 more resumed from the checkpoint --
-and, for the reference, in this process on 8 devices (itself checked against the unstaged
-model by ``tests/test_cli_train.py``). The losses agree
-to 1e-6 relative; on this host they are bit-for-bit equal (every fragment is the same XLA
-program on the same devices, and the cross-process transfers copy values exactly).
+The pipelined GPT (2 stages x (2 data x 2 tensor), 1F1B, 4 microbatches, 5 steps) trains on
+a user's JSONL file (``--dataset``) as 2 launched processes of 4 CPU devices -- 3 steps,
+then 2 more resumed from the checkpoint -- and, for the reference, in this process on 8
+devices (itself checked against the unstaged model by ``tests/test_cli_train.py``). Each
+process builds the same grain stream, reads the part of every batch its devices hold (here
+process 0 the inputs for the first stage, process 1 the targets for the last) and resumes
+the stream from its checkpoint, so a shifted or lost position changes the losses. The
+losses agree to 1e-6 relative; on this host they are bit-for-bit equal (every fragment is
+the same XLA program on the same devices, and the cross-process transfers copy values
+exactly).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 
+from models import load_corpus
 from multimesh_flax.checkpoint import Checkpointer
 from multimesh_flax.cli import _cli
 from multimesh_flax.distributed import launch
@@ -28,6 +33,14 @@ TRAIN = [
     *("--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "1"),
     *("--compile-cache", "off", "--no-samples"),
 ]
+
+
+def _poe_jsonl(folder):
+    """The shipped Poe poems as a user's JSONL file, one stanza per document."""
+    stanzas = [d for d in load_corpus("poe_poems").split("\n\n") if d.strip()]
+    path = folder / "poe.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in stanzas))
+    return str(path)
 
 
 def _losses(out):
@@ -49,12 +62,14 @@ def test_train_in_two_processes_matches_one_process(tmp_path, capsys):
     """Steps 1-3 in 2 processes, then ``--resume`` for steps 4-5 in 2 processes: the same
     losses and checkpoint as 5 steps in one process."""
     multi, single = tmp_path / "multi", tmp_path / "single"
-    _launch_train(multi, "--steps", "3")
+    data = ("--dataset", _poe_jsonl(tmp_path))
+    _launch_train(multi, *data, "--steps", "3")
     assert (multi / "checkpoint" / "3").is_dir()
-    assert "resumed step 3" in _launch_train(multi, "--steps", "2", "--resume")
+    assert "resumed step 3" in _launch_train(multi, *data, "--steps", "2", "--resume")
     assert (multi / "checkpoint" / "5").is_dir()
-    assert _cli.main([*TRAIN, "--out", str(single)]) == 0
+    assert _cli.main([*TRAIN, *data, "--out", str(single)]) == 0
     capsys.readouterr()
+    assert len(_losses(multi)) == 5
     np.testing.assert_allclose(_losses(multi), _losses(single), rtol=1e-6, atol=0)
     saved = [Checkpointer(d / "checkpoint", read_only=True).restore() for d in (multi, single)]
     leaves = [jax.tree.leaves(jax.tree.map(np.asarray, tree)) for tree in saved]
