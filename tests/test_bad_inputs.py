@@ -166,23 +166,23 @@ class Env:
 
     def check_canary(self) -> None:
         np.testing.assert_array_equal(self._canary(), self.canary_value)
-        assert len(self.canary._cache) == 1  # nothing recompiled, nothing half-cached
+        assert self.canary.cache_size() == 1  # nothing recompiled, nothing half-cached
 
     def check_step(self) -> None:
         """The donated state survived the mistake: a valid step runs on it."""
         assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(self.state))
         loss, self.state = self.step(self.state, self.x)
         assert np.isfinite(float(loss))
-        assert len(self.step.jitted._cache) == 1
+        assert self.step.jitted.cache_size() == 1
 
     def check_pipelined(self) -> None:
         grads = self.pipelined(self.ws, self.x)
         assert all(np.isfinite(np.asarray(g)).all() for g in grads)
-        assert len(self.pipelined._cache) == 1
+        assert self.pipelined.cache_size() == 1
 
     def check_static(self) -> None:
         np.testing.assert_array_equal(self.static(self.x, ("a", "b")), 2 * np.ones((8, 4)))
-        assert len(self.static._cache) == 1
+        assert self.static.cache_size() == 1
 
 
 @contextlib.contextmanager

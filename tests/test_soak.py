@@ -67,7 +67,7 @@ def _sample(step_fn, state, batch) -> dict:
         "live_arrays": len(jax.live_arrays()),
         "gc_objects": len(gc.get_objects()),
         "rss_mib": _rss_mib(),
-        "compiled_programs": len(step_fn.jitted._cache),
+        "compiled_programs": step_fn.jitted.cache_size(),
         "compiled_fragments": step_fn.executable(state, batch).compile_count(),
         "fragment_cache": len(_compile._FRAGMENT_CACHE),
         # What traces learn lives on their TraceSession: none may outlive its program.

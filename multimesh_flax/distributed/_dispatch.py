@@ -47,7 +47,7 @@ import numpy as np
 from jax._src.api_util import InternalFloatingPointError  # jax_debug_nans; no public name
 from jax.sharding import NamedSharding
 
-from multimesh_flax.core.run import OpProgram, PutOp, RunOp
+from multimesh_flax.core.run import OpProgram, ProcessHandOff, PutOp, RunOp
 from multimesh_flax.distributed import _exchange, _inputs, _sequence, _watchdog, _wire
 
 logger = logging.getLogger(__name__)
@@ -238,3 +238,7 @@ def _as_named(sharding: Any) -> NamedSharding:
     if isinstance(sharding, NamedSharding):
         return sharding
     return _exchange.decode_sharding(_exchange.encode_sharding(sharding))
+
+
+# What the build hands ``compile_program`` in a multi-process job (``core.front._build``).
+HAND_OFF = ProcessHandOff(place=place, dispatcher=ProcessDispatch)

@@ -50,6 +50,10 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.distributed import _exchange, _sequence, _watchdog
 
+# The zero buffers, collectives and identity programs of the wires, per shape, mesh and
+# sharding: a program uses a handful; the bound keeps a long process's set finite.
+WIRE_CACHE_SIZE = 256
+
 WIRE = "_mmflax_wire"
 
 
@@ -62,12 +66,12 @@ def _flat(sharding: NamedSharding) -> list[Any]:
     return list(sharding.mesh.devices.flat)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=WIRE_CACHE_SIZE)
 def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> jax.Array:
     return jax.device_put(np.zeros(shape, dtype), device)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=WIRE_CACHE_SIZE)
 def _collective(mesh: Mesh, spec: PartitionSpec, kind: str) -> Any:
     if kind == "ppermute":
         body = functools.partial(lax.ppermute, axis_name=WIRE, perm=[(0, 1)])
@@ -81,7 +85,7 @@ def _collective(mesh: Mesh, spec: PartitionSpec, kind: str) -> Any:
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=out))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=WIRE_CACHE_SIZE)
 def _identity(sharding: NamedSharding) -> Any:
     return jax.jit(lambda x: x, out_shardings=sharding)
 

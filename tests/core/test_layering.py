@@ -7,10 +7,11 @@ declare -> trace -> plan -> fragment -> run -> front. A module may import module
 stage or of earlier stages only, so the graph is a DAG by construction; this file checks it
 from the source text (``ast``), the way a newcomer would read the imports.
 
-``multimesh_flax/distributed`` and the core meet at one op list: ``run._dispatch`` hands a
-multi-process call to ``distributed._dispatch``, which reads the ops from ``run._ops`` (through
-the ``run`` package's re-exports). No other module crosses between them, and the modules of
-both packages together form a DAG.
+``multimesh_flax/distributed`` and the core meet at one op list: ``distributed._dispatch``
+reads the ops from ``run._ops`` (through the ``run`` package's re-exports) and makes a
+``ProcessHandOff``, which the build (``front._build``, the last stage) passes to the compile
+pass in a multi-process job. No other module crosses between them, and the modules of both
+packages together form a DAG, package ``__init__.py`` files included.
 
 Each stage package's ``__init__.py`` re-exports the stage's entry points, and that is the
 only way in: a module of one stage imports names from another stage's package, never one of
@@ -240,12 +241,13 @@ def test_distributed_reads_the_core_only_through_the_op_list() -> None:
     assert {k: v for k, v in crossing.items() if v} == allowed
 
 
-def test_the_core_hands_only_dispatch_to_distributed() -> None:
+def test_only_the_build_reaches_distributed() -> None:
+    """The build chooses the multi-process dispatcher; ``run`` never imports it."""
     crossing = {
         name: sorted(t for t in _top_level_targets(path) if t.startswith("distributed."))
         for name, path in _modules().items()
     }
-    assert {k: v for k, v in crossing.items() if v} == {"run._dispatch": ["distributed._dispatch"]}
+    assert {k: v for k, v in crossing.items() if v} == {"front._build": ["distributed._dispatch"]}
 
 
 def test_the_op_list_imports_only_the_declare_stage() -> None:
@@ -322,38 +324,11 @@ def _cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_package_files_form_one_known_loop_at_the_op_list_hand_off() -> None:
-    """Counting each package ``__init__.py`` as a file of its own, the only loop is the
-    hand-off above: ``run/__init__`` re-exports ``MpmdExecutable`` (``run._dispatch``), which
-    hands a multi-process call to ``distributed._dispatch``, which reads the op records from
-    the ``run`` package. Python imports it in any order because ``run/__init__`` binds the op
-    records (``run._ops``) before it imports anything that reaches ``distributed``.
-    """
+def test_package_files_form_no_loop() -> None:
+    """Counting each package ``__init__.py`` as a file of its own, there is no loop either:
+    Python can import the packages in any order."""
     files = _package_files()
-    loops = _cycles({name: _file_targets(path, files) for name, path in files.items()})
-    assert loops == [
-        {
-            "core.run.__init__",
-            "core.run._dispatch",
-            "core.run._timeline_plot",
-            "distributed._dispatch",
-        }
-    ]
-    init = [n for n in ast.parse(files["core.run.__init__"].read_text()).body]
-    sources = [n.module for n in init if isinstance(n, ast.ImportFrom)]
-    first_other = next(i for i, m in enumerate(sources) if m != "multimesh_flax.core.run._ops")
-    assert all(m != "multimesh_flax.core.run._ops" for m in sources[first_other:]), sources
-    records = {
-        a.name for n in init[: first_other + 1] if isinstance(n, ast.ImportFrom) for a in n.names
-    }
-    distributed = ast.parse(files["distributed._dispatch"].read_text()).body
-    wanted = {
-        a.name
-        for n in distributed
-        if isinstance(n, ast.ImportFrom) and n.module == "multimesh_flax.core.run"
-        for a in n.names
-    }
-    assert wanted and wanted <= records
+    assert _cycles({name: _file_targets(path, files) for name, path in files.items()}) == []
 
 
 # --- the Flax layer -------------------------------------------------------------------------

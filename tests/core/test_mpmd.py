@@ -190,10 +190,26 @@ def test_arguments_differing_only_in_placement_share_one_program():
     elsewhere = [jax.device_put(w, NamedSharding(pair, P("p"))) for w in params]
     first = step(params, batch)
     _assert_trees_close(step(elsewhere, batch), first)
-    assert len(step._cache) == 1, "a placement change must move inputs, not rebuild"
+    assert step.cache_size() == 1, "a placement change must move inputs, not rebuild"
     halves = (batch[0][:4], batch[1][:4])
     _assert_trees_close(step(params, halves), _reference_value_and_grad(loss, params, halves))
-    assert len(step._cache) == 2
+    assert step.cache_size() == 2
+
+
+def test_a_function_keeps_its_most_recently_used_programs(monkeypatch):
+    from multimesh_flax.core.front import _jit
+
+    monkeypatch.setattr(_jit, "PROGRAMS_PER_FUNCTION", 2)
+    traced = []
+
+    def double(x):
+        traced.append(x.shape[0])
+        return 2 * x
+
+    jitted = mm.jit(double)
+    for n in (1, 2, 1, 3, 1, 2):  # 1 is used again before 3 arrives: 2 is the one forgotten
+        np.testing.assert_array_equal(jitted(jnp.ones(n)), 2 * np.ones(n))
+    assert traced == [1, 2, 3, 2] and jitted.cache_size() == 2
 
 
 def _reference_value_and_grad(loss, params, batch):

@@ -84,7 +84,7 @@ def test_later_steps_compile_nothing_and_donate_the_old_state():
         # The state is donated; the runtime hands a donated buffer to its only reader (the
         # optimizer update of the moments), never to the first of several (parameters).
         assert old.is_deleted(), "the step updates the optimizer in place, donating its state"
-        assert len(jitted.graph._cache) == 1
+        assert jitted.graph.cache_size() == 1
 
 
 def test_plain_arguments_take_the_core_jit():

@@ -49,6 +49,7 @@ from multimesh_flax.core.fragment import (
 from multimesh_flax.core.plan import plan_program
 from multimesh_flax.core.run import compile_program
 from multimesh_flax.core.trace import TracedProgram, capture_program, colour_program
+from multimesh_flax.distributed._dispatch import HAND_OFF
 
 PASSES = ("trace", "colour", "plan", "place", "cut", "arrange", "fuse", "compile")
 
@@ -77,7 +78,8 @@ def build_program(fun: Any, leaves: Sequence[Any], devices: Any, donate: tuple[i
             run: Any = FastPath(traced, donate)
         else:
             part = partition_program(traced, devices)  # plan, place, cut, arrange, fuse
-            run = compile_program(part, donate)  # compile
+            processes = HAND_OFF if jax.process_count() > 1 else None  # who dispatches
+            run = compile_program(part, donate, processes)  # compile
         seconds = {"trace": traced_at - start, "partition": time.perf_counter() - traced_at}
     return Build(run, traced, seconds)
 

@@ -4,13 +4,16 @@ Per distinct call signature (argument tree, shapes, dtypes, static arguments, de
 contexts) the function is traced once. If it contains no tasks and the fast path is on, the
 result is exactly ``jax.jit``. Otherwise the trace is planned, placed, fragmented and compiled
 into an ``MpmdExecutable`` (the passes of ``_build``); later calls with the same signature
-only dispatch.
+only dispatch. The programs of the `PROGRAMS_PER_FUNCTION` most recently used signatures are
+kept, as ``jax.jit`` keeps its own.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -38,7 +41,34 @@ from multimesh_flax.core.front._build import (
     partition_program,
 )
 from multimesh_flax.core.run import MpmdExecutable
-from multimesh_flax.core.trace import TracedProgram
+from multimesh_flax.core.trace import BoundedCache, TracedProgram
+
+# Programs one jitted function keeps (each holds its compiled fragments and op list).
+PROGRAMS_PER_FUNCTION = 64
+
+# A number per ``MultiMesh`` for cache keys. ``id`` is reused once an object dies, so a new
+# MultiMesh at a dead one's address would be served the dead one's program; these never are.
+_MESH_SERIALS = itertools.count()
+_MESH_TOKENS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _mesh_token(multimesh: Any) -> int | None:
+    """The never-reused number of ``multimesh`` (``None`` for no current MultiMesh).
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> first = mm.MultiMesh(axis_sizes=(8,), axis_names=("x",))
+        >>> token = _mesh_token(first)
+        >>> del first  # its id may now be reused; its token is not
+        >>> _mesh_token(mm.MultiMesh(axis_sizes=(8,), axis_names=("x",))) == token
+        False
+    """
+    if multimesh is None:
+        return None
+    token = _MESH_TOKENS.get(multimesh)
+    if token is None:
+        token = _MESH_TOKENS[multimesh] = next(_MESH_SERIALS)
+    return token
 
 
 def _normalise_argnums(argnums: int | Sequence[int], argument: str) -> tuple[int, ...]:
@@ -156,7 +186,7 @@ class MpmdJit:
         self.devices = None if devices is None else tuple(np.asarray(devices).reshape(-1))
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
-        self._cache: dict[Hashable, _Entry] = {}
+        self._cache = BoundedCache(capacity=PROGRAMS_PER_FUNCTION)
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
         bad = [i for i in self.static_argnums if i >= len(args)]
@@ -184,7 +214,7 @@ class MpmdJit:
             _leaf_keys(leaves),
             statics,
             self.devices or get_device_list(),
-            id(get_multi_mesh()),
+            _mesh_token(get_multi_mesh()),
             registrations_fingerprint(),  # registered tasks change the program
             get_flag("enable_recomputation"),
             get_flag("enable_fast_path"),
@@ -221,16 +251,17 @@ class MpmdJit:
 
     def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
-        entry = self._cache.get(key)
-        if entry is None:
+
+        def build(_: Hashable) -> _Entry:
             if self.donate_argnums:
                 _donation.check_count(self.donate_argnums, len(args))
             donated = self._donated_leaves(args)
             entry = self._build(leaves, in_tree, statics, donated)
             if donated:
                 entry.donation = _donation.Donation(donated, leaves)
-            self._cache[key] = entry
-        return entry, leaves
+            return entry
+
+        return self._cache.get_or_make(key, build), leaves
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_flag("ignore_transforms"):
@@ -299,6 +330,11 @@ class MpmdJit:
     def clear_cache(self) -> None:
         """Forgets every program built so far (as ``jax.jit``'s ``clear_cache``)."""
         self._cache.clear()
+
+    def cache_size(self) -> int:
+        """How many programs (one per call signature) are kept, at most
+        `PROGRAMS_PER_FUNCTION` (as ``jax.jit``'s ``_cache_size``)."""
+        return len(self._cache)
 
     def traced(self, *args: Any, **kwargs: Any) -> TracedProgram:
         """The traced program built for these arguments (built now if it was not)."""

@@ -38,8 +38,15 @@ from multimesh_flax.core.fragment import (
 from multimesh_flax.core.plan import SPLIT_NAMES
 from multimesh_flax.core.run import _debug_nans
 from multimesh_flax.core.run._compile import compile_fragment
-from multimesh_flax.core.run._ops import DispatchState, Op, OpKind, OpUnit, PutOp, RunOp
-from multimesh_flax.distributed import _dispatch as _processes
+from multimesh_flax.core.run._ops import (
+    DispatchState,
+    Op,
+    OpKind,
+    OpUnit,
+    ProcessHandOff,
+    PutOp,
+    RunOp,
+)
 
 _PHASE_NAMES = {Phase.F: "fwd", Phase.B: "bwd"}  # in fragment names: ``block.fwd[0]#3``
 _PHASE_WORDS = {Phase.F: "forward", Phase.B: "backward", Phase.W: "backward, weight gradients"}
@@ -157,7 +164,9 @@ def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
     return dataclasses.replace(frag, eqns=kept[::-1], invars=invars, outvars=outvars)
 
 
-def compile_program(part: Partition, donate: Sequence[int] = ()) -> MpmdExecutable:
+def compile_program(
+    part: Partition, donate: Sequence[int] = (), processes: ProcessHandOff | None = None
+) -> MpmdExecutable:
     """The *compile* pass: one cached program per distinct fragment of ``part``
     (``_compile.compile_fragment``: a ``jax.jit``, shared by identical fragments) and the op
     list over them, ready to dispatch.
@@ -165,9 +174,11 @@ def compile_program(part: Partition, donate: Sequence[int] = ()) -> MpmdExecutab
     XLA compiles each program at its first dispatch (``_ops``), when the shardings of its
     arguments are known, or relocates an executable compiled for an equally shaped submesh;
     ``describe()`` and ``compile_count()`` report the programs and executables.
-    ``donate``: positions of the program inputs whose buffers it may consume.
+    ``donate``: positions of the program inputs whose buffers it may consume. ``processes``:
+    in a multi-process job, how each process places constants and dispatches its own ops
+    (``multimesh_flax.distributed``'s hand-off); ``None`` runs every op in this process.
     """
-    return MpmdExecutable(part, donate)
+    return MpmdExecutable(part, donate, processes)
 
 
 class MpmdExecutable:
@@ -178,7 +189,12 @@ class MpmdExecutable:
     ``OpProgram`` a dispatcher reads (this class's ``__call__``, or ``ProcessDispatch``).
     """
 
-    def __init__(self, part: Partition, donate: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        part: Partition,
+        donate: Sequence[int] = (),
+        processes: ProcessHandOff | None = None,
+    ) -> None:
         self.partition = part
         self._slots: dict[tuple[Any, Any], int] = {}
         self._consts: dict[int, Any] = {}
@@ -193,14 +209,15 @@ class MpmdExecutable:
         for v, value in zip(jaxpr.constvars, part.traced.consts, strict=True):
             if v in part.input_place:
                 sharding = self._input_sharding(v)
-                self._consts[self._slot(v, part.home[v])] = _processes.place(value, sharding)
+                place = jax.device_put if processes is None else processes.place
+                self._consts[self._slot(v, part.home[v])] = place(value, sharding)
         ops = self._build_ops(set(donate))
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self.ops: tuple[Op, ...] = self._with_frees(ops)
         self.state = DispatchState(self.ops, len(self.input_shardings))
         # In a multi-process job each process dispatches only its own ops (see
         # multimesh_flax.distributed._dispatch); None: this process runs every op.
-        self.processes = _processes.ProcessDispatch(self) if jax.process_count() > 1 else None
+        self.processes = None if processes is None else processes.dispatcher(self)
 
     # --- planning ---
 

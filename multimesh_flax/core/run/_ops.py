@@ -11,7 +11,9 @@ Two dispatchers walk the same tuple: ``MpmdExecutable.__call__`` in one process,
 job. What a call learns (each fragment's executable for its argument shardings, each
 transfer's target shardings, the last input sharding that fitted) goes into the
 executable's ``DispatchState``, never into the ops. ``OpProgram`` is everything a dispatcher
-reads from an executable.
+reads from an executable; ``ProcessHandOff`` is what a multi-process job hands the compile
+pass (``multimesh_flax.distributed`` makes one; the build passes it when
+``jax.process_count() > 1``), so the core never imports the multi-process dispatcher.
 
 This module imports nothing from ``multimesh_flax`` but a named marker (``Sentinel``, from the
 ``declare`` stage), so both the core's runtime and ``multimesh_flax.distributed`` import it
@@ -192,3 +194,16 @@ class OpProgram(Protocol):
     def floating_point_error(
         self, op: RunOp, values: Sequence[Any], error: Exception
     ) -> FloatingPointError: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessHandOff:
+    """How each process of a multi-process job runs a program.
+
+    ``place(value, sharding)`` puts a traced constant on its devices (``None`` in a process
+    owning none of them); ``dispatcher(program)`` returns the callable that runs this
+    process's share of the program's ops on its arguments.
+    """
+
+    place: Callable[[Any, Any], Any]
+    dispatcher: Callable[[OpProgram], Callable[[Sequence[Any]], Any]]

@@ -167,6 +167,9 @@ class BoundedCache:
             self._items.popitem(last=False)
         return value
 
+    def clear(self) -> None:
+        self._items.clear()
+
     def __iter__(self) -> Any:
         return iter(self._items)
 
