@@ -267,8 +267,8 @@ MUTATIONS = (
     Mutation(
         "sink-units-off",
         "multimesh_flax/core/fragment/_partition.py",
-        "    moved = _sink.sink_into_units(traced, order) or moved",
-        "    moved = bool(moved)",
+        "    order = _sink.sink_into_units(traced, order)",
+        "    order = list(order)",
         ("tests/core/test_sink_units.py",),
         "a microbatch's input-only glue (the loss's one-hot backward) stays pooled up front",
     ),

@@ -269,7 +269,8 @@ def _assign_boundaries(
 
 def _merge_glue(order: Sequence[Fragment]) -> list[Fragment]:
     """Folds glue into the latest glue fragment on its place, in dispatch order (the
-    fragments' boundaries are left to :func:`_rebuild_boundaries`).
+    fragments' boundaries are left to :func:`_rebuild_boundaries`). A fragment that absorbs
+    others is a new one; ``order``'s fragments are not edited.
 
     Under a schedule the cutter keeps glue apart unless merging is order-neutral, which
     leaves the optimizer update and the state constraints as dozens of tiny fragments (one
@@ -284,10 +285,7 @@ def _merge_glue(order: Sequence[Fragment]) -> list[Fragment]:
     for frag in order:
         at = last_glue.get(frag.place) if frag.unit is None else None
         if at is not None and all(made_at.get(v, -1) <= at for v in frag.invars):
-            target = merged[at]
-            target.eqns.extend(frag.eqns)
-            if target.label is None and target.microbatch != frag.microbatch:
-                target.microbatch = None  # glue of several microbatches (a task's keeps its)
+            merged[at] = _absorb(merged[at], frag)
         else:
             at = len(merged)
             merged.append(frag)
@@ -298,6 +296,17 @@ def _merge_glue(order: Sequence[Fragment]) -> list[Fragment]:
     return merged
 
 
+def _absorb(target: Fragment, frag: Fragment) -> Fragment:
+    """``target`` followed by ``frag``'s equations, as one glue fragment."""
+    mixed = target.label is None and target.microbatch != frag.microbatch
+    return dataclasses.replace(
+        target,
+        eqns=[*target.eqns, *frag.eqns],
+        # glue of several microbatches belongs to none (a task's keeps its microbatch)
+        microbatch=None if mixed else target.microbatch,
+    )
+
+
 def arrange_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list[Fragment]:
     """The *arrange* pass: the fragments of a microbatched program in dispatch order, glue
     moved to its readers (new fragments; ``fragments`` are left as they are).
@@ -305,37 +314,28 @@ def arrange_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> l
     Under a schedule: ``plan.dispatch_order``, then :func:`_merge_glue`, then glue that only
     one later glue fragment reads moves there (``_sink.sink_glue``). Scheduled or not, a
     microbatch's input-only glue moves into the unit reading it (``_sink.sink_into_units``).
-    Those steps edit this pass's own copies of the fragments; boundaries are rebuilt once,
-    if any equation moved. Without microbatching the fragments stay in program order.
+    Each step returns a new list, with new fragments where equations moved; boundaries are
+    rebuilt once, if any did. Without microbatching the fragments stay in program order.
     """
     traced, plan = placed.traced, placed.plan
     if plan is None:
         return list(fragments)
-    ordered = dispatch_order(fragments, plan) if plan.scheduled else fragments
-    order = [_copy(frag) for frag in ordered]
-    moved = False
+    ordered = list(dispatch_order(fragments, plan) if plan.scheduled else fragments)
+    order = ordered
     if plan.scheduled:
-        merged = _merge_glue(order)
-        moved = len(merged) != len(order)
-        order = merged
-        moved = _sink.sink_glue(traced, order) or moved
-    moved = _sink.sink_into_units(traced, order) or moved
-    return _rebuild_boundaries(traced, order) if moved else order
-
-
-def _copy(frag: Fragment) -> Fragment:
-    """A fragment of its own (its lists copied), for the steps that edit fragments."""
-    return dataclasses.replace(
-        frag, eqns=list(frag.eqns), invars=list(frag.invars), outvars=list(frag.outvars)
-    )
+        order = _merge_glue(order)
+        order = _sink.sink_glue(traced, order)
+    order = _sink.sink_into_units(traced, order)
+    if len(order) == len(ordered) and all(a is b for a, b in zip(order, ordered, strict=True)):
+        return order  # nothing moved: the boundaries stand
+    return _rebuild_boundaries(traced, order)
 
 
 def _rebuild_boundaries(traced: TracedProgram, fragments: list[Fragment]) -> list[Fragment]:
-    """The non-empty fragments, their inputs and outputs recomputed after equations moved."""
-    fragments = [f for f in fragments if f.eqns]
+    """New fragments for the non-empty ones, their inputs and outputs recomputed after
+    equations moved."""
+    fragments = [dataclasses.replace(f, invars=[], outvars=[]) for f in fragments if f.eqns]
     made_in = {v: f.index for f in fragments for e in f.eqns for v in e.outvars}
-    for frag in fragments:
-        frag.invars, frag.outvars = [], []
     _assign_boundaries(traced, fragments, made_in)
     return fragments
 

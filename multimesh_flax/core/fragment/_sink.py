@@ -3,8 +3,9 @@
 Two steps of the arrange pass (``_partition.arrange_fragments``) share one mechanism
 (:func:`_moves`): an equation of a glue fragment whose results exactly one later fragment on
 its submesh reads, that reads no pipeline unit's output (so nothing it waits for changes) and
-is no program output, runs at the start of that reader. Both edit the fragments they are
-given: the arrange pass gives them its own copies, so its input stays as it was.
+is no program output, runs at the start of that reader. Both return a new fragment list:
+the fragments an equation left or joined are new (their boundaries are for the arrange pass
+to recompute), the others are the ones given, and nothing given is edited.
 
 * :func:`sink_glue` -- into later glue. Glue is dispatched as soon as its inputs exist, so
   work that only the optimizer update at the end of a step needs (Adam's ``b1 * mu``, weight
@@ -22,6 +23,7 @@ given: the arrange pass gives them its own copies, so its input stays as it was.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,24 +35,20 @@ from multimesh_flax.core.trace import TracedProgram, equation_key
 _Move = tuple[int, Any, int]
 
 
-def sink_glue(traced: TracedProgram, order: Sequence[Any]) -> bool:
-    """Moves glue equations whose results only one later glue fragment on the same place
-    reads into that fragment; returns whether any moved.
-
-    It edits the fragments of ``order``: the arrange pass hands it its own copies.
+def sink_glue(traced: TracedProgram, order: Sequence[Any]) -> list[Any]:
+    """``order`` with the glue equations whose results only one later glue fragment on the
+    same place reads moved into that fragment.
 
     Only equations that read no output of a pipeline unit move, so gradient sums still run
     as each microbatch's gradients arrive; pipeline units themselves are left as they are.
     """
     moves = _moves(traced, order, lambda eqn: True, lambda eqn, target: order[target].unit is None)
-    _apply(order, moves)
-    return bool(moves)
+    return _apply(order, moves)
 
 
-def sink_into_units(traced: TracedProgram, order: Sequence[Any]) -> bool:
-    """Moves microbatch glue that only one unit of its microbatch reads into that unit (at
-    its start); returns whether any moved (editing the fragments of ``order``, as
-    :func:`sink_glue` does).
+def sink_into_units(traced: TracedProgram, order: Sequence[Any]) -> list[Any]:
+    """``order`` with the microbatch glue that only one unit of its microbatch reads moved
+    into that unit (at its start).
 
     Besides :func:`_moves`' conditions, the equation belongs to the unit's microbatch, and
     moves are kept per *unit group* (the units of one region, stage and phase on one place,
@@ -82,8 +80,7 @@ def sink_into_units(traced: TracedProgram, order: Sequence[Any]) -> bool:
         if not differing:
             break
         excluded |= differing
-    _apply(order, moves)
-    return bool(moves)
+    return _apply(order, moves)
 
 
 def _moves(
@@ -143,17 +140,24 @@ def _moves(
     return moves[::-1]
 
 
-def _apply(order: Sequence[Any], moves: list[_Move]) -> None:
-    """Takes the moving equations out of their fragments and puts them, in program order,
-    at the start of their readers (every reader lies after the fragments moving into it)."""
+def _apply(order: Sequence[Any], moves: list[_Move]) -> list[Any]:
+    """``order`` with the moving equations taken out of their fragments and put, in program
+    order, at the start of their readers (every reader lies after the fragments moving into
+    it). Fragments no equation left or joined are returned as they are."""
     moved = {id(eqn) for _, eqn, _ in moves}
-    for pos in {pos for pos, _, _ in moves}:
-        order[pos].eqns = [e for e in order[pos].eqns if id(e) not in moved]
     prepended: dict[int, list[Any]] = {}
     for _, eqn, target in moves:
         prepended.setdefault(target, []).append(eqn)
-    for target, eqns in prepended.items():
-        order[target].eqns[:0] = eqns
+    touched = {pos for pos, _, _ in moves} | prepended.keys()
+    return [
+        dataclasses.replace(
+            frag,
+            eqns=[*prepended.get(pos, ()), *(e for e in frag.eqns if id(e) not in moved)],
+        )
+        if pos in touched
+        else frag
+        for pos, frag in enumerate(order)
+    ]
 
 
 def _differing(order: Sequence[Any], moves: list[_Move]) -> set[int]:
