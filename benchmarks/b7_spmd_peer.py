@@ -12,6 +12,10 @@ per program; the quick suite stays within a minute of extra time):
 * **Cold first step**: building the step and its first call, each program in its own fresh
   process with JAX's persistent compilation cache off, so nothing is warmed by anything;
   wall and CPU seconds, ours / peer.
+* **Where the step goes** (``benchmarks._breakdown``): the host's dispatch CPU time per step
+  and per op (the dispatching thread's CPU time, stable from run to run), each submesh's
+  compute and the transfers from one recorded step, and the wall time beyond the busiest
+  submesh's compute; for the peer, its dispatch CPU time and the rest of its one program.
 * **Peak bytes per device**, state included. Ours: the program walked op by op as the
   runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
   fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account
@@ -33,7 +37,7 @@ from typing import Any
 
 import jax
 
-from benchmarks import _common
+from benchmarks import _breakdown, _common
 from benchmarks import _spmd_pipeline as spmd
 
 SECTION = "B7"
@@ -109,6 +113,13 @@ def measure(
         "schedules": list(schedules),
         **step_times(ours, peer, rounds),
     }
+    result["breakdown"] = {
+        schedule: _breakdown.step_breakdown(runner, result[f"{schedule}_median_ms"] / 1e3, rounds)
+        for schedule, runner in ours.items()
+    }
+    result["breakdown"]["peer"] = _breakdown.peer_breakdown(
+        peer, result["peer_median_ms"] / 1e3, rounds
+    )
     result["peer_bytes"] = peer_peak_bytes(peer)
     for schedule, runner in ours.items():
         mine = ours_peak_bytes(runner)
@@ -198,6 +209,7 @@ def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
             peaks,
         ),
     ]
+    rows += _breakdown_rows(label, c["breakdown"])
     cold_ = c.get("cold")
     if cold_ is None:
         return rows
@@ -214,6 +226,43 @@ def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         _common.row(SECTION, f"{label}: the same in CPU time", cpu),
     ]
+
+
+def _breakdown_rows(label: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per schedule: the host's dispatch per op, and the step split into host dispatch,
+    the busiest submesh's compute, transfers and the rest; the peer's dispatch."""
+    rows = []
+    for schedule, b in parts.items():
+        if schedule == "peer":
+            continue
+        ms = {k: 1e3 * b[k] for k in ("step_s", "host_dispatch_s", "busiest_compute_s")}
+        rows += [
+            _common.row(
+                SECTION,
+                f"{label} {NAMES[schedule]}: host dispatch per op (CPU time, {b['ops']} ops)",
+                round(b["host_per_op_us"], 1),
+                unit="us",
+                target="<= 30",
+                passed=b["host_per_op_us"] <= 30,
+            ),
+            _common.row(
+                SECTION,
+                f"{label} {NAMES[schedule]}: step {ms['step_s']:.1f} ms = host dispatch "
+                f"(CPU) / busiest submesh's compute / transfers / beyond the busiest (ms)",
+                f"{ms['host_dispatch_s']:.1f} / {ms['busiest_compute_s']:.1f} / "
+                f"{1e3 * b['transfers_s']:.1f} / {1e3 * b['beyond_busiest_s']:.1f}",
+            ),
+        ]
+    peer = parts["peer"]
+    rows.append(
+        _common.row(
+            SECTION,
+            f"{label}: SPMD peer step {1e3 * peer['step_s']:.1f} ms = host dispatch (CPU) / "
+            "the rest of its one program (ms)",
+            f"{1e3 * peer['host_dispatch_s']:.1f} / {1e3 * peer['device_s']:.1f}",
+        )
+    )
+    return rows
 
 
 def run(quick: bool) -> dict[str, Any]:
