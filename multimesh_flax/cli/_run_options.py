@@ -32,7 +32,7 @@ from multimesh_flax.cli import _data, _optimizer, _recipe, _run_files, _sample, 
 from multimesh_flax.cli._optimizer import OptimizerSettings
 from multimesh_flax.cli.errors import RunOptionError
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2", "zero-bubble-auto")
 ON_NONFINITE = ("stop", "skip")
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 RECOMPUTE = ("none", "full", "dots")

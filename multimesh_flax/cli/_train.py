@@ -429,15 +429,19 @@ def _timeline(steps: _Steps, step_fn: Any, path: Path) -> dict[str, Any] | None:
         recorded: float | None = mm.recorded_bubble(steps.timeline)
     except errors.TimelineDataError:
         recorded = None
-    simulated = unit = None
+    simulated = unit = overlapped = peaks = None
     if schedule is not None:
-        simulated = mm.simulate(schedule, costs=costs).bubble_fraction
+        predicted = mm.simulate(schedule, costs=costs)
+        simulated, overlapped = predicted.bubble_fraction, predicted.steady_bubble_fraction
+        peaks = list(predicted.peak_in_flight)
         unit = mm.simulate(schedule).bubble_fraction
     return {
         "step": steps.recorded_step,
         "recorded": recorded,
         "simulated": simulated,
         "simulated_unit_costs": unit,
+        "simulated_overlapped_steps": overlapped,
+        "peak_activation_sets": peaks,
         "measured_costs_s": costs,
     }
 
