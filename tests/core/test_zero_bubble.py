@@ -119,6 +119,19 @@ def test_v_layout_memory_and_bubble(p, m):
     assert idle < min(interleaved, h1)
 
 
+@pytest.mark.parametrize(("f", "b", "w"), RATIOS)
+def test_v_built_for_the_costs_against_1f1b_and_zb_h1_at_the_same_memory(f, b, w):
+    """Below 1F1B always; below ZB-H1 unless the backward is much slower than the forward
+    (with T_B = 2 T_F and T_W = 0.2 T_F our heuristic on the V stays above ZB-H1)."""
+    p, m = 4, 12
+    half = {"F": f / 2, "B": b / 2, "W": w / 2}  # each V stage is half a stage
+    v = simulate(make_schedule("zero-bubble-v", 2 * p, m, costs=half), costs=half)
+    assert max(v.peak_in_flight) <= 2 * p
+    assert v.steady_bubble_fraction < _table2_fraction("1f1b", p, m, f, b, w)
+    if b <= 1.3 * f:
+        assert v.steady_bubble_fraction < _table2_fraction("zero-bubble-h1", p, m, f, b, w)
+
+
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("v", [2, 3])
 @pytest.mark.parametrize("costs", [{"F": 1.0, "B": 1.0, "W": 1.0}, {"F": 1.0, "B": 2.0, "W": 0.5}])

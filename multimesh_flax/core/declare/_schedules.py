@@ -133,8 +133,9 @@ def make_schedule(
       - ``"zero-bubble-v"``: ZB-V (Qi et al., "Pipeline Parallelism with Controllable
         Memory", 2024): ``2 R`` stages on a V, stage ``s`` and ``2 R - 1 - s`` on row
         ``s``, so each microbatch turns on the last row and ends where it began. The same
-        heuristic with unit costs and ``max_in_flight`` (default ``2 R``) half-size sets
-        per row: 1F1B's activation memory, and no bubble with equal costs.
+        heuristic's best variant for ``costs`` (default unit costs) within
+        ``max_in_flight`` (default ``2 R``) half-size sets per row: 1F1B's activation
+        memory.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any
@@ -148,7 +149,8 @@ def make_schedule(
       interleave: Stages per row ``v``; stage ``s`` runs on row ``s % R``. Defaults to
         ``S // num_submeshes``, or 1 when neither is given.
       custom: The per-row order, for ``name="custom"`` only.
-      costs: Per-op durations for ``"zero-bubble-auto"``, as ``simulate`` takes them.
+      costs: Per-op durations for ``"zero-bubble-auto"`` and ``"zero-bubble-v"``, as
+        ``simulate`` takes them.
       max_in_flight: Activation sets a row may hold, for ``"zero-bubble-auto"`` and
         ``"zero-bubble-v"``.
 
@@ -217,10 +219,10 @@ def _zb_options(
     name: str, chunks: int, costs: object, max_in_flight: int | None
 ) -> tuple[CostFn, int | None]:
     """Checks ``costs`` and ``max_in_flight`` against ``name``; returns them for a builder."""
-    if costs is not None and name != "zero-bubble-auto":
+    if costs is not None and name not in ("zero-bubble-auto", *_V_SHAPED):
         raise errors.InvalidScheduleError(
-            f"`costs` shapes only `name`='zero-bubble-auto' (the others are fixed orders; "
-            f"pass costs to `simulate`), got `name`={name!r}."
+            f"`costs` shapes only 'zero-bubble-auto' and 'zero-bubble-v' (the others are "
+            f"fixed orders; pass costs to `simulate`), got `name`={name!r}."
         )
     if max_in_flight is not None:
         if name not in ("zero-bubble-auto", *_V_SHAPED):
@@ -388,11 +390,8 @@ def _zb_auto_rows(req: _Request) -> tuple[_Rows, bool]:
 
 
 def _zb_v_rows(req: _Request) -> tuple[_Rows, bool]:
-    """List scheduling on the V with unit costs and ``2 rows`` half-size sets per row."""
-    layout = _zero_bubble.v_layout(req.rows)
     limit = 2 * req.rows if req.limit is None else req.limit
-    policy = _zero_bubble.Policy()
-    return _zero_bubble.list_schedule(layout, req.m, unit_cost, limit, policy), True
+    return _zero_bubble.v_rows(req.rows, req.m, req.cost, limit), True
 
 
 def _custom_rows(req: _Request) -> tuple[_Rows, bool]:

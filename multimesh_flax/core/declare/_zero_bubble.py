@@ -14,10 +14,11 @@ bubbles. This module builds the orders; ``_schedules.make_schedule`` wraps them.
   than ``limit`` activation sets; else a pending ``W`` to fill the gap. A :class:`Policy`
   fixes the choices the heuristic leaves open. ZB-H2 is this with unit costs and
   ``2 R - 1`` sets; ZB-V is this on the V layout (stage ``s`` and ``2 R - 1 - s`` on row
-  ``s``) with ``2 R`` half-size sets, 1F1B's memory.
+  ``s``) with ``2 R`` half-size sets, 1F1B's memory, for the given costs.
 * :func:`auto_rows`: the automatic schedule for given costs and memory limit: every policy
   and, where the limit allows them, ZB-H1 and ZB-H2, timed with the costs; the order whose
-  longest row is shortest wins (then the shortest makespan).
+  longest row is shortest wins (then the shortest makespan). :func:`v_rows` does the same
+  on the V.
 
 An activation set lives from its ``F`` to its ``W``. A row's *span* runs from its first
 op's start to its last op's end; when steps overlap (the paper updates each stage's
@@ -232,6 +233,19 @@ def auto_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
         candidates.append(zb_h1_rows(rows, m))
     if limit >= 2 * rows - 1:
         candidates.append(list_schedule(layout, m, unit_cost, 2 * rows - 1, Policy()))
+    return best_of(candidates, layout, cost)
+
+
+def v_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
+    """The best order of the heuristic on the V for ``cost`` within ``limit`` sets per row."""
+    layout = v_layout(rows)
+    candidates = [list_schedule(layout, m, cost, limit, policy) for policy in POLICIES]
+    return best_of(candidates, layout, cost)
+
+
+def best_of(candidates: list[Rows], layout: Sequence[int], cost: CostFn) -> Rows:
+    """The candidate whose longest row is shortest with ``cost``, then the shortest makespan
+    (the first such)."""
 
     def key(candidate: Rows) -> tuple[float, float]:
         spans, makespan = row_spans(candidate, layout, cost)
