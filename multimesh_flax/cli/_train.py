@@ -176,8 +176,10 @@ def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
     With ``--grad-accum`` K the step takes K batches as one of K times the rows, cut into
     K times ``--microbatches`` microbatches whose gradients it averages before the update.
     """
-    multi = make_multimesh(options.stages, options.data, options.tensor)
-    model = _recipe.make_model(config, options.stages, options.layers_per_stage)
+    multi = make_multimesh(options.submeshes, options.data, options.tensor)
+    model = _recipe.make_model(
+        config, options.stages, options.layers_per_stage, options.stage_submeshes
+    )
     example = _recipe.example_batch(options.rows_per_step, options.seq_len)
     rng = jax.random.key(options.seed)
     rate = _optimizer.make_schedule(options.optimizer, horizon)
