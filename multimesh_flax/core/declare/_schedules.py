@@ -3,19 +3,23 @@
 A pipeline runs ``num_stages`` stages (tasks) ``0..S-1`` in a chain on ``num_submeshes``
 submeshes, called *rows* here. Stage ``s`` lives on row ``stage_to_row[s]``: row ``s`` when
 there is one stage per row, row ``s % R`` with ``interleave=v`` chunks per row (Megatron's
-interleaved layout, ``S = v * R``). Each of ``m`` microbatches passes every stage forward
+interleaved layout, ``S = v * R``), or on a V for ``"zero-bubble-v"`` (stages ``s`` and
+``2 R - 1 - s`` on row ``s``). Each of ``m`` microbatches passes every stage forward
 (phase ``"F"``) then backward (``"B"``). Split-backward schedules cut the backward in two:
 ``"B"`` computes the activation gradient that the previous stage waits for, ``"W"`` the
 weight gradient that nobody waits for, so it can fill idle time.
 
-* :class:`ScheduleOp` is one ``(stage, microbatch, phase)`` unit of work, written
-  ``<phase><stage>.<microbatch>`` (``"F0.3"`` is the forward of stage 0 on microbatch 3).
+* :class:`~._schedule_ops.ScheduleOp` (in ``_schedule_ops``) is one ``(stage, microbatch,
+  phase)`` unit of work, written ``<phase><stage>.<microbatch>`` (``"F0.3"`` is the forward
+  of stage 0 on microbatch 3); ``op_deps`` gives its dependencies ``F(s,i) <- F(s-1,i)``,
+  ``B(s,i) <- F(s,i), B(s+1,i)`` and ``W(s,i) <- B(s,i)``.
 * :class:`Schedule` holds one ordered tuple of ops per row; a row runs its ops in order,
-  one at a time. The dependencies are ``F(s,i) <- F(s-1,i)``, ``B(s,i) <- F(s,i), B(s+1,i)``
-  and ``W(s,i) <- B(s,i)``.
-* :func:`make_schedule` builds GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H2) and
-  user-given orders; :func:`validate_schedule` checks that an order is complete, placed on
-  the right rows and free of deadlocks. ``_simulator.simulate`` predicts its timeline.
+  one at a time.
+* :func:`make_schedule` builds GPipe, 1F1B, interleaved 1F1B, the zero-bubble schedules
+  (ZB-H1, ZB-H2, the automatic one and ZB-V, built in ``_zero_bubble``) and user-given
+  orders; :func:`stage_rows` gives each stage's row; :func:`validate_schedule` checks that
+  an order is complete, placed on the right rows and free of deadlocks.
+  ``_simulator.simulate`` predicts its timeline.
 """
 
 from __future__ import annotations
