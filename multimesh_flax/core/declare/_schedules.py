@@ -139,7 +139,8 @@ def make_schedule(
         ``s``, so each microbatch turns on the last row and ends where it began. The same
         heuristic's best variant for ``costs`` (default unit costs) within
         ``max_in_flight`` (default ``2 R``) half-size sets per row: 1F1B's activation
-        memory.
+        memory. With equal costs its longest row still idles a few op-times (``R - 1``
+        for ``R <= 4``), where the paper's hand-built ZB-V idles none.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any

@@ -20,6 +20,12 @@ bubbles. This module builds the orders; ``_schedules.make_schedule`` wraps them.
   longest row is shortest wins (then the shortest makespan). :func:`v_rows` does the same
   on the V.
 
+Known limit: the published ZB-V has no bubble with equal costs at 1F1B's memory; our heuristic
+on the V leaves a few idle op-times on the longest row (in our runs ``R - 1`` for ``R`` = 2
+and 4, 10 for ``R = 8``, whatever ``m``), below interleaved 1F1B and ZB-H1 but not zero. An
+exhaustive search finds zero-bubble V orders for ``R = 2``, so the heuristic, not the layout,
+falls short. ``max_in_flight = 3 R`` narrows the gap (none left for ``R <= 4``).
+
 An activation set lives from its ``F`` to its ``W``. A row's *span* runs from its first
 op's start to its last op's end; when steps overlap (the paper updates each stage's
 weights without waiting for the others, section 4), the longest span is the step time, and
