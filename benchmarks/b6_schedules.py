@@ -5,11 +5,21 @@ so durations are real; ``recorded_bubble`` replays them overlapped in dispatch o
 the real data dependencies -- this host cannot run the submeshes at once, see B0):
 
 * the MLP pipeline of ``bench_schedules.py`` (8 residual blocks on 4 single-device
-  submeshes) under GPipe, 1F1B, interleaved 1F1B and zero-bubble H2;
+  submeshes) under GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-H2, the automatic zero-bubble
+  schedule and ZB-V (``--quick``: 1F1B only);
 * the tiny GPT on 4 stages (``parallelize_step``) under GPipe and 1F1B.
 
 Per schedule: ``simulate(schedule)`` with unit costs, ``simulate`` with the recorded median
-cost per phase (``measured_costs``), and the recorded bubble (median over calls).
+cost per phase (``measured_costs``), the same with steps overlapping (the longest row's
+span, as the Zero Bubble paper counts), the peak activation sets per submesh, and the
+recorded bubble (median over calls).
+
+Without recording anything, the schedules against the Zero Bubble paper's Table 2 (Qi et al.,
+ICLR 2024): ``simulate``'s overlapped-step bubble of 1F1B, ZB-H1 and ZB-H2 next to the closed
+forms ``(p-1)(T_F+T_B+T_W)``, ``(p-1)(T_F+T_B-T_W)`` and ``(p-1)(T_F+T_B-2T_W)`` (as a share of
+the step), and the automatic schedule within ``p`` and ``2 p`` activation sets (ZB-1p, ZB-2p)
+and ZB-V, for a few pipeline depths and cost ratios. The ratios are illustrative, not the
+paper's profiled Table 9 inputs.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ def gpt(stages: int, m: int, schedule: str, calls: int) -> dict[str, Any]:
     runner, owned = b1_step_time.kept_or_built(_common.TINY, stages, m, schedule)
     recorded = _record(runner.step, calls)
     sched = runner.executable.schedule
+    predicted = mm.simulate(sched, costs=recorded["costs"])
     result = {
         "pipeline": "gpt-tiny",
         "schedule": schedule,
@@ -51,7 +62,9 @@ def gpt(stages: int, m: int, schedule: str, calls: int) -> dict[str, Any]:
         "submeshes": sched.num_submeshes,
         "microbatches": m,
         "predicted_unit_costs": mm.simulate(sched).bubble_fraction,
-        "predicted_measured_costs": mm.simulate(sched, costs=recorded["costs"]).bubble_fraction,
+        "predicted_measured_costs": predicted.bubble_fraction,
+        "predicted_overlapped": predicted.steady_bubble_fraction,
+        "peak_activation_sets": list(predicted.peak_in_flight),
         "recorded": recorded["recorded"],
         "recorded_per_call": recorded["recorded_per_call"],
         "measured_costs_ms": {k: 1e3 * v for k, v in recorded["costs"].items()},
@@ -59,6 +72,75 @@ def gpt(stages: int, m: int, schedule: str, calls: int) -> dict[str, Any]:
     if owned:
         _common.release(runner)
     return result
+
+
+# (T_F, T_B, T_W): equal costs, and two with the weight gradient smaller than the rest.
+RATIOS = [(1.0, 1.0, 1.0), (1.0, 1.0, 0.5), (1.0, 1.1, 0.7)]
+TABLE2 = {
+    "1f1b": lambda p, f, b, w: (p - 1) * (f + b + w),
+    "zero-bubble-h1": lambda p, f, b, w: (p - 1) * (f + b - w),
+    "zero-bubble-h2": lambda p, f, b, w: (p - 1) * (f + b - 2 * w),
+}
+
+
+def table2(depths: list[int]) -> list[dict[str, Any]]:
+    """Overlapped-step bubbles from ``simulate`` against Table 2, with ``m = 3 p``."""
+    out = []
+    for p in depths:
+        m = 3 * p
+        for f, b, w in RATIOS:
+            costs = {"F": f, "B": b, "W": w}
+            entry: dict[str, Any] = {"p": p, "m": m, "costs": costs}
+            for name, formula in TABLE2.items():
+                bubble = formula(p, f, b, w)
+                simulated = mm.simulate(mm.make_schedule(name, p, m), costs=costs)
+                entry[name] = {
+                    "simulated": simulated.steady_bubble_fraction,
+                    "formula": bubble / (bubble + m * (f + b + w)),
+                    "peak_activation_sets": max(simulated.peak_in_flight),
+                }
+            for label, limit in (("zb-1p", p), ("zb-2p", 2 * p)):
+                schedule = mm.make_schedule(
+                    "zero-bubble-auto", p, m, costs=costs, max_in_flight=limit
+                )
+                simulated = mm.simulate(schedule, costs=costs)
+                entry[label] = {
+                    "simulated": simulated.steady_bubble_fraction,
+                    "peak_activation_sets": max(simulated.peak_in_flight),
+                }
+            half = {k: v / 2 for k, v in costs.items()}  # a V stage is half a stage
+            v_schedule = mm.make_schedule("zero-bubble-v", 2 * p, m, costs=half)
+            v = mm.simulate(v_schedule, costs=half)
+            entry["zero-bubble-v"] = {
+                "simulated": v.steady_bubble_fraction,
+                "peak_activation_sets": max(v.peak_in_flight) / 2,  # in full-stage sets
+            }
+            out.append(entry)
+    return out
+
+
+def _table2_rows(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for e in entries:
+        f, b, w = (e["costs"][k] for k in "FBW")
+        exact = all(abs(e[name]["simulated"] - e[name]["formula"]) < 1e-9 for name in TABLE2)
+        text = "; ".join(
+            f"{name} {e[name]['simulated']:.4f} ({e[name]['formula']:.4f})" for name in TABLE2
+        )
+        text += "; " + "; ".join(
+            f"{label} {e[label]['simulated']:.4f}" for label in ("zb-1p", "zb-2p", "zero-bubble-v")
+        )
+        rows.append(
+            _common.row(
+                SECTION,
+                f"overlapped-step bubble, simulated (Table 2 formula), p={e['p']} m={e['m']} "
+                f"T_F:T_B:T_W={f:g}:{b:g}:{w:g}",
+                text,
+                "simulated = formula",
+                exact,
+            )
+        )
+    return rows
 
 
 def mlp(schedule: str, m: int, calls: int) -> dict[str, Any]:
@@ -71,6 +153,8 @@ def mlp(schedule: str, m: int, calls: int) -> dict[str, Any]:
         "microbatches": m,
         "predicted_unit_costs": r["predicted_bubble_unit_costs"],
         "predicted_measured_costs": r["predicted_bubble_measured_costs"],
+        "predicted_overlapped": r["predicted_bubble_overlapped"],
+        "peak_activation_sets": r["peak_activation_sets"],
         "recorded": r["recorded_bubble"],
         "recorded_per_call": r["recorded_bubble_per_call"],
         "measured_costs_ms": r["measured_costs_ms"],
@@ -95,9 +179,18 @@ def run(quick: bool) -> dict[str, Any]:
         rows.append(
             _common.row(
                 SECTION,
-                f"{label}: bubble simulated (unit / measured costs) vs recorded",
-                f"{r['predicted_unit_costs']:.3f} / {r['predicted_measured_costs']:.3f} vs "
-                f"{r['recorded']:.3f}",
+                f"{label}: bubble simulated (unit / measured costs; overlapped steps) vs "
+                "recorded; peak activation sets per submesh",
+                f"{r['predicted_unit_costs']:.3f} / {r['predicted_measured_costs']:.3f}; "
+                f"{r['predicted_overlapped']:.3f} vs {r['recorded']:.3f}; "
+                f"{r['peak_activation_sets']}",
             )
         )
-    return {"description": __doc__.splitlines()[0], "schedules": results, "rows": rows}
+    entries = [] if _common.SMOKE else table2([4, 8] if quick else [4, 8, 16])
+    rows += _table2_rows(entries)
+    return {
+        "description": __doc__.splitlines()[0],
+        "schedules": results,
+        "table2": entries,
+        "rows": rows,
+    }

@@ -3,14 +3,18 @@
 A 4-submesh pipeline (one CPU device each) of 8 MLP blocks, ``value_and_grad`` of a
 mean-squared error, microbatched into ``m`` microbatches with each schedule:
 
-* ``gpipe``, ``1f1b``, ``zero-bubble-h2``: 4 stages of 2 blocks;
-* ``interleaved-1f1b``: 8 stages of 1 block, 2 per submesh (``interleave=2``).
+* ``gpipe``, ``1f1b``, ``zero-bubble-h1``, ``zero-bubble-h2``, ``zero-bubble-auto``: 4 stages
+  of 2 blocks;
+* ``interleaved-1f1b``: 8 stages of 1 block, 2 per submesh (``interleave=2``);
+* ``zero-bubble-v``: 8 stages of 1 block on a V (stage ``s`` and ``7 - s`` on device ``s``).
 
 Reported per schedule (JSON on stdout and in ``benchmarks/results/schedules.json``):
 
 * ``predicted_bubble_unit_costs`` -- ``simulate(schedule)`` with F = B = W = 1;
 * ``predicted_bubble_measured_costs`` -- ``simulate`` with the recorded median duration per
-  phase and per transfer (``measured_costs``);
+  phase and per transfer (``measured_costs``); ``predicted_bubble_overlapped``: the same
+  with steps overlapping (``steady_bubble_fraction``), and ``peak_activation_sets`` per
+  submesh;
 * ``recorded_bubble`` -- ``recorded_bubble`` of the recorded step: the recorded per-op
   durations replayed in the runtime's dispatch order with real data dependencies (the
   recording itself runs ops one at a time; this host has 2 cores, so the 4 submeshes cannot
@@ -49,7 +53,16 @@ from benchmarks._common import replay  # noqa: E402
 
 SUBMESHES = 4
 BLOCKS = 8
-SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2"]
+SCHEDULES = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zero-bubble-h1",
+    "zero-bubble-h2",
+    "zero-bubble-auto",
+    "zero-bubble-v",
+]
+TWO_PER_SUBMESH = ("interleaved-1f1b", "zero-bubble-v")
 
 
 def block(params: dict, x: jax.Array) -> jax.Array:
@@ -58,9 +71,11 @@ def block(params: dict, x: jax.Array) -> jax.Array:
 
 
 def make_loss(schedule: str):
-    """The loss over 8 blocks, cut into stages for ``schedule``; stage s on device s % 4."""
-    per_stage = 1 if schedule == "interleaved-1f1b" else BLOCKS // SUBMESHES
+    """The loss over 8 blocks, cut into stages for ``schedule``; stage s on the device the
+    schedule gives it (``s % 4``, or on a V)."""
+    per_stage = 1 if schedule in TWO_PER_SUBMESH else BLOCKS // SUBMESHES
     stages = BLOCKS // per_stage
+    rows = mm.core.declare.stage_rows(schedule, stages, SUBMESHES)
 
     def stage_fn(params, x):
         for p in params:
@@ -68,7 +83,7 @@ def make_loss(schedule: str):
         return x
 
     tasks = [
-        mm.task(stage_fn, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s % SUBMESHES]))
+        mm.task(stage_fn, name=f"stage{s}", mesh=mm.TaskMesh(devices=[rows[s]]))
         for s in range(stages)
     ]
 
@@ -126,13 +141,14 @@ def bubbles(schedule: str, m: int, width: int, batch: int, calls: int) -> dict:
     costs = [mm.measured_costs(timeline, call=c) for c in range(calls)]
     median_costs = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
     schedule_data = exe.schedule
+    predicted = mm.simulate(schedule_data, costs=median_costs)
     return {
         "stages": schedule_data.num_stages,
         "submeshes": schedule_data.num_submeshes,
         "predicted_bubble_unit_costs": mm.simulate(schedule_data).bubble_fraction,
-        "predicted_bubble_measured_costs": mm.simulate(
-            schedule_data, costs=median_costs
-        ).bubble_fraction,
+        "predicted_bubble_measured_costs": predicted.bubble_fraction,
+        "predicted_bubble_overlapped": predicted.steady_bubble_fraction,
+        "peak_activation_sets": list(predicted.peak_in_flight),
         "recorded_bubble": statistics.median(recorded),
         "recorded_bubble_per_call": recorded,
         "measured_costs_ms": {k: 1e3 * v for k, v in median_costs.items()},

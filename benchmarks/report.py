@@ -272,7 +272,24 @@ def _b6(data: dict[str, Any]) -> list[dict]:
         f"{s['predicted_measured_costs']:.2f} / {s['recorded']:.2f}"
         for s in data["schedules"]
     )
-    return [_row("B6", "bubble: simulated (unit costs / measured costs) / recorded", text)]
+    rows = [_row("B6", "bubble: simulated (unit costs / measured costs) / recorded", text)]
+    entries = data.get("table2", [])
+    if entries:
+        names = ("1f1b", "zero-bubble-h1", "zero-bubble-h2")
+        exact = sum(
+            all(abs(e[n]["simulated"] - e[n]["formula"]) < 1e-9 for n in names) for e in entries
+        )
+        rows.append(
+            _row(
+                "B6",
+                "1F1B, ZB-H1, ZB-H2: simulated overlapped-step bubble = Zero Bubble Table 2 "
+                "formula (setups)",
+                f"{exact} / {len(entries)}",
+                "all",
+                exact == len(entries),
+            )
+        )
+    return rows
 
 
 def _b7(data: dict[str, Any]) -> list[dict]:

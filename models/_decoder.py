@@ -96,16 +96,21 @@ class StagedDecoder(nn.Module):
             ``config.num_layers`` (e.g. ``(1, 3, 3, 1)``): an uneven split. The stem goes
             with the first stage and the head with the last, so only those may hold no
             block.
+        stage_submeshes: ``None`` (stage ``s`` on index ``s`` of the ``MultiMesh``'s
+            ``stage`` axis) or that index for every stage, e.g. ``(0, 1, 1, 0)`` for a V
+            schedule (``mm.core.declare.stage_rows("zero-bubble-v", 4, 2)``).
 
     Raises:
         InvalidTaskError: ``stages`` does not divide the blocks, or ``layers_per_stage`` is
             not a valid split of them or disagrees with ``stages``
-            (`models.pipeline.get_layers_per_stage`).
+            (`models.pipeline.get_layers_per_stage`), or ``stage_submeshes`` does not give
+            one index per stage.
     """
 
     config: ModelConfig
     stages: int | None = None
     layers_per_stage: Sequence[int] | None = None
+    stage_submeshes: Sequence[int] | None = None
 
     stem_cls: ClassVar[type[nn.Module]]
     block_cls: ClassVar[type[nn.Module]]
@@ -118,6 +123,9 @@ class StagedDecoder(nn.Module):
         if split is not None and self.layers_per_stage is not None:  # hashable; the stage count
             object.__setattr__(self, "layers_per_stage", split)
             object.__setattr__(self, "stages", len(split))
+        if self.stage_submeshes is not None:
+            submeshes = pipeline.check_stage_submeshes(self.stage_submeshes, split)
+            object.__setattr__(self, "stage_submeshes", submeshes)
         super().__post_init__()
 
     def setup(self):
@@ -126,9 +134,10 @@ class StagedDecoder(nn.Module):
         staged = split is not None
         where = pipeline.block_stages(split) if staged else (0,) * cfg.num_layers
         last = len(split) - 1 if staged else 0
-        self.stem = pipeline.on_stage(self.stem_cls, 0, staged)(cfg)
-        self.blocks = [pipeline.on_stage(self.block_cls, stage, staged)(cfg) for stage in where]
-        self.head = pipeline.on_stage(self.head_cls, last, staged)(cfg)
+        at = self.stage_submeshes or range(last + 1)
+        self.stem = pipeline.on_stage(self.stem_cls, at[0], staged)(cfg)
+        self.blocks = [pipeline.on_stage(self.block_cls, at[stage], staged)(cfg) for stage in where]
+        self.head = pipeline.on_stage(self.head_cls, at[last], staged)(cfg)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The head applied to the final residual stream."""

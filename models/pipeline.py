@@ -205,6 +205,30 @@ def make_multimesh(
     return mm.MultiMesh(devices=grid, axis_sizes=(stages, data, model), axis_names=STAGE_AXES)
 
 
+def check_stage_submeshes(
+    stage_submeshes: Sequence[int], split: Sequence[int] | None
+) -> tuple[int, ...]:
+    """``stage_submeshes`` as a tuple, checked to give one index >= 0 per stage of ``split``.
+
+    Raises:
+        InvalidTaskError: the model is not staged, or the count or an index is wrong.
+
+    Example:
+        >>> check_stage_submeshes([0, 1, 1, 0], (1, 1, 1, 1))
+        (0, 1, 1, 0)
+    """
+    counts = tuple(stage_submeshes) if isinstance(stage_submeshes, Sequence) else ()
+    good = split is not None and len(counts) == len(split)
+    if not good or not all(_is_count(i) and i >= 0 for i in counts):
+        stages = "an unstaged model" if split is None else f"{len(split)} stages"
+        raise errors.InvalidTaskError(
+            f"Expected `stage_submeshes` to give one index on the MultiMesh's `stage` axis "
+            f"per stage, got {stage_submeshes!r} for {stages}. Pass e.g. "
+            f"{tuple(range(len(split or ())))}, and `stages` or `layers_per_stage`."
+        )
+    return tuple(int(i) for i in counts)
+
+
 def on_stage(module: type[nn.Module], stage: int, staged: bool) -> type[nn.Module]:
     """``module`` as a task on ``stage`` of the current ``MultiMesh``, or as is if not staged."""
     if not staged:

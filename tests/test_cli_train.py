@@ -173,7 +173,23 @@ BAD_TRAIN_ARGS = {
         ["--layers", "4", "--layers-per-stage", "2,0,2"],
         "leaves stage 1 without blocks",
     ),
+    "v_schedule_odd_stages": (
+        ["--schedule", "zero-bubble-v", "--stages", "1", "--data", "4"],
+        "two stages per submesh, on a V; expected an even `--stages`",
+    ),
+    "v_schedule_device_product": (
+        ["--schedule", "zero-bubble-v", "--stages", "2"],
+        "`--stages` / 2 x `--data` x `--tensor` = 8",
+    ),
 }
+
+
+def test_v_schedule_puts_two_stages_on_each_submesh():
+    parsed = vars(_cli._parser().parse_args(["train", "--schedule", "zero-bubble-v"]))
+    given = {k: v for k, v in parsed.items() if k not in ("command", "devices", "resume")}
+    options = _run_options.resolve_options({**given, "stages": 4, "layers": 4, "out": "unused"})
+    _run_options.check_options(options, 8)
+    assert (options.submeshes, options.stage_submeshes) == (2, (0, 1, 1, 0))
 
 
 @pytest.mark.parametrize("args, match", BAD_TRAIN_ARGS.values(), ids=BAD_TRAIN_ARGS.keys())

@@ -493,6 +493,12 @@ def _print_result(result: Any) -> int:
             f"pipeline bubble at step {b['step']}: recorded {recorded}, simulated "
             f"{b['simulated']:.3f} (measured costs), {b['simulated_unit_costs']:.3f} (unit costs)"
         )
+        if b.get("simulated_overlapped_steps") is not None:
+            print(
+                f"  with steps overlapping (as the Zero Bubble paper counts) "
+                f"{b['simulated_overlapped_steps']:.3f}; peak activation sets per submesh "
+                f"{b['peak_activation_sets']}"
+            )
     kind = "sampled (temperature 0.8)"
     for moment in ("before", "after"):
         sample = m["samples"][moment]

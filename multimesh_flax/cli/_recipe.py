@@ -98,11 +98,15 @@ def make_model(
     config: ModelConfig,
     stages: int | None = None,
     layers_per_stage: tuple[int, ...] | None = None,
+    stage_submeshes: tuple[int, ...] | None = None,
 ) -> nn.Module:
     """``GPT`` or ``Llama`` for ``config``, in ``stages`` pipeline stages (``None``: unstaged),
-    or split as ``layers_per_stage`` says (the blocks of every stage)."""
+    or split as ``layers_per_stage`` says (the blocks of every stage); ``stage_submeshes``:
+    each stage's index on the mesh (default: its own)."""
     family = GPT if config.family is Family.GPT else Llama
-    return family(config, stages=stages, layers_per_stage=layers_per_stage)
+    return family(
+        config, stages=stages, layers_per_stage=layers_per_stage, stage_submeshes=stage_submeshes
+    )
 
 
 def compute_config(config: ModelConfig, precision: str) -> ModelConfig:

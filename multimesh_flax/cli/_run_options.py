@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import multimesh_flax as mm
 from models import CORPUS_NAMES, PRESETS, ModelConfig
 from multimesh_flax import errors
 from multimesh_flax.checkpoint import Checkpointer, latest_step
@@ -32,7 +33,17 @@ from multimesh_flax.cli import _data, _optimizer, _recipe, _run_files, _sample, 
 from multimesh_flax.cli._optimizer import OptimizerSettings
 from multimesh_flax.cli.errors import RunOptionError
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h2")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "zero-bubble-h1",
+    "zero-bubble-h2",
+    "zero-bubble-auto",
+    "zero-bubble-v",
+)
+V_SCHEDULES = ("zero-bubble-v",)
+"""Schedules that put two stages on each submesh, on a V: ``--stages`` is twice the
+submeshes."""
 ON_NONFINITE = ("stop", "skip")
 PRECISIONS = ("fp32", "bf16", "pure-bf16")
 RECOMPUTE = ("none", "full", "dots")
@@ -167,9 +178,24 @@ class TrainOptions:
         """The layout for people: ``"2x2x2 (stages x data x tensor)"``, followed by the
         blocks of every stage when ``layers_per_stage`` is set."""
         text = f"{self.layout} (stages x data x tensor)"
+        if self.schedule in V_SCHEDULES:
+            text += f" on a V over {self.submeshes} submeshes"
         if self.layers_per_stage is None:
             return text
         return f"{text}, blocks per stage {','.join(map(str, self.layers_per_stage))}"
+
+    @property
+    def submeshes(self) -> int:
+        """Submeshes along the pipeline: ``stages``, or half of them on a V schedule."""
+        return self.stages // 2 if self.schedule in V_SCHEDULES else self.stages
+
+    @property
+    def stage_submeshes(self) -> tuple[int, ...] | None:
+        """Each stage's submesh on a V schedule (stage s and 2R-1-s share one); else
+        ``None``, stage s on submesh s."""
+        if self.schedule not in V_SCHEDULES:
+            return None
+        return mm.core.declare.stage_rows(self.schedule, self.stages, self.submeshes)
 
     @property
     def rows_per_step(self) -> int:
@@ -402,6 +428,19 @@ def _check_model(options: TrainOptions) -> ModelConfig:
     return config
 
 
+def _check_v(options: TrainOptions) -> None:
+    if options.stages % 2 or options.stages < 2:
+        raise _fail(
+            f"`--schedule` {options.schedule} runs two stages per submesh, on a V; expected "
+            f"an even `--stages`, got {options.stages}."
+        )
+    if options.init_from is not None:
+        raise _fail(
+            f"`--schedule` {options.schedule} does not load `--init-from` checkpoints yet "
+            "(they are placed one stage per submesh). Use another schedule to fine-tune."
+        )
+
+
 def _check_split(options: TrainOptions, config: ModelConfig) -> None:
     """``--layers-per-stage`` against the model's layers (`models.pipeline`'s rules)."""
     assert options.layers_per_stage is not None
@@ -423,7 +462,15 @@ def _check_split(options: TrainOptions, config: ModelConfig) -> None:
 
 
 def _check_layout(options: TrainOptions, device_count: int) -> None:
-    used = options.stages * options.data * options.tensor
+    if options.schedule in V_SCHEDULES:
+        _check_v(options)
+    used = options.submeshes * options.data * options.tensor
+    if options.schedule in V_SCHEDULES and used != device_count:
+        raise _fail(
+            f"Expected `--stages` / 2 x `--data` x `--tensor` = {device_count} (the devices "
+            f"available; `--schedule` {options.schedule} puts two stages on each submesh), "
+            f"got {options.stages} / 2 x {options.data} x {options.tensor} = {used}."
+        )
     if used != device_count:
         raise _fail(
             f"Expected `--stages` x `--data` x `--tensor` = {device_count} (the devices "

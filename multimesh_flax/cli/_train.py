@@ -176,8 +176,10 @@ def _build(options: TrainOptions, config: ModelConfig, horizon: int) -> _Built:
     With ``--grad-accum`` K the step takes K batches as one of K times the rows, cut into
     K times ``--microbatches`` microbatches whose gradients it averages before the update.
     """
-    multi = make_multimesh(options.stages, options.data, options.tensor)
-    model = _recipe.make_model(config, options.stages, options.layers_per_stage)
+    multi = make_multimesh(options.submeshes, options.data, options.tensor)
+    model = _recipe.make_model(
+        config, options.stages, options.layers_per_stage, options.stage_submeshes
+    )
     example = _recipe.example_batch(options.rows_per_step, options.seq_len)
     rng = jax.random.key(options.seed)
     rate = _optimizer.make_schedule(options.optimizer, horizon)
@@ -429,15 +431,19 @@ def _timeline(steps: _Steps, step_fn: Any, path: Path) -> dict[str, Any] | None:
         recorded: float | None = mm.recorded_bubble(steps.timeline)
     except errors.TimelineDataError:
         recorded = None
-    simulated = unit = None
+    simulated = unit = overlapped = peaks = None
     if schedule is not None:
-        simulated = mm.simulate(schedule, costs=costs).bubble_fraction
+        predicted = mm.simulate(schedule, costs=costs)
+        simulated, overlapped = predicted.bubble_fraction, predicted.steady_bubble_fraction
+        peaks = list(predicted.peak_in_flight)
         unit = mm.simulate(schedule).bubble_fraction
     return {
         "step": steps.recorded_step,
         "recorded": recorded,
         "simulated": simulated,
         "simulated_unit_costs": unit,
+        "simulated_overlapped_steps": overlapped,
+        "peak_activation_sets": peaks,
         "measured_costs_s": costs,
     }
 

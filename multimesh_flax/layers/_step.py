@@ -713,8 +713,9 @@ def parallelize_step(
             mean over microbatches, which equals the full-batch mean for mean losses. With
             mutable collections (batch statistics) the last microbatch's update is kept.
         schedule: the pipeline schedule for ``microbatches`` (``"gpipe"``, ``"1f1b"``,
-            ``"interleaved-1f1b"``, ``"zero-bubble-h2"``, ``"custom"``; default: program
-            order).
+            ``"interleaved-1f1b"``, ``"zero-bubble-h1"``, ``"zero-bubble-h2"``,
+            ``"zero-bubble-auto"``, ``"zero-bubble-v"`` (stage s and 2R-1-s on one
+            submesh), ``"custom"``; see ``microbatch``; default: program order).
         interleave: stages per submesh for ``"interleaved-1f1b"``.
         custom_schedule: for ``"custom"`` (implies it), one sequence of ops per submesh, as
             ``microbatch``'s ``custom_schedule``.

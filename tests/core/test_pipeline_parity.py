@@ -50,6 +50,8 @@ def _chain(num_stages, num_submeshes, devices=None, **task_options):
 
 def _layout(schedule, m):
     """(stages, submeshes, microbatch options) for a 4-submesh pipeline (2 for m=2 interleaved)."""
+    if schedule == "zero-bubble-v":
+        return 8, 4, {}
     if schedule == "interleaved-1f1b":
         submeshes = 4 if m % 4 == 0 else 2  # interleaved needs m to be a multiple of them
         return 2 * submeshes, submeshes, {"interleave": 2}
@@ -110,8 +112,18 @@ def _assert_dispatch_follows(schedule, timeline, stage_places):
 @pytest.mark.parametrize("m", [2, 4, 8])
 @pytest.mark.parametrize("schedule", SCHEDULES, ids=str)
 def test_value_and_grad_match_full_batch(schedule, m):
+    _check_against_full_batch(schedule, m)
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble-h1", "zero-bubble-auto", "zero-bubble-v"])
+def test_new_zero_bubble_schedules_match_full_batch(schedule):
+    _check_against_full_batch(schedule, 4)
+
+
+def _check_against_full_batch(schedule, m):
     stages, submeshes, options = _layout(schedule, m)
-    loss, params, batch = _chain(stages, submeshes)
+    devices = list(mm.core.declare.stage_rows(schedule or "gpipe", stages, submeshes))
+    loss, params, batch = _chain(stages, submeshes, devices)
     step = mm.jit(
         jax.value_and_grad(
             mm.microbatch(
@@ -122,7 +134,7 @@ def test_value_and_grad_match_full_batch(schedule, m):
     value, grads = step(params, batch)
     _assert_trees_close((value, grads), _reference(loss, params, batch))
     for s, g in enumerate(grads):
-        assert [d.id for d in g.devices()] == [s % submeshes], "gradients stay with their stage"
+        assert [d.id for d in g.devices()] == [devices[s]], "gradients stay with their stage"
     executable = step.executable(params, batch)
     if schedule is None:
         assert executable.schedule is None
@@ -132,7 +144,7 @@ def test_value_and_grad_match_full_batch(schedule, m):
     assert executable.schedule.num_microbatches == m
     with mm.record_timeline() as timeline:
         jax.block_until_ready(step(params, batch))
-    places = [(s % submeshes,) for s in range(stages)]
+    places = [(d,) for d in devices]
     _assert_dispatch_follows(executable.schedule, timeline, places)
     runs = [op for _, op in _units(timeline)]
     assert len(runs) == len(set(runs)), "every unit runs as one fragment"

@@ -7,7 +7,16 @@ import pytest
 from multimesh_flax import errors
 from multimesh_flax.core.declare import Schedule, ScheduleOp, make_schedule, validate_schedule
 
-NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2"]
+NAMES = [
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zero-bubble-h1",
+    "zero-bubble-h2",
+    "zero-bubble-auto",
+    "zero-bubble-v",
+]
+TWO_PER_ROW = ("interleaved-1f1b", "zero-bubble-v")
 
 
 def _ops(*names):
@@ -35,11 +44,11 @@ def _kwargs(name, p):
 def test_generators_are_complete_and_valid(name, p, m):
     if name == "interleaved-1f1b" and m % p:
         pytest.skip("interleaved needs m to be a multiple of the submesh count")
-    num_stages = 2 * p if name == "interleaved-1f1b" else p
+    num_stages = 2 * p if name in TWO_PER_ROW else p
     schedule = make_schedule(name, num_stages, m, **_kwargs(name, p))
     validate_schedule(schedule)
     assert schedule.num_submeshes == p
-    assert schedule.split_backward == (name == "zero-bubble-h2")
+    assert schedule.split_backward == name.startswith("zero-bubble")
     counts = collections.Counter(op for _, op in schedule.ops())
     expected = {
         ScheduleOp(s, i, phase)

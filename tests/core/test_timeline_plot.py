@@ -48,12 +48,15 @@ def _events_from_simulation(schedule, costs=None):
     [
         ("gpipe", {}),
         ("1f1b", {}),
+        ("zero-bubble-h1", {}),
         ("zero-bubble-h2", {}),
+        ("zero-bubble-auto", {"costs": {"F": 1.0, "B": 1.5, "W": 0.5}}),
+        ("zero-bubble-v", {}),
         ("interleaved-1f1b", {"interleave": 2}),
     ],
 )
 def test_replay_of_simulated_ops_reproduces_the_simulation(name, options):
-    stages = 8 if options else 4
+    stages = 8 if name in ("interleaved-1f1b", "zero-bubble-v") else 4
     schedule = make_schedule(name, stages, 8, **options)
     timeline, result = _events_from_simulation(schedule, costs={"F": 1.0, "B": 1.5, "W": 0.5})
     replayed = replay_timeline(timeline)
@@ -61,7 +64,18 @@ def test_replay_of_simulated_ops_reproduces_the_simulation(name, options):
     np.testing.assert_allclose(mm.recorded_bubble(timeline), result.bubble_fraction)
     costs = mm.measured_costs(timeline)
     assert costs["F"] == 1.0 and costs["transfer"] == 0.0
-    assert costs["B"] == (1.5 if name == "zero-bubble-h2" else 2.0)
+    assert costs["B"] == (1.5 if name.startswith("zero-bubble") else 2.0)
+
+
+@pytest.mark.parametrize("name", ["zero-bubble-h1", "zero-bubble-auto", "zero-bubble-v"])
+def test_plot_timeline_draws_the_zero_bubble_schedules(name):
+    schedule = make_schedule(name, 4, 4)
+    timeline, result = _events_from_simulation(schedule)
+    figure = mm.plot_timeline(timeline, schedule)
+    predicted = figure.axes[1]
+    assert len(predicted.patches) == len(result.timeline) == 3 * 4 * 4
+    assert f"'{name}'" in predicted.get_title()
+    assert f"overlapped steps {result.steady_bubble_fraction:.3f}" in predicted.get_title()
 
 
 def _pipeline():

@@ -3,8 +3,10 @@
 ``gpt-tiny`` (2 blocks) with 4 microbatches runs 3 AdamW steps under GPipe, 1F1B, ZB-H2 and a
 custom order on 2 stages x (2 data x 2 model) devices, and under interleaved 1F1B as 4 stages
 on 2 submeshes (stem | block 0 | block 1 | head, alternating; placed by name with
-``register_task``). Losses and parameters are compared with the unpipelined model under plain
-``jax.jit`` on one device (full batch: the mean over equal microbatches is the full mean).
+``register_task``); 5 steps under ZB-H1 and the automatic zero-bubble schedule (2 stages),
+and under ZB-V (the same 4 stages on a V: submeshes 0, 1, 1, 0). Losses and parameters are
+compared with the unpipelined model under plain ``jax.jit`` on one device (full batch: the
+mean over equal microbatches is the full mean).
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ def _loss_fn(model_fn, batch):
     return cross_entropy_loss(model_fn(batch["inputs"]), batch["targets"])
 
 
-def _batches():
+def _batches(steps=STEPS):
     out = []
-    for seed in range(STEPS):
+    for seed in range(steps):
         tokens = jax.random.randint(jax.random.key(200 + seed), (8, 17), 0, CONFIG.vocab_size)
         out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
     return out
@@ -75,6 +77,7 @@ def _reverse_gpipe(stages):
 
 
 INTERLEAVED_SUBMESH = {"stem": 0, "blocks_0": 1, "blocks_1": 0, "head": 1}
+V_SUBMESH = {"stem": 0, "blocks_0": 1, "blocks_1": 1, "head": 0}  # stage s and 3 - s together
 
 
 def _build(schedule):
@@ -83,20 +86,21 @@ def _build(schedule):
     options = dict(loss_fn=_loss_fn, microbatches=MICROBATCHES, schedule=schedule)
     if schedule == "custom":
         options["custom_schedule"] = _reverse_gpipe(2)
-    if schedule != "interleaved-1f1b":
+    if schedule not in ("interleaved-1f1b", "zero-bubble-v"):
         step, state, _ = mm.parallelize_step(
             GPT(CONFIG, stages=2), _optimizer(), multi, batch, **options
         )
         return step, state, 2
+    submesh = INTERLEAVED_SUBMESH if schedule == "interleaved-1f1b" else V_SUBMESH
     multi.register_task(
         "(stem|blocks_[0-9]+|head)",
         callback=lambda name, _: mm.Task(
-            mesh_slice={"stage": INTERLEAVED_SUBMESH[name]}, logical_axes=LOGICAL_RULES
+            mesh_slice={"stage": submesh[name]}, logical_axes=LOGICAL_RULES
         ),
     )
-    step, state, _ = mm.parallelize_step(
-        GPT(CONFIG), _optimizer(), multi, batch, interleave=2, **options
-    )
+    if schedule == "interleaved-1f1b":
+        options["interleave"] = 2
+    step, state, _ = mm.parallelize_step(GPT(CONFIG), _optimizer(), multi, batch, **options)
     return step, state, 4
 
 
@@ -104,8 +108,18 @@ def _build(schedule):
     "schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom"]
 )
 def test_schedule_trains_like_one_device(schedule):
+    _train_like_one_device(schedule, _batches())
+
+
+@pytest.mark.parametrize("schedule", ["zero-bubble-h1", "zero-bubble-auto", "zero-bubble-v"])
+def test_zero_bubble_schedules_train_like_one_device(schedule):
+    """ZB-H1, the automatic schedule (unit costs, 1F1B's memory) and ZB-V (4 stages on a V
+    over 2 submeshes: stem | block 0 on the way down, block 1 | head on the way back), 5 steps."""
+    _train_like_one_device(schedule, _batches(5))
+
+
+def _train_like_one_device(schedule, batches):
     step, state, num_stages = _build(schedule)
-    batches = _batches()
     plan = step.executable(state, batches[0]).schedule
     assert (plan.name, plan.num_stages, plan.num_microbatches) == (
         schedule,

@@ -13,6 +13,8 @@ from multimesh_flax.core.declare._config import enable_fast_path as enable_fast_
 from multimesh_flax.core.declare._config import enable_recomputation as enable_recomputation
 from multimesh_flax.core.declare._config import get_flag as get_flag
 from multimesh_flax.core.declare._config import ignore_transforms as ignore_transforms
+from multimesh_flax.core.declare._costs import CostFn as CostFn
+from multimesh_flax.core.declare._costs import make_cost_fn as make_cost_fn
 from multimesh_flax.core.declare._devices import Place as Place
 from multimesh_flax.core.declare._devices import TaskMesh as TaskMesh
 from multimesh_flax.core.declare._devices import as_device_array as as_device_array
@@ -49,11 +51,12 @@ from multimesh_flax.core.declare._rules import check_specs as check_specs
 from multimesh_flax.core.declare._rules import entry_names as entry_names
 from multimesh_flax.core.declare._rules import is_spec as is_spec
 from multimesh_flax.core.declare._rules import logical_to_mesh_spec as logical_to_mesh_spec
-from multimesh_flax.core.declare._schedules import Phase as Phase
+from multimesh_flax.core.declare._schedule_ops import Phase as Phase
+from multimesh_flax.core.declare._schedule_ops import ScheduleOp as ScheduleOp
+from multimesh_flax.core.declare._schedule_ops import op_deps as op_deps
 from multimesh_flax.core.declare._schedules import Schedule as Schedule
-from multimesh_flax.core.declare._schedules import ScheduleOp as ScheduleOp
 from multimesh_flax.core.declare._schedules import make_schedule as make_schedule
-from multimesh_flax.core.declare._schedules import op_deps as op_deps
+from multimesh_flax.core.declare._schedules import stage_rows as stage_rows
 from multimesh_flax.core.declare._schedules import validate_schedule as validate_schedule
 from multimesh_flax.core.declare._schedules import validated_order as validated_order
 from multimesh_flax.core.declare._sentinel import Sentinel as Sentinel

@@ -3,90 +3,36 @@
 A pipeline runs ``num_stages`` stages (tasks) ``0..S-1`` in a chain on ``num_submeshes``
 submeshes, called *rows* here. Stage ``s`` lives on row ``stage_to_row[s]``: row ``s`` when
 there is one stage per row, row ``s % R`` with ``interleave=v`` chunks per row (Megatron's
-interleaved layout, ``S = v * R``). Each of ``m`` microbatches passes every stage forward
+interleaved layout, ``S = v * R``), or on a V for ``"zero-bubble-v"`` (stages ``s`` and
+``2 R - 1 - s`` on row ``s``). Each of ``m`` microbatches passes every stage forward
 (phase ``"F"``) then backward (``"B"``). Split-backward schedules cut the backward in two:
 ``"B"`` computes the activation gradient that the previous stage waits for, ``"W"`` the
 weight gradient that nobody waits for, so it can fill idle time.
 
-* :class:`ScheduleOp` is one ``(stage, microbatch, phase)`` unit of work, written
-  ``<phase><stage>.<microbatch>`` (``"F0.3"`` is the forward of stage 0 on microbatch 3).
+* :class:`~._schedule_ops.ScheduleOp` (in ``_schedule_ops``) is one ``(stage, microbatch,
+  phase)`` unit of work, written ``<phase><stage>.<microbatch>`` (``"F0.3"`` is the forward
+  of stage 0 on microbatch 3); ``op_deps`` gives its dependencies ``F(s,i) <- F(s-1,i)``,
+  ``B(s,i) <- F(s,i), B(s+1,i)`` and ``W(s,i) <- B(s,i)``.
 * :class:`Schedule` holds one ordered tuple of ops per row; a row runs its ops in order,
-  one at a time. The dependencies are ``F(s,i) <- F(s-1,i)``, ``B(s,i) <- F(s,i), B(s+1,i)``
-  and ``W(s,i) <- B(s,i)``.
-* :func:`make_schedule` builds GPipe, 1F1B, interleaved 1F1B, zero-bubble (ZB-H2) and
-  user-given orders; :func:`validate_schedule` checks that an order is complete, placed on
-  the right rows and free of deadlocks. ``_simulator.simulate`` predicts its timeline.
+  one at a time.
+* :func:`make_schedule` builds GPipe, 1F1B, interleaved 1F1B, the zero-bubble schedules
+  (ZB-H1, ZB-H2, the automatic one and ZB-V, built in ``_zero_bubble``) and user-given
+  orders; :func:`stage_rows` gives each stage's row; :func:`validate_schedule` checks that
+  an order is complete, placed on the right rows and free of deadlocks.
+  ``_simulator.simulate`` predicts its timeline.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from multimesh_flax import errors
-
-
-class Phase(str, enum.Enum):
-    """A pipeline phase: ``F`` forward; ``B`` backward, or its activation-gradient half when
-    the backward is split; ``W`` the weight-gradient half. Equal to its letter as a string."""
-
-    F = "F"
-    B = "B"
-    W = "W"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
-
-
-_PHASES = tuple(p.value for p in Phase)
-_OP_PATTERN = re.compile(r"^\s*([FBW])(\d+)\.(\d+)\s*$")
-
-
-@dataclasses.dataclass(frozen=True, order=True)
-class ScheduleOp:
-    """One unit of pipeline work: a phase of one stage on one microbatch.
-
-    Attributes:
-      stage: The pipeline stage (task) index, ``0 <= stage < num_stages``.
-      microbatch: The microbatch index, ``0 <= microbatch < num_microbatches``.
-      phase: ``"F"`` (forward), ``"B"`` (backward, or its activation-gradient half when the
-        backward is split) or ``"W"`` (weight-gradient half of a split backward).
-
-    Example:
-      >>> from multimesh_flax.core import ScheduleOp
-      >>> op = ScheduleOp.parse("B1.3")
-      >>> op
-      ScheduleOp(stage=1, microbatch=3, phase='B')
-      >>> str(op)
-      'B1.3'
-    """
-
-    stage: int
-    microbatch: int
-    phase: str
-
-    def __str__(self) -> str:
-        return f"{self.phase}{self.stage}.{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> ScheduleOp:
-        """Reads an op written ``<phase><stage>.<microbatch>``, such as ``"F0.3"``.
-
-        Raises:
-          InvalidScheduleError: If ``text`` does not have that form.
-        """
-        match = _OP_PATTERN.match(text)
-        if match is None:
-            raise errors.InvalidScheduleError(
-                f"Expected an op written `<phase><stage>.<microbatch>` with phase F, B or W "
-                f"(for example 'F0.3'), got {text!r}."
-            )
-        phase, stage, microbatch = match.groups()
-        return cls(int(stage), int(microbatch), phase)
+from multimesh_flax.core.declare import _zero_bubble
+from multimesh_flax.core.declare._costs import CostFn, make_cost_fn
+from multimesh_flax.core.declare._schedule_ops import _PHASES, ScheduleOp, op_deps
+from multimesh_flax.core.declare._zero_bubble import unit_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +101,8 @@ def make_schedule(
     num_submeshes: int | None = None,
     interleave: int | None = None,
     custom: Sequence[Sequence[ScheduleOp | str | tuple[int, int, str]]] | None = None,
+    costs: Mapping[str, float] | CostFn | None = None,
+    max_in_flight: int | None = None,
 ) -> Schedule:
     """Builds a named pipeline schedule and validates it.
 
@@ -168,10 +116,31 @@ def make_schedule(
       microbatches through one stage before moving to the next. ``num_microbatches`` must
       be a multiple of ``R``. With equal costs its bubble is ``(R - 1) / (v m + R - 1)``;
       with ``v = 1`` it is ``"1f1b"``.
-    * ``"zero-bubble-h2"``: backward split into ``B`` and ``W``; each row keeps up to
-      ``2 R - 1`` microbatches in flight and puts ``W`` ops into what would be bubbles
-      (after ZB-H2 in Qi et al., "Zero Bubble Pipeline Parallelism", 2023). One stage per
-      row; with equal costs and ``m >= R`` its bubble is ``(R - 1) / (3 m + R - 1)``.
+    * ``"zero-bubble-h1"``, ``"zero-bubble-h2"``, ``"zero-bubble-auto"``, ``"zero-bubble-v"``:
+      the backward split into ``B`` (activation gradient) and ``W`` (weight gradient), after
+      Qi et al., "Zero Bubble Pipeline Parallelism" (ICLR 2024). An activation set lives
+      from a stage's ``F`` to its ``W``. With ``m >= R`` (``m >= 2 R`` for ZB-H2) and
+      ``T_W <= T_F, T_B``, the longest row (``SimulationResult.steady_bubble_fraction``)
+      idles the paper's Table 2 bubble:
+
+      - ``"zero-bubble-h1"``: ZB-H1, 1F1B's memory (``R`` sets per row); row ``r``'s
+        weight gradients trail its backwards by ``r`` microbatches. Bubble
+        ``(R - 1)(T_F + T_B - T_W)``. One stage per row.
+      - ``"zero-bubble-h2"``: ZB-H2, ``2 R - 1`` sets per row; a free row runs its next
+        ready ``B``, else its next ``F`` while memory allows, else a pending ``W``.
+        Bubble ``(R - 1)(T_F + T_B - 2 T_W)``, none with equal costs. One stage per row.
+      - ``"zero-bubble-auto"``: the paper's automatic scheduler (its heuristic) for
+        ``costs`` (as ``simulate`` takes them; default unit costs) within
+        ``max_in_flight`` sets per row (default ``R``, ZB-1p; ``2 R`` is ZB-2p). It
+        simulates the heuristic's variants, and ZB-H1 and ZB-H2 where they fit, and keeps
+        the order whose longest row is shortest. One stage per row.
+      - ``"zero-bubble-v"``: ZB-V (Qi et al., "Pipeline Parallelism with Controllable
+        Memory", 2024): ``2 R`` stages on a V, stage ``s`` and ``2 R - 1 - s`` on row
+        ``s``, so each microbatch turns on the last row and ends where it began. The same
+        heuristic's best variant for ``costs`` (default unit costs) within
+        ``max_in_flight`` (default ``2 R``) half-size sets per row: 1F1B's activation
+        memory. With equal costs its longest row still idles a few op-times (``R - 1``
+        for ``R <= 4``), where the paper's hand-built ZB-V idles none.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any
@@ -185,6 +154,10 @@ def make_schedule(
       interleave: Stages per row ``v``; stage ``s`` runs on row ``s % R``. Defaults to
         ``S // num_submeshes``, or 1 when neither is given.
       custom: The per-row order, for ``name="custom"`` only.
+      costs: Per-op durations for ``"zero-bubble-auto"`` and ``"zero-bubble-v"``, as
+        ``simulate`` takes them.
+      max_in_flight: Activation sets a row may hold, for ``"zero-bubble-auto"`` and
+        ``"zero-bubble-v"``.
 
     Returns:
       A validated :class:`Schedule`.
@@ -201,6 +174,11 @@ def make_schedule(
       >>> print(make_schedule("custom", 2, 1, custom=[["F0.0", "B0.0"], [(1, 0, "F"), "B1.0"]]))
       row 0: F0.0 B0.0
       row 1: F1.0 B1.0
+      >>> print(make_schedule("zero-bubble-h1", num_stages=2, num_microbatches=3))
+      row 0: F0.0 F0.1 B0.0 W0.0 F0.2 B0.1 W0.1 B0.2 W0.2
+      row 1: F1.0 B1.0 F1.1 B1.1 W1.0 F1.2 B1.2 W1.1 W1.2
+      >>> make_schedule("zero-bubble-v", num_stages=4, num_microbatches=2).stage_to_row
+      (0, 1, 1, 0)
     """
     builder = _BUILDERS.get(name)
     if builder is None:
@@ -214,12 +192,56 @@ def make_schedule(
         )
     _check_positive(num_stages=num_stages, num_microbatches=num_microbatches)
     rows_count, chunks = _layout(name, num_stages, num_submeshes, interleave)
-    stage_to_row = tuple(s % rows_count for s in range(num_stages))
-    rows, split = builder(rows_count, chunks, num_microbatches, custom)
+    request = _Request(
+        rows_count,
+        chunks,
+        num_microbatches,
+        custom,
+        *_zb_options(name, chunks, costs, max_in_flight),
+    )
+    rows, split = builder(request)
+    stage_to_row = stage_rows(name, num_stages, rows_count)
     ordered = tuple(tuple(row) for row in rows)
     schedule = Schedule(ordered, num_stages, num_microbatches, split, name, stage_to_row)
     validate_schedule(schedule)
     return schedule
+
+
+def stage_rows(name: str, num_stages: int, num_submeshes: int) -> tuple[int, ...]:
+    """The row of each stage: on a V for ``"zero-bubble-v"``, else ``s % num_submeshes``.
+
+    Example:
+      >>> from multimesh_flax.core.declare import stage_rows
+      >>> stage_rows("zero-bubble-v", 6, 3), stage_rows("interleaved-1f1b", 6, 3)
+      ((0, 1, 2, 2, 1, 0), (0, 1, 2, 0, 1, 2))
+    """
+    if name in _V_SHAPED:
+        return _zero_bubble.v_layout(num_submeshes)
+    return tuple(s % num_submeshes for s in range(num_stages))
+
+
+def _zb_options(
+    name: str, chunks: int, costs: object, max_in_flight: int | None
+) -> tuple[CostFn, int | None]:
+    """Checks ``costs`` and ``max_in_flight`` against ``name``; returns them for a builder."""
+    if costs is not None and name not in ("zero-bubble-auto", *_V_SHAPED):
+        raise errors.InvalidScheduleError(
+            f"`costs` shapes only 'zero-bubble-auto' and 'zero-bubble-v' (the others are "
+            f"fixed orders; pass costs to `simulate`), got `name`={name!r}."
+        )
+    if max_in_flight is not None:
+        if name not in ("zero-bubble-auto", *_V_SHAPED):
+            raise errors.InvalidScheduleError(
+                f"`max_in_flight` applies to 'zero-bubble-auto' and 'zero-bubble-v', got "
+                f"`name`={name!r}. Drop it, or use one of those schedules."
+            )
+        _check_positive(max_in_flight=max_in_flight)
+        if max_in_flight < chunks:
+            raise errors.InvalidScheduleError(
+                f"Expected `max_in_flight` >= {chunks} (the stages per submesh: a microbatch "
+                f"holds one activation set on each), got {max_in_flight}."
+            )
+    return make_cost_fn(costs), max_in_flight
 
 
 def _check_positive(**values: object) -> None:
@@ -234,6 +256,8 @@ def _layout(
     name: str, num_stages: int, num_submeshes: int | None, interleave: int | None
 ) -> tuple[int, int]:
     """Returns ``(rows, stages per row)``, checking that they fit ``num_stages``."""
+    if name in _V_SHAPED and num_submeshes is None and interleave is None:
+        interleave = 2
     if name == "interleaved-1f1b" and num_submeshes is None and interleave is None:
         raise errors.InvalidScheduleError(
             "`name`='interleaved-1f1b' needs `interleave` (stages per submesh) or "
@@ -258,20 +282,42 @@ def _layout(
                 f"`num_stages`={num_stages} and `num_submeshes`={rows}."
             )
     chunks = num_stages // rows
-    if chunks > 1 and name in ("1f1b", "zero-bubble-h2"):
+    if chunks > 1 and name in _ONE_STAGE_PER_ROW:
         raise errors.InvalidScheduleError(
             f"`name`={name!r} runs one stage per submesh, got {chunks} stages per submesh "
-            f"(`num_stages`={num_stages} on {rows} submeshes). Use 'interleaved-1f1b' or "
-            "'gpipe', or as many submeshes as stages."
+            f"(`num_stages`={num_stages} on {rows} submeshes). Use 'interleaved-1f1b', "
+            "'zero-bubble-v' or 'gpipe', or as many submeshes as stages."
+        )
+    if chunks != 2 and name in _V_SHAPED:
+        raise errors.InvalidScheduleError(
+            f"`name`={name!r} runs two stages per submesh (stage s and 2R-1-s on submesh "
+            f"s), got {num_stages} stages on {rows} submeshes. Use `num_stages` = "
+            f"{2 * rows}, or `num_submeshes` = {num_stages // 2}."
         )
     return rows, chunks
+
+
+_ONE_STAGE_PER_ROW = ("1f1b", "zero-bubble-h1", "zero-bubble-h2", "zero-bubble-auto")
+_V_SHAPED = ("zero-bubble-v",)
 
 
 _Rows = list[list[ScheduleOp]]
 
 
-def _gpipe_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_Rows, bool]:
+class _Request(NamedTuple):
+    """What a builder gets: the layout, the microbatches and the options for its name."""
+
+    rows: int
+    chunks: int
+    m: int
+    custom: Any = None
+    cost: CostFn = unit_cost
+    limit: int | None = None
+
+
+def _gpipe_rows(req: _Request) -> tuple[_Rows, bool]:
     """All forwards by (microbatch, stage), then all backwards by (microbatch, -stage)."""
+    rows, chunks, m = req.rows, req.chunks, req.m
     out: _Rows = []
     for r in range(rows):
         stages = [c * rows + r for c in range(chunks)]
@@ -281,8 +327,9 @@ def _gpipe_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_Rows, 
     return out, False
 
 
-def _one_f_one_b_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_Rows, bool]:
+def _one_f_one_b_rows(req: _Request) -> tuple[_Rows, bool]:
     """Warm-up forwards, then one forward and one backward in turn, then the last backwards."""
+    rows, m = req.rows, req.m
     out: _Rows = []
     for r in range(rows):
         warmup = min(rows - r - 1, m)
@@ -294,10 +341,11 @@ def _one_f_one_b_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_
     return out, False
 
 
-def _interleaved_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_Rows, bool]:
+def _interleaved_rows(req: _Request) -> tuple[_Rows, bool]:
     """Megatron-LM's interleaved 1F1B: 1F1B over ``m * chunks`` (chunk, microbatch) units."""
+    rows, chunks, m = req.rows, req.chunks, req.m
     if chunks == 1:
-        return _one_f_one_b_rows(rows, chunks, m, custom)
+        return _one_f_one_b_rows(req)
     if m % rows:
         raise errors.InvalidScheduleError(
             f"'interleaved-1f1b' needs `num_microbatches` to be a multiple of the number of "
@@ -330,51 +378,30 @@ def _interleaved_unit(r: int, rows: int, chunks: int) -> Callable[[int, str], Sc
     return unit
 
 
-def _zero_bubble_rows(rows: int, chunks: int, m: int, custom: object) -> tuple[_Rows, bool]:
-    """Greedy ZB-H2 order, built by list scheduling with unit costs for F, B and W.
-
-    At every time step an idle row runs, in priority order: its next backward if that is
-    ready; its next forward if ready and fewer than ``2 rows - 1`` microbatches hold
-    activations on the row (ZB-H2's memory budget; an activation is freed by ``W``); its
-    oldest pending weight gradient. With equal costs and ``m >= rows`` this gives ZB-H2's
-    parallelogram: row ``r`` works without a gap from ``r`` to ``r + 3m``. The order is
-    deadlock-free by construction, since every op ran after its dependencies.
-    """
-    done_at: dict[ScheduleOp, int] = {}
-    out: _Rows = [[] for _ in range(rows)]
-    next_f, next_b, next_w = [0] * rows, [0] * rows, [0] * rows
-    time = 0
-    while len(done_at) < 3 * rows * m:
-        for r in range(rows):
-            if out[r] and done_at[out[r][-1]] > time:
-                continue
-            b_op, f_op = ScheduleOp(r, next_b[r], "B"), ScheduleOp(r, next_f[r], "F")
-            if next_b[r] < m and _ready(b_op, done_at, time, rows):
-                op, next_b[r] = b_op, next_b[r] + 1
-            elif (
-                next_f[r] < m
-                and next_f[r] - next_w[r] < 2 * rows - 1
-                and _ready(f_op, done_at, time, rows)
-            ):
-                op, next_f[r] = f_op, next_f[r] + 1
-            elif next_w[r] < next_b[r]:
-                op, next_w[r] = ScheduleOp(r, next_w[r], "W"), next_w[r] + 1
-            else:
-                continue
-            out[r].append(op)
-            done_at[op] = time + 1
-        time += 1
-    return out, True
+def _zb_h1_rows(req: _Request) -> tuple[_Rows, bool]:
+    return _zero_bubble.zb_h1_rows(req.rows, req.m), True
 
 
-def _ready(op: ScheduleOp, done_at: dict[ScheduleOp, int], time: int, num_stages: int) -> bool:
-    return all(done_at.get(dep, time + 1) <= time for dep in op_deps(op, num_stages))
+def _zb_h2_rows(req: _Request) -> tuple[_Rows, bool]:
+    """List scheduling with unit costs and ``2 rows - 1`` activation sets per row."""
+    layout = tuple(range(req.rows))
+    policy = _zero_bubble.Policy()
+    return _zero_bubble.list_schedule(layout, req.m, unit_cost, 2 * req.rows - 1, policy), True
 
 
-def _custom_rows(
-    rows: int, chunks: int, m: int, custom: Sequence[Sequence[object]]
-) -> tuple[_Rows, bool]:
+def _zb_auto_rows(req: _Request) -> tuple[_Rows, bool]:
+    limit = req.rows if req.limit is None else req.limit
+    return _zero_bubble.auto_rows(req.rows, req.m, req.cost, limit), True
+
+
+def _zb_v_rows(req: _Request) -> tuple[_Rows, bool]:
+    limit = 2 * req.rows if req.limit is None else req.limit
+    return _zero_bubble.v_rows(req.rows, req.m, req.cost, limit), True
+
+
+def _custom_rows(req: _Request) -> tuple[_Rows, bool]:
     """Reads the user's per-row order; the backward is split when any op is a ``W``."""
+    rows, custom = req.rows, req.custom
     if isinstance(custom, (str, bytes)) or len(custom) != rows:
         got = len(custom) if not isinstance(custom, (str, bytes)) else repr(custom)
         raise errors.InvalidScheduleError(
@@ -399,11 +426,14 @@ def _to_op(entry: object) -> ScheduleOp:
     )
 
 
-_BUILDERS: dict[str, Callable[..., tuple[_Rows, bool]]] = {
+_BUILDERS: dict[str, Callable[[_Request], tuple[_Rows, bool]]] = {
     "gpipe": _gpipe_rows,
     "1f1b": _one_f_one_b_rows,
     "interleaved-1f1b": _interleaved_rows,
-    "zero-bubble-h2": _zero_bubble_rows,
+    "zero-bubble-h1": _zb_h1_rows,
+    "zero-bubble-h2": _zb_h2_rows,
+    "zero-bubble-auto": _zb_auto_rows,
+    "zero-bubble-v": _zb_v_rows,
     "custom": _custom_rows,
 }
 
@@ -518,17 +548,6 @@ def _check_complete(schedule: Schedule, positions: dict[ScheduleOp, tuple[int, i
             f"{'/'.join(schedule.phases)} once per microbatch "
             f"({schedule.num_microbatches} microbatches); add the missing ops to their rows."
         )
-
-
-def op_deps(op: ScheduleOp, num_stages: int) -> tuple[ScheduleOp, ...]:
-    """The ops that must finish before ``op`` starts."""
-    s, i = op.stage, op.microbatch
-    if op.phase == "F":
-        return (ScheduleOp(s - 1, i, "F"),) if s > 0 else ()
-    if op.phase == "W":
-        return (ScheduleOp(s, i, "B"),)
-    upstream = (ScheduleOp(s + 1, i, "B"),) if s < num_stages - 1 else ()
-    return (ScheduleOp(s, i, "F"), *upstream)
 
 
 def _execution_order(

@@ -16,7 +16,8 @@ A program traced through ``microbatch`` holds the equations of chunk ``k`` under
   chiefly weight gradients).
 
 For a region with a ``schedule`` it builds the :class:`~._schedules.Schedule` from the stages
-found (stage ``s`` must share its submesh with stage ``s % num_submeshes``). The partitioner
+found (stage ``s`` must share its submesh with stage ``s % num_submeshes``, or under a V
+schedule with stage ``2 R - 1 - s``). The partitioner
 then cuts one fragment per unit (visiting equations in :func:`equation_order`, which moves
 each unit's ``W`` equations after its ``B`` ones), and :func:`dispatch_order` sorts the
 fragments: a topological order of their data dependencies that takes units by their start
@@ -37,7 +38,15 @@ from typing import Any, NamedTuple
 import jax.extend.core as jex
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import Phase, Place, Schedule, Sentinel, make_schedule, place_of
+from multimesh_flax.core.declare import (
+    Phase,
+    Place,
+    Schedule,
+    Sentinel,
+    make_schedule,
+    place_of,
+    stage_rows,
+)
 from multimesh_flax.core.plan import _simulator
 from multimesh_flax.core.trace import (
     MICROBATCH_RE,
@@ -183,7 +192,8 @@ def _stage_ranks(
 def _group_stages(
     traced: TracedProgram, order: dict[tuple[int, int], list[int]]
 ) -> dict[tuple[int, int], list[list[int]]]:
-    """Consecutive tasks on the same submesh form one stage (e.g. a stem and two blocks)."""
+    """Consecutive tasks on the same submesh form one stage (e.g. a stem and two blocks);
+    under a V schedule the run at the turn forms two (see :func:`_split_turn`)."""
     grouped: dict[tuple[int, int], list[list[int]]] = {}
     for mb, uids in order.items():
         groups: list[list[int]] = []
@@ -193,8 +203,27 @@ def _group_stages(
                 groups[-1].append(uid)
             else:
                 groups.append([uid])
+        call = traced.microbatch_calls.get(mb[0])
+        if call is not None and call.options.schedule in V_SCHEDULES:
+            groups = _split_turn(traced, groups)
         grouped[mb] = groups
     return grouped
+
+
+V_SCHEDULES = ("zero-bubble-v",)
+
+
+def _split_turn(traced: TracedProgram, groups: list[list[int]]) -> list[list[int]]:
+    """A V pipeline visits its last submesh twice in a row (stages ``R - 1`` and ``R``), so
+    the run of tasks there, the middle one of ``2 R - 1`` runs, is two stages: its first
+    half (rounded up) and the rest. Any other grouping is left for the layout check."""
+    places = {place_of(traced.tasks[g[0]].mesh) for g in groups}
+    turn = len(places) - 1
+    if len(groups) != 2 * len(places) - 1 or len(groups[turn]) < 2:
+        return groups
+    run = groups[turn]
+    half = (len(run) + 1) // 2
+    return [*groups[:turn], run[:half], run[half:], *groups[turn + 1 :]]
 
 
 def stage_name(tasks: Sequence[Any]) -> str:
@@ -297,15 +326,7 @@ def _region_schedule(region: Region) -> Schedule:
             f"microbatch: {names}. Pass `num_stages`={count}, or change the tasks."
         )
     rows = list(dict.fromkeys(region.stage_places))
-    for s, place in enumerate(region.stage_places):
-        if place != region.stage_places[s % len(rows)]:
-            raise errors.InvalidScheduleError(
-                f"Pipeline schedules put stage s on the submesh of stage s % "
-                f"{len(rows)} (the number of distinct submeshes); stage {s} ({names[s]!r}) "
-                f"runs on devices {list(place)}, stage {s % len(rows)} on devices "
-                f"{list(region.stage_places[s % len(rows)])}. Place stage s on submesh "
-                f"s % {len(rows)}."
-            )
+    _check_layout(options.schedule or "gpipe", names, region.stage_places, len(rows))
     if options.interleave is not None and options.interleave * len(rows) != count:
         raise errors.InvalidScheduleError(
             f"`interleave`={options.interleave}, but the {count} stages run on {len(rows)} "
@@ -322,6 +343,28 @@ def _region_schedule(region: Region) -> Schedule:
         num_submeshes=len(rows),
         custom=custom,
     )
+
+
+def _check_layout(name: str, names: list[str], places: list[Place], num_rows: int) -> None:
+    """Stage ``s`` must run on the submesh the schedule gives it: that of stage
+    ``s % num_rows``, or on a V that of stage ``min(s, 2 R - 1 - s)``."""
+    if name in V_SCHEDULES and len(names) != 2 * num_rows:
+        raise errors.InvalidScheduleError(
+            f"`schedule`={name!r} runs 2 stages per submesh on a V, got {len(names)} "
+            f"stage(s) on {num_rows} submesh(es): {names}. Place stage s and stage 2R-1-s "
+            f"on submesh s, for R submeshes and 2R tasks."
+        )
+    expected = stage_rows(name, len(names), num_rows)
+    rule = "min(s, 2R-1-s)" if name in V_SCHEDULES else f"s % {num_rows}"
+    for s, place in enumerate(places):
+        home = expected[s]
+        if place != places[home]:
+            raise errors.InvalidScheduleError(
+                f"Schedule {name!r} puts stage s on the submesh of stage {rule} (with "
+                f"{num_rows} distinct submeshes); stage {s} ({names[s]!r}) runs on devices "
+                f"{list(place)}, stage {home} on devices {list(places[home])}. Place stage "
+                f"s on submesh {rule}."
+            )
 
 
 def _custom_ops(rows: Sequence[Sequence[Any]], names: list[str]) -> list[list[Any]]:

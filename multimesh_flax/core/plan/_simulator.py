@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import Schedule, ScheduleOp, op_deps, validated_order
-
-_DEFAULT_COSTS = {"F": 1.0, "B": 1.0, "W": 1.0, "transfer": 0.0}
-
-CostFn = Callable[[int, str], float]
+from multimesh_flax.core.declare import (
+    CostFn,
+    Schedule,
+    ScheduleOp,
+    make_cost_fn,
+    op_deps,
+    validated_order,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,17 @@ class SimulationResult:
         sets alive at once: counted from the start of ``F`` to the end of the last backward
         op of that stage and microbatch (``W`` when the backward is split, else ``B``).
         With one stage per row this is the number of microbatches in flight.
+      row_spans: Per row, from its first op's start to its last op's end (0 for an empty
+        row).
+      steady_bubble_fraction: The idle fraction when consecutive steps overlap, so that a
+        row starts its next step as soon as it ends this one: ``1 - sum(busy_time) / (rows
+        * max(row_spans))``. This is how the Zero Bubble paper (Qi et al., 2024) measures
+        a schedule's bubble (its "largest execution time of all stages"); with the
+        optimizer step synchronised it is the lower bound of ``bubble_fraction``. Equal
+        to ``bubble_fraction`` when the first row runs from the start to the end (GPipe,
+        1F1B).
+      peak_bytes: Per row, the largest activation bytes alive at once, when ``simulate``
+        is given ``activation_bytes``; else ``None``.
 
     Example:
       >>> from multimesh_flax.core import make_schedule, simulate
@@ -56,10 +70,16 @@ class SimulationResult:
     busy_time: tuple[float, ...]
     timeline: tuple[tuple[int, ScheduleOp, float, float], ...]
     peak_in_flight: tuple[int, ...]
+    row_spans: tuple[float, ...] = ()
+    steady_bubble_fraction: float = 0.0
+    peak_bytes: tuple[float, ...] | None = None
 
 
 def simulate(
-    schedule: Schedule, *, costs: Mapping[str, float] | CostFn | None = None
+    schedule: Schedule,
+    *,
+    costs: Mapping[str, float] | CostFn | None = None,
+    activation_bytes: float | Sequence[float] | None = None,
 ) -> SimulationResult:
     """Predicts when every op of ``schedule`` runs, given per-op costs.
 
@@ -71,13 +91,16 @@ def simulate(
         (the time to send stage ``stage``'s output, activation or gradient, to another
         row). ``transfer`` is added to every dependency between ops on different rows.
         When the backward is not split, a ``B`` op costs ``B + W``.
+      activation_bytes: The bytes one activation set holds: one number for every stage,
+        or one per stage. Gives ``peak_bytes``.
 
     Returns:
       A :class:`SimulationResult`.
 
     Raises:
       InvalidScheduleError: If the schedule is invalid (see ``validate_schedule``), or a
-        cost is negative, not finite, or keyed by an unknown phase.
+        cost is negative, not finite, or keyed by an unknown phase, or
+        ``activation_bytes`` is not one non-negative number or one per stage.
 
     Example:
       >>> from multimesh_flax.core import make_schedule, simulate
@@ -91,47 +114,48 @@ def simulate(
       ...     return 0.0 if phase == "transfer" else (2.0 if stage == 3 else 1.0)
       >>> simulate(gpipe, costs=cost).makespan
       57.0
+
+      ZB-H2 with equal costs: the rows' spans are equal, so overlapped steps have no
+      bubble; each row holds up to ``2 p - 1`` activation sets (here 1 MiB each):
+
+      >>> zb = simulate(make_schedule("zero-bubble-h2", 4, 8), activation_bytes=2**20)
+      >>> zb.steady_bubble_fraction, zb.peak_in_flight, zb.peak_bytes[0] / 2**20
+      (0.0, (7, 7, 7, 7), 7.0)
     """
     order = validated_order(schedule)
-    cost = _cost_fn(costs)
-    return _simulate(schedule, order, cost)
+    cost = make_cost_fn(costs)
+    sizes = _activation_bytes(activation_bytes, schedule.num_stages)
+    return _simulate(schedule, order, cost, sizes)
 
 
-def _cost_fn(costs: Mapping[str, float] | CostFn | None) -> CostFn:
-    """Turns ``costs`` into a checked ``(stage, phase) -> float``."""
-    if costs is None or isinstance(costs, Mapping):
-        unknown = set(costs or {}) - set(_DEFAULT_COSTS)
-        if unknown:
-            raise errors.InvalidScheduleError(
-                f"Unknown keys {sorted(unknown)} in `costs`; use {sorted(_DEFAULT_COSTS)}."
-            )
-        table = {**_DEFAULT_COSTS, **(costs or {})}
-        return lambda stage, phase: _checked(table[phase], stage, phase)
-    if callable(costs):
-        return lambda stage, phase: _checked(costs(stage, phase), stage, phase)
-    raise errors.InvalidScheduleError(
-        f"Expected `costs` to be a mapping of phase to duration or a callable "
-        f"(stage, phase) -> duration, got {type(costs).__name__}."
+def _activation_bytes(value: object, num_stages: int) -> tuple[float, ...] | None:
+    """One byte count per stage, checked; ``None`` when not given."""
+    if value is None:
+        return None
+    many = isinstance(value, Sequence) and not isinstance(value, str)
+    sizes = tuple(value) if many else (value,) * num_stages  # type: ignore[arg-type]
+    good = len(sizes) == num_stages and all(
+        isinstance(b, (int, float)) and not isinstance(b, bool) and math.isfinite(b) and b >= 0
+        for b in sizes
     )
-
-
-def _checked(value: object, stage: int, phase: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        value = math.nan
-    if not math.isfinite(value) or value < 0:
+    if not good:
         raise errors.InvalidScheduleError(
-            f"Expected a finite, non-negative cost for phase {phase!r} of stage {stage}, "
-            f"got {value!r}. Give every duration as a number >= 0."
+            f"Expected `activation_bytes` to be one non-negative number, or one per stage "
+            f"({num_stages}), got {value!r}."
         )
-    return float(value)
+    return tuple(float(b) for b in sizes)
 
 
 def _simulate(
-    schedule: Schedule, order: list[tuple[int, ScheduleOp]], cost: CostFn
+    schedule: Schedule,
+    order: list[tuple[int, ScheduleOp]],
+    cost: CostFn,
+    sizes: tuple[float, ...] | None,
 ) -> SimulationResult:
     """Times ``order`` (a dependency-respecting order of all ops) as early as possible."""
     rows = schedule.num_submeshes
     free = [0.0] * rows
+    first = [math.inf] * rows
     busy = [0.0] * rows
     end: dict[ScheduleOp, float] = {}
     timeline = []
@@ -143,17 +167,28 @@ def _simulate(
         duration = _duration(schedule, op, cost)
         end[op] = free[row] = start + duration
         busy[row] += duration
+        first[row] = min(first[row], start)
         timeline.append((row, op, start, end[op]))
     timeline.sort(key=lambda item: (item[2], item[0]))
     makespan = max(end.values(), default=0.0)
-    idle = rows * makespan - sum(busy)
+    spans = tuple(f - s if s < math.inf else 0.0 for f, s in zip(free, first, strict=True))
     return SimulationResult(
         makespan=makespan,
-        bubble_fraction=idle / (rows * makespan) if makespan > 0 else 0.0,
+        bubble_fraction=_idle_fraction(busy, makespan),
         busy_time=tuple(busy),
         timeline=tuple(timeline),
-        peak_in_flight=tuple(_peak_in_flight(schedule, ops) for ops in schedule.rows),
+        peak_in_flight=tuple(_peak_live(schedule, ops, None) for ops in schedule.rows),
+        row_spans=spans,
+        steady_bubble_fraction=_idle_fraction(busy, max(spans, default=0.0)),
+        peak_bytes=None
+        if sizes is None
+        else tuple(float(_peak_live(schedule, ops, sizes)) for ops in schedule.rows),
     )
+
+
+def _idle_fraction(busy: Sequence[float], span: float) -> float:
+    """``1 - sum(busy) / (rows * span)``; 0 when ``span`` is 0."""
+    return 1.0 - sum(busy) / (len(busy) * span) if span > 0 else 0.0
 
 
 def _duration(schedule: Schedule, op: ScheduleOp, cost: CostFn) -> float:
@@ -162,14 +197,18 @@ def _duration(schedule: Schedule, op: ScheduleOp, cost: CostFn) -> float:
     return cost(op.stage, op.phase)
 
 
-def _peak_in_flight(schedule: Schedule, ops: tuple[ScheduleOp, ...]) -> int:
-    """Counts live activation sets along one row; its ops run one after another."""
+def _peak_live(
+    schedule: Schedule, ops: tuple[ScheduleOp, ...], sizes: tuple[float, ...] | None
+) -> float:
+    """The most activation sets (``sizes=None``) or bytes alive along one row at once; its
+    ops run one after another, a set alive from its ``F`` to its last backward op."""
     last = schedule.phases[-1]
     live = peak = 0
     for op in ops:
+        size = 1 if sizes is None else sizes[op.stage]
         if op.phase == "F":
-            live += 1
+            live += size
             peak = max(peak, live)
         elif op.phase == last:
-            live -= 1
+            live -= size
     return peak

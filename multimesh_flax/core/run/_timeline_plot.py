@@ -199,7 +199,7 @@ def _recorded_bars(events: Sequence[TimelineEvent]) -> tuple[list[Any], list[Any
     return [f"devices {list(p)}" for p in rows], bars
 
 
-def _predicted_bars(schedule: Schedule, costs: Any) -> tuple[list[Any], list[Any], float]:
+def _predicted_bars(schedule: Schedule, costs: Any) -> tuple[list[Any], list[Any], Any]:
     result = simulate(schedule, costs=costs)
     scale = 1.0 if costs is None else 1e3  # given costs are seconds: draw milliseconds
     bars = [
@@ -207,7 +207,7 @@ def _predicted_bars(schedule: Schedule, costs: Any) -> tuple[list[Any], list[Any
         for row, op, start, end in result.timeline
     ]
     rows = [f"submesh {r}" for r in range(schedule.num_submeshes)]
-    return rows, bars, result.bubble_fraction
+    return rows, bars, result
 
 
 def plot_timeline(
@@ -223,7 +223,9 @@ def plot_timeline(
     The top panel shows :func:`replay_timeline` of the recorded call (one lane per submesh,
     milliseconds; F blue, B orange, W green, glue grey; a fused op in its first unit's
     colour, labelled with all its units) and its :func:`recorded_bubble`. With
-    ``schedule``, a second panel shows ``simulate(schedule, costs=costs)`` and its bubble.
+    ``schedule``, a second panel shows ``simulate(schedule, costs=costs)``: its bubble, its
+    bubble when steps overlap (``steady_bubble_fraction``) and each submesh's peak
+    activation sets.
 
     Args:
         timeline: a timeline from :func:`record_timeline`.
@@ -264,7 +266,11 @@ def plot_timeline(
         rows, bars, predicted = _predicted_bars(schedule, costs)
         _draw(panels[1], rows, bars)
         units = "unit costs" if costs is None else "given costs, ms"
-        panels[1].set_title(f"simulated {schedule.name!r} ({units}) -- bubble {predicted:.3f}")
+        panels[1].set_title(
+            f"simulated {schedule.name!r} ({units}) -- bubble {predicted.bubble_fraction:.3f}, "
+            f"overlapped steps {predicted.steady_bubble_fraction:.3f}, peak activation sets "
+            f"per submesh {list(predicted.peak_in_flight)}"
+        )
     if path is not None:
         figure.savefig(path, dpi=120)
     return figure

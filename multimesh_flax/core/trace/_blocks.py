@@ -19,7 +19,7 @@ transformer) ``m`` times, and every later pass would walk all of them. Instead:
 
 A call then costs a few dozen equations, and identical blocks keep one body object, so later
 passes and the executable cache see them as the same program. Classes in a region whose
-schedule may split the backward into ``B`` and ``W`` (``zero-bubble-h2``, ``custom``) also
+schedule may split the backward into ``B`` and ``W`` (``zero-bubble-*``, ``custom``) also
 cut each backward run where it passes between activation and weight gradient, so that the
 split ``plan/_pipeline`` makes after tracing never falls inside a block.
 """
@@ -46,7 +46,13 @@ replay_p.multiple_results = True
 
 _MICROBATCH_INDEX = re.compile(r"(mmmb\d+_)\d+")
 # Schedules whose backward may be split into B and W per equation after tracing.
-_SPLITTING_SCHEDULES = ("zero-bubble-h2", "custom")
+_SPLITTING_SCHEDULES = (
+    "zero-bubble-h1",
+    "zero-bubble-h2",
+    "zero-bubble-auto",
+    "zero-bubble-v",
+    "custom",
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -31,7 +31,16 @@ from multimesh_flax import errors
 from multimesh_flax.core.declare import ScheduleOp, ignore_transforms
 from multimesh_flax.core.trace import _constraints, _loops, _session
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble-h2", "custom")
+SCHEDULES = (
+    "gpipe",
+    "1f1b",
+    "interleaved-1f1b",
+    "zero-bubble-h1",
+    "zero-bubble-h2",
+    "zero-bubble-auto",
+    "zero-bubble-v",
+    "custom",
+)
 _REDUCTIONS = ("sum", "mean")
 
 
@@ -364,9 +373,15 @@ def microbatch(
     * ``"gpipe"``, ``"1f1b"``: one stage per submesh (GPipe also allows several);
     * ``"interleaved-1f1b"``: ``interleave`` stages per submesh, stage ``s`` on the same
       submesh as stage ``s % num_submeshes``;
-    * ``"zero-bubble-h2"``: each task's backward is split into its activation-gradient part
-      (what the previous stage waits for) and its weight-gradient part, which fills bubbles;
-      ``Task.split_backprop`` names the two halves;
+    * ``"zero-bubble-h1"``, ``"zero-bubble-h2"``, ``"zero-bubble-auto"``: each task's
+      backward is split into its activation-gradient part (what the previous stage waits
+      for) and its weight-gradient part, which fills bubbles; ``Task.split_backprop`` names
+      the two halves. ZB-H1 keeps 1F1B's memory, ZB-H2 up to ``2 p - 1`` microbatches per
+      submesh, ``"zero-bubble-auto"`` is the automatic schedule for unit costs within 1F1B's
+      memory (``make_schedule`` builds it for other costs);
+    * ``"zero-bubble-v"``: the same split on a V, ``2 p`` stages on ``p`` submeshes, stage
+      ``s`` on the submesh of stage ``2 p - 1 - s``; the tasks that meet at the V's turn
+      on the last submesh split into two stages, the first half (rounded up) and the rest;
     * ``"custom"``: ``custom_schedule``, one sequence per submesh of ops ``"F0.3"``,
       ``ScheduleOp``\\ s or ``(stage index or task name, microbatch, phase)`` tuples.
 
