@@ -14,6 +14,7 @@ from multimesh_flax._front import jit, microbatch, task
 from multimesh_flax.core import (
     Context,
     MultiMesh,
+    PipelineOptions,
     Schedule,
     ScheduleOp,
     SimulationResult,
@@ -44,6 +45,7 @@ from multimesh_flax.layers import parallelize_step, shard_axes, tabulate
 __all__ = [
     "Context",
     "MultiMesh",
+    "PipelineOptions",
     "Schedule",
     "ScheduleOp",
     "SimulationResult",

@@ -9,6 +9,7 @@ from multimesh_flax import errors
 PUBLIC_NAMES = [
     "Context",
     "MultiMesh",
+    "PipelineOptions",
     "Schedule",
     "ScheduleOp",
     "SimulationResult",

@@ -126,11 +126,24 @@ def _nnx_step(r: Ran) -> None:
 
 
 # A snippet that identifies the block -> the check of what that block promises.
+def _pipeline_options(r: Ran) -> None:
+    # chain_grads: as jax.grad of chain_loss on the whole batch, ordered for the given costs
+    ns = r.namespace
+    with mm.ignore_transforms():
+        expected = jax.grad(ns["chain_loss"])(ns["chain_ws"], ns["chain_x"])
+    for got, want in zip(ns["chain_grads"], expected, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    built = ns["chain_grad"].executable(ns["chain_ws"], ns["chain_x"]).schedule
+    costs = {"F": 1.0, "B": 2.0, "W": 0.5}
+    assert built == mm.make_schedule("zero-bubble-auto", 2, 4, costs=costs, max_in_flight=4)
+
+
 PROMISES = {
     "mm.task(lambda x: x * 2": _first_program,
     "l2 = mm.task(layer2": _logical_sharding,
     "class Pipeline(nn.Module)": _flax_step,
     "multi.register_task(": _name_based,
+    "options = mm.PipelineOptions(": _pipeline_options,
     "def train_step(model, optimizer, x, y)": _nnx_step,
 }
 

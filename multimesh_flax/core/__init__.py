@@ -7,6 +7,7 @@ The public names below come from the stage packages (``declare``, ``trace``, ``p
 
 from multimesh_flax.core.declare import Context as Context
 from multimesh_flax.core.declare import MultiMesh as MultiMesh
+from multimesh_flax.core.declare import PipelineOptions as PipelineOptions
 from multimesh_flax.core.declare import Schedule as Schedule
 from multimesh_flax.core.declare import ScheduleOp as ScheduleOp
 from multimesh_flax.core.declare import Task as Task

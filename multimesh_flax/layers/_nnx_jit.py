@@ -207,7 +207,7 @@ def _filled(cell: Any) -> bool:
 
 
 def microbatch(
-    fun: Callable[..., Any], dim: int, size: int, argnum: int = 0, **options: Any
+    fun: Callable[..., Any], dim: int, size: int | None = None, argnum: int = 0, **options: Any
 ) -> Callable[..., Any]:
     """:func:`multimesh_flax.core.microbatch`, also for functions over NNX graph objects.
 

@@ -40,12 +40,14 @@ from flax.training import train_state
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     MultiMesh,
+    PipelineOptions,
     Recompute,
     active_contexts,
     get_multi_mesh,
     ignore_transforms,
     make_auto_mesh,
     make_recompute,
+    pipeline_options,
     step_policy,
     use_device_list,
 )
@@ -111,7 +113,7 @@ class _Model:
     """Initializes and applies ``model`` for ``loss_fn`` (``model_fn`` is what it sees)."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, rng: Any, pipeline: _Microbatching | None = None
+        self, model: nn.Module, loss_fn: LossFn, rng: Any, pipeline: PipelineOptions | None = None
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -139,18 +141,9 @@ class _Model:
                 f"examples, which {count} microbatches do not divide ({length % count} left "
                 f"over). Pass batches whose leading size is a multiple of {count}."
             )
-        size = length // count
-        chunked = microbatch(
-            fun,
-            0,
-            size,
-            schedule=self.pipeline.schedule,
-            interleave=self.pipeline.interleave,
-            custom_schedule=self.pipeline.custom_schedule,
-            reduce="mean",
-            trace_once=trace_once,
-        )
-        return chunked((batch, jax.numpy.arange(length) // size))  # example -> its microbatch
+        chunked = microbatch(fun, 0, pipeline=self.pipeline, reduce="mean", trace_once=trace_once)
+        index = jax.numpy.arange(length) // (length // count)  # example -> its microbatch
+        return chunked((batch, index))
 
     def init_variables(self, batch: Any) -> Any:
         captured: dict[str, Any] = {}
@@ -309,25 +302,16 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Microbatching:
-    """How ``parallelize_step`` splits each batch and orders its microbatches (the options
-    of its ``microbatch`` call, checked again there)."""
-
-    microbatches: int
-    schedule: str | None
-    interleave: int | None
-    custom_schedule: Any = None
-
-
-def _pipeline_options(
-    microbatches: int | None, schedule: str | None, interleave: int | None, batch_shape: Any
-) -> _Microbatching | None:
+def _microbatching(pipeline: PipelineOptions, batch_shape: Any) -> PipelineOptions | None:
+    """``pipeline`` if the step pipelines (``microbatches`` given), checked against the
+    batch; ``None`` for one full-batch pass."""
+    microbatches = pipeline.microbatches
     if microbatches is None:
-        if schedule is not None or interleave is not None:
+        if pipeline != PipelineOptions():
             raise errors.ParallelizeArgumentError(
-                f"Got `schedule`={schedule!r} / `interleave`={interleave!r} without "
-                "`microbatches`. A schedule orders microbatches: pass `microbatches=m`."
+                f"Got `schedule`={pipeline.schedule!r} / `interleave`={pipeline.interleave!r} "
+                "(or other pipeline options) without `microbatches`. A schedule orders "
+                "microbatches: pass `microbatches=m`."
             )
         return None
     leading = {
@@ -344,18 +328,7 @@ def _pipeline_options(
             f"`microbatches`={microbatches}, got leading sizes {sorted(map(str, leading))}. "
             "Choose a microbatch count that divides the batch size."
         )
-    return _Microbatching(microbatches, schedule, interleave)
-
-
-def _with_custom_schedule(pipeline: _Microbatching | None, custom: Any) -> _Microbatching | None:
-    if custom is None:
-        return pipeline
-    if pipeline is None:
-        raise errors.ParallelizeArgumentError(
-            "Got `custom_schedule` without `microbatches`. A schedule orders microbatches: "
-            "pass `microbatches=m`."
-        )
-    return dataclasses.replace(pipeline, custom_schedule=custom)
+    return pipeline
 
 
 def _zeros(shapes: Any) -> Any:
@@ -400,7 +373,7 @@ class _Setup:
         optimizer: Any,
         loss_fn: LossFn,
         rng: Any,
-        pipeline: _Microbatching | None = None,
+        pipeline: PipelineOptions | None = None,
         nonfinite: _nonfinite.NonFinite | None = None,
         recompute: Recompute | None = None,
         precision: _precision.Precision = _precision.Precision.FP32,
@@ -679,6 +652,7 @@ def parallelize_step(
     *,
     loss_fn: LossFn | None = None,
     rng: jax.Array | None = None,
+    pipeline: PipelineOptions | None = None,
     microbatches: int | None = None,
     schedule: str | None = None,
     interleave: int | None = None,
@@ -708,6 +682,10 @@ def parallelize_step(
             model with the dropout rng ``step_key = fold_in(dropout_key, i)``, and with
             ``microbatches`` microbatch ``k`` of step ``i`` uses ``fold_in(step_key, k)``:
             every step and every microbatch draws its own masks.
+        pipeline: the pipeline options as one record (``mm.PipelineOptions``, as
+            ``microbatch`` takes it), instead of ``microbatches`` .. ``custom_schedule``
+            one by one; it also carries ``costs`` and ``max_in_flight`` for
+            ``"zero-bubble-auto"`` and ``"zero-bubble-v"``.
         microbatches: split each batch along its leading dimension into this many
             microbatches and pipeline them (``multimesh_flax.microbatch``); the loss is the
             mean over microbatches, which equals the full-batch mean for mean losses. With
@@ -798,11 +776,20 @@ def parallelize_step(
     policy = make_recompute(recompute)
     dtype = _precision.normalize(precision)
     batch_shape = _abstract(_check_batches(global_batch, local_batch))
-    pipeline = _with_custom_schedule(
-        _pipeline_options(microbatches, schedule, interleave, batch_shape), custom_schedule
+    keywords = {
+        "microbatches": microbatches,
+        "schedule": schedule,
+        "interleave": interleave,
+        "custom_schedule": custom_schedule,
+    }
+    options = pipeline_options(
+        pipeline, keywords, "`parallelize_step`", errors.ParallelizeArgumentError
     )
+    microbatching = _microbatching(options, batch_shape)
     devices, multi, result_mesh = _devices_of(mesh)
-    setup = _Setup(model, optimizer, loss_fn or default_loss, rng, pipeline, mode, policy, dtype)
+    setup = _Setup(
+        model, optimizer, loss_fn or default_loss, rng, microbatching, mode, policy, dtype
+    )
     with multi if multi is not None else flag_context(), use_device_list(devices):
         abstract_state = setup.derive_constraints(batch_shape, devices)
         jitted = jit(setup.step, devices=devices, donate_argnums=(0,))

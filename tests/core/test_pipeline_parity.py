@@ -120,6 +120,54 @@ def test_new_zero_bubble_schedules_match_full_batch(schedule):
     _check_against_full_batch(schedule, 4)
 
 
+def test_pipeline_options_take_the_schedule_its_costs_and_memory_limit():
+    """One ``PipelineOptions`` record: the count instead of a size, and the costs and
+    activation-set limit that ``"zero-bubble-auto"`` orders for reach ``make_schedule``."""
+    costs, m = {"F": 1.0, "B": 2.0, "W": 0.5}, 8
+    options = mm.PipelineOptions(
+        microbatches=m, schedule="zero-bubble-auto", costs=costs, max_in_flight=8
+    )
+    loss, params, batch = _chain(4, 4)
+    step = mm.jit(
+        jax.value_and_grad(mm.microbatch(loss, 0, argnum=1, pipeline=options, reduce="mean"))
+    )
+    _assert_trees_close(step(params, batch), _reference(loss, params, batch))
+    built = step.executable(params, batch).schedule
+    wanted = mm.make_schedule("zero-bubble-auto", 4, m, costs=costs, max_in_flight=8)
+    assert built.rows == wanted.rows
+    assert built.rows != mm.make_schedule("zero-bubble-auto", 4, m).rows  # the costs mattered
+
+
+@pytest.mark.parametrize(
+    ("size", "options", "match"),
+    [
+        (2, mm.PipelineOptions(microbatches=4), "exactly one of them"),
+        (None, mm.PipelineOptions(schedule="1f1b"), "exactly one of them"),
+        (
+            None,
+            mm.PipelineOptions(microbatches=4, schedule="1f1b", costs={"F": 2.0}),
+            "`costs` and `max_in_flight` shape",
+        ),
+        (None, {"microbatches": 4}, "Expected `pipeline` to be a PipelineOptions"),
+    ],
+    ids=["size-and-count", "neither", "costs-on-a-fixed-order", "not-a-record"],
+)
+def test_pipeline_options_mistakes(size, options, match):
+    with pytest.raises(errors.MicrobatchArgumentError, match=match):
+        mm.microbatch(lambda x: x, 0, size, pipeline=options)
+
+
+def test_pipeline_options_and_the_same_keywords_at_once_are_refused():
+    with pytest.raises(errors.MicrobatchArgumentError, match="got `pipeline` and also"):
+        mm.microbatch(lambda x: x, 0, pipeline=mm.PipelineOptions(microbatches=2), schedule="1f1b")
+
+
+def test_a_count_that_does_not_divide_the_batch_says_so():
+    f = mm.microbatch(lambda x: x.sum(), 0, pipeline=mm.PipelineOptions(microbatches=3))
+    with pytest.raises(errors.UnevenMicrobatchError, match="`microbatches`=3 does not divide"):
+        f(jnp.ones((8, 2)))
+
+
 def _check_against_full_batch(schedule, m):
     stages, submeshes, options = _layout(schedule, m)
     devices = list(mm.core.declare.stage_rows(schedule or "gpipe", stages, submeshes))

@@ -48,8 +48,9 @@ class TaskRecompute(nn.Module):
 
 
 def _linen_run(model, **options):
+    pipeline = mm.PipelineOptions(microbatches=2, schedule="1f1b")  # the record form
     step, state, _ = mm.parallelize_step(
-        model, optax.adam(1e-2), global_batch=(X, Y), microbatches=2, schedule="1f1b", **options
+        model, optax.adam(1e-2), global_batch=(X, Y), pipeline=pipeline, **options
     )
     losses = []
     for _ in range(STEPS):

@@ -292,6 +292,11 @@ def test_multimesh_slices_as_stages():
         (dict(), "exactly one of `global_batch` or `local_batch`"),
         (dict(global_batch=(X, Y), local_batch=(X, Y)), "got both"),
         (dict(global_batch=(X, Y), mesh="all"), "`mesh`"),
+        (
+            dict(global_batch=(X, Y), pipeline=mm.PipelineOptions(microbatches=2), schedule="1f1b"),
+            "got `pipeline` and also",
+        ),
+        (dict(global_batch=(X, Y), pipeline=mm.PipelineOptions(schedule="1f1b")), "without"),
     ],
 )
 def test_bad_arguments_raise(kwargs, match):

@@ -1,9 +1,10 @@
 """Stage 1, declarations: what the user says before anything is traced.
 
 Meshes and devices (``_devices``, ``_multimesh``), tasks (``_task``), name-based registration
-and contexts (``_registry``), logical rules (``_rules``), pipeline schedules (``_schedules``),
-recomputation policies (``_recompute``), flags and ``context`` (``_config``), placement
-warnings (``_warnings``) and the one thread-local (``_thread``). Nothing here imports a
+and contexts (``_registry``), logical rules (``_rules``), pipeline schedules (``_schedules``)
+and options (``_pipeline_options``), recomputation policies (``_recompute``), flags and
+``context`` (``_config``), placement warnings (``_warnings``) and the one thread-local
+(``_thread``). Nothing here imports a
 later stage; later stages import these names from this package, never its modules.
 """
 
@@ -26,6 +27,8 @@ from multimesh_flax.core.declare._devices import use_device_list as use_device_l
 from multimesh_flax.core.declare._multimesh import MultiMesh as MultiMesh
 from multimesh_flax.core.declare._multimesh import get_multi_mesh as get_multi_mesh
 from multimesh_flax.core.declare._multimesh import slice_global_mesh as slice_global_mesh
+from multimesh_flax.core.declare._pipeline_options import PipelineOptions as PipelineOptions
+from multimesh_flax.core.declare._pipeline_options import pipeline_options as pipeline_options
 from multimesh_flax.core.declare._recompute import Recompute as Recompute
 from multimesh_flax.core.declare._recompute import RecomputeTransform as RecomputeTransform
 from multimesh_flax.core.declare._recompute import call_recomputed as call_recomputed

@@ -342,6 +342,8 @@ def _region_schedule(region: Region) -> Schedule:
         region.call.num_microbatches,
         num_submeshes=len(rows),
         custom=custom,
+        costs=options.costs,
+        max_in_flight=options.max_in_flight,
     )
 
 

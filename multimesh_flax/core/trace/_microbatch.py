@@ -28,7 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from multimesh_flax import errors
-from multimesh_flax.core.declare import ScheduleOp, ignore_transforms
+from multimesh_flax.core.declare import (
+    PipelineOptions,
+    ScheduleOp,
+    ignore_transforms,
+    pipeline_options,
+)
 from multimesh_flax.core.trace import _constraints, _loops, _session
 
 SCHEDULES = (
@@ -44,7 +49,7 @@ SCHEDULES = (
 _REDUCTIONS = ("sum", "mean")
 
 
-def _register(options: _session.PipelineOptions, num_microbatches: int) -> int:
+def _register(options: PipelineOptions, num_microbatches: int) -> int:
     session = _session.current_session()
     if session is None:  # plain JAX or eager: nothing will read the scopes
         return 0
@@ -100,12 +105,10 @@ def _normalise_custom(custom: Any) -> tuple[tuple[Any, ...], ...]:
     return tuple(rows)
 
 
-def _make_options(
-    schedule: str | None,
-    num_stages: int | None,
-    interleave: int | None,
-    custom_schedule: Any,
-) -> _session.PipelineOptions:
+def _make_options(options: PipelineOptions) -> PipelineOptions:
+    """``options`` checked, with ``"custom"`` implied by a custom order and that order in its
+    normal form."""
+    schedule, custom_schedule = options.schedule, options.custom_schedule
     if custom_schedule is not None and schedule is None:
         schedule = "custom"
     if schedule is not None and schedule not in SCHEDULES:
@@ -119,9 +122,22 @@ def _make_options(
             f"`schedule`={schedule!r} and `custom_schedule` "
             f"{'given' if custom_schedule is not None else 'missing'}."
         )
-    _check_positive(num_stages=num_stages, interleave=interleave)
+    shaped = ("zero-bubble-auto", "zero-bubble-v")
+    if (options.costs is not None or options.max_in_flight is not None) and (
+        schedule not in shaped
+    ):
+        raise errors.MicrobatchArgumentError(
+            f"`costs` and `max_in_flight` shape the orders of {list(shaped)} only, got "
+            f"`schedule`={schedule!r}. Drop them, or choose one of those schedules."
+        )
+    _check_positive(
+        microbatches=options.microbatches,
+        num_stages=options.num_stages,
+        interleave=options.interleave,
+        max_in_flight=options.max_in_flight,
+    )
     custom = None if custom_schedule is None else _normalise_custom(custom_schedule)
-    return _session.PipelineOptions(schedule, num_stages, interleave, custom)
+    return dataclasses.replace(options, schedule=schedule, custom_schedule=custom)
 
 
 # --- splitting and reducing -----------------------------------------------------------------
@@ -139,6 +155,18 @@ def _leaf_axis(leaf: Any, dim: int, path: str) -> int:
 
 
 def _num_microbatches(batch: Any, dim: int, size: int) -> int:
+    length = _split_length(batch, dim)
+    if length % size:
+        raise errors.UnevenMicrobatchError(
+            f"`size`={size} does not divide the batch length {length} along `dim`={dim} "
+            f"({length % size} example(s) would be left over). Use a `size` that divides "
+            f"{length}, or pad or trim the batch to a multiple of {size}."
+        )
+    return length // size
+
+
+def _split_length(batch: Any, dim: int) -> int:
+    """The split argument's one length along ``dim``."""
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
         raise errors.MicrobatchAxisError(
@@ -154,14 +182,7 @@ def _num_microbatches(batch: Any, dim: int, size: int) -> int:
             f"Expected every leaf of the split argument to have the same length along "
             f"`dim`={dim}, got {lengths}. Split arguments of one batch size only."
         )
-    length = next(iter(lengths.values()))
-    if length % size:
-        raise errors.UnevenMicrobatchError(
-            f"`size`={size} does not divide the batch length {length} along `dim`={dim} "
-            f"({length % size} example(s) would be left over). Use a `size` that divides "
-            f"{length}, or pad or trim the batch to a multiple of {size}."
-        )
-    return length // size
+    return next(iter(lengths.values()))
 
 
 def _chunk(batch: Any, k: int, dim: int, size: int) -> Any:
@@ -284,7 +305,7 @@ def _unrolled(call: _Call, uid: int, first: Callable[..., Any] | None = None) ->
 def _run(
     fun: Callable[..., Any],
     split: _Split,
-    options: _session.PipelineOptions,
+    options: PipelineOptions,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
@@ -293,6 +314,16 @@ def _run(
             f"`argnum`={split.argnum} names the split argument, but the call has "
             f"{len(args)} positional argument(s). Pass the batch positionally."
         )
+    if options.microbatches is not None:  # a count: the size follows from the batch
+        length = _split_length(args[split.argnum], split.dim)
+        if length % options.microbatches:
+            raise errors.UnevenMicrobatchError(
+                f"`microbatches`={options.microbatches} does not divide the batch length "
+                f"{length} along `dim`={split.dim} ({length % options.microbatches} "
+                "example(s) would be left over). Use a count that divides it, or pad or trim "
+                "the batch."
+            )
+        split = dataclasses.replace(split, size=length // options.microbatches)
     m = _num_microbatches(args[split.argnum], split.dim, split.size)
     call = _Call(fun, split, args, kwargs, m)
     uid = _register(options, m)
@@ -345,9 +376,10 @@ def _fits_unsplit(fun: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[s
 def microbatch(
     fun: Callable[..., Any],
     dim: int,
-    size: int,
+    size: int | None = None,
     argnum: int = 0,
     *,
+    pipeline: PipelineOptions | None = None,
     schedule: str | None = None,
     num_stages: int | None = None,
     interleave: int | None = None,
@@ -388,8 +420,13 @@ def microbatch(
     Args:
         fun: the function to run per microbatch.
         dim: the axis of every leaf of the split argument to split along.
-        size: the microbatch size; it must divide the length along ``dim``.
+        size: the microbatch size; it must divide the length along ``dim``. Or give
+            ``pipeline.microbatches``, the count, instead.
         argnum: the position of the argument to split.
+        pipeline: the split and schedule options as one record (:class:`PipelineOptions`,
+            as ``parallelize_step`` takes it), instead of ``schedule`` .. ``custom_schedule``
+            one by one; it also carries ``costs`` and ``max_in_flight`` for
+            ``"zero-bubble-auto"`` and ``"zero-bubble-v"``.
         schedule: the pipeline schedule name, or ``None``.
         num_stages: the expected number of stages (checked against the tasks found).
         interleave: stages per submesh, for ``"interleaved-1f1b"``.
@@ -446,6 +483,23 @@ def microbatch(
         )
     if not _is_int(dim):
         raise errors.MicrobatchAxisError(f"Expected `dim` to be an int, got {dim!r}.")
+    options = _make_options(
+        pipeline_options(
+            pipeline,
+            {
+                "schedule": schedule,
+                "num_stages": num_stages,
+                "interleave": interleave,
+                "custom_schedule": custom_schedule,
+            },
+            "`microbatch`",
+        )
+    )
+    if (size is None) == (options.microbatches is None):
+        raise errors.MicrobatchArgumentError(
+            f"Expected the microbatch `size` or a count in `pipeline.microbatches`, exactly "
+            f"one of them; got `size`={size!r} and `microbatches`={options.microbatches!r}."
+        )
     _check_positive(size=size)
     if not _is_int(argnum) or argnum < 0:
         raise errors.MicrobatchAxisError(
@@ -457,8 +511,8 @@ def microbatch(
             f"Expected `reduce` in {list(_REDUCTIONS)}, got {reduce!r}. Use 'mean' for "
             "averaged losses, 'sum' to add the microbatch results."
         )
-    options = _make_options(schedule, num_stages, interleave, custom_schedule)
-    split = _Split(int(dim), int(size), int(argnum), arg_shardings, reduce, bool(trace_once))
+    size = 0 if size is None else int(size)  # 0: from `pipeline.microbatches` at each call
+    split = _Split(int(dim), size, int(argnum), arg_shardings, reduce, bool(trace_once))
 
     @functools.wraps(fun)
     def microbatched(*args: Any, **kwargs: Any) -> Any:

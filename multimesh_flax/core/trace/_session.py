@@ -33,6 +33,7 @@ from multimesh_flax.core.declare import (
     STATE,
     Match,
     Phase,
+    PipelineOptions,
     Registration,
     Rule,
     Task,
@@ -141,16 +142,6 @@ def resolve_task(spec: Task, fallback_name: str = "task") -> ResolvedTask:
 
 
 # --- trace sessions and the task stack ------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineOptions:
-    """The schedule options of one ``microbatch`` transform."""
-
-    schedule: str | None
-    num_stages: int | None
-    interleave: int | None
-    custom_schedule: tuple[tuple[Any, ...], ...] | None
 
 
 @dataclasses.dataclass(frozen=True)
