@@ -9,12 +9,15 @@ wall time is mostly dispatch. Per configuration, three things are timed alternat
 * ``jit`` -- plain ``jax.jit`` of the same step, data parallel over the 8 devices.
 
 Every fragment's ``jax.jit`` and every ``jax.device_put`` is wrapped in a clock during
-``call`` and ``replay``; the time each spends *outside* those JAX calls is Python-side work:
+``call`` and ``replay`` (``benchmarks._breakdown.JaxClock``); the CPU time of the calling
+thread *outside* those JAX calls is Python-side work (CPU time, not wall time: it does not
+count the time another process held the core, and XLA on CPU runs small programs inside
+the call, so wall time outside the calls swung by milliseconds between runs):
 for the replay, only what any program juggling these arrays pays (flattening the state,
 dropping each intermediate array after its last use, which frees its buffers); for the
 call, that plus the runtime's own bookkeeping (signature lookup, argument checks, slots,
 the step function's wrapping). ``runtime_us_per_fragment`` is the median over rounds of
-(call's outside time - the replay's in the same round) / fragments; target at most 50 us.
+(call's outside time - the replay's in the same round) / fragments; target at most 30 us.
 Whole-step differences cannot resolve this on a shared host: steps take milliseconds and
 vary by more than the overhead, and JAX on CPU often runs a program before its call returns.
 """
@@ -28,50 +31,16 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import _common
+from benchmarks._breakdown import JaxClock
 
 SECTION = "B2"
-TARGET_US = 50.0
+TARGET_US = 30.0  # per fragment, in CPU time (it reproduces under load; wall time did not)
 WORKLOAD = _common.Workload(
     "gpt-tiny",
     batch=8,
     length=8,
     overrides=(("num_layers", 4), ("embed_dim", 32), ("mlp_dim", 64), ("dtype", jnp.float32)),
 )
-
-
-class _JaxClock:
-    """Adds up the time spent inside an executable's fragment calls and ``jax.device_put``
-    while active (``with clock:``); ``inside`` is reset by ``start()``."""
-
-    def __init__(self, exe: Any) -> None:
-        self.exe = exe
-        self.inside = 0.0
-        self._saved: list[tuple[int, Any]] = []
-
-    def _timed(self, fn: Any) -> Any:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.inside += time.perf_counter() - start
-
-        return wrapped
-
-    def __enter__(self) -> _JaxClock:
-        self.inside = 0.0
-        fns = self.exe.state.fns  # what each RUN op calls (see core/run/_ops.py)
-        self._saved = [(i, fns[i]) for i, op in enumerate(self.exe.ops) if op.kind == 0]
-        for i, fn in self._saved:
-            fns[i] = self._timed(fn)
-        self._device_put = jax.device_put
-        jax.device_put = self._timed(self._device_put)
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        jax.device_put = self._device_put
-        for i, fn in self._saved:
-            self.exe.state.fns[i] = fn
 
 
 class _Alternating:
@@ -83,27 +52,27 @@ class _Alternating:
         self.exe = runner.executable
         self.tree = jax.tree_util.tree_structure(runner.state)
         self.batch_leaves = jax.tree_util.tree_leaves(runner.batch)
-        self.own: list[float] = []  # per call: time outside JAX's fragment calls and puts
-        self.host: list[float] = []  # per call: time until the call returned
-        self.replay_own: list[float] = []  # the same for the hand replay
+        self.own: list[float] = []  # per call: CPU time outside JAX's fragment calls and puts
+        self.host: list[float] = []  # per call: wall time until the call returned
+        self.replay_own: list[float] = []  # the same CPU time for the hand replay
 
     def call(self) -> None:
-        with _JaxClock(self.exe) as clock:
-            start = time.perf_counter()
+        with JaxClock(self.exe) as clock:
+            start, cpu = time.perf_counter(), time.thread_time()
             loss, state = self.runner.step_fn(self.runner.state, self.runner.batch)
-            elapsed = time.perf_counter() - start
-        self.own.append(elapsed - clock.inside)
+            elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        self.own.append(cpu - clock.inside)
         self.host.append(elapsed)
         jax.block_until_ready((loss, state))
         self.runner.state = state
 
     def replay(self) -> None:
-        with _JaxClock(self.exe) as clock:
-            start = time.perf_counter()
+        with JaxClock(self.exe) as clock:
+            cpu = time.thread_time()
             leaves = [*jax.tree_util.tree_leaves(self.runner.state), *self.batch_leaves]
             outs = _common.replay(self.exe, leaves)
-            elapsed = time.perf_counter() - start
-        self.replay_own.append(elapsed - clock.inside)
+            cpu = time.thread_time() - cpu
+        self.replay_own.append(cpu - clock.inside)
         jax.block_until_ready(outs)
         self.runner.state = jax.tree_util.tree_unflatten(self.tree, outs[1:])
 
