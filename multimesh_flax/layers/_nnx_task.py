@@ -47,9 +47,10 @@ from multimesh_flax.core.declare import (
     make_task,
     nnx_transform,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, run_as
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, eager_mesh, run_as
 from multimesh_flax.core.trace import (
     ResolvedTask,
+    constrain_to_task,
     current_session,
     current_task,
     registry_state,
@@ -132,7 +133,7 @@ def place_variables(module: nnx.Module, resolved: ResolvedTask, *, record: bool 
     so the state's tree structure, as it is)."""
     for path, variable in own_variables(module):
         sharding = variable_sharding(path, variable, resolved)
-        variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), sharding))
+        variable.set_value(constrain_to_task(variable.get_value(), sharding.spec, resolved))
         if record:
             variable.set_metadata(**{TASK_SHARDING: sharding})
 
@@ -247,12 +248,13 @@ def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
     moved onto the task's submesh (replicated), where the module's variables were born."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        replicated = NamedSharding(resolve(module, spec).mesh, PartitionSpec())
+        resolved = resolve(module, spec)
+        replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
         moved_args, moved_kwargs = jax.tree_util.tree_map(
             lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
             (args, kwargs),
         )
-        with ignore_transforms():
+        with ignore_transforms(), eager_mesh(resolved):
             return method(module, *moved_args, **moved_kwargs)
 
     return run

@@ -25,6 +25,7 @@ from multimesh_flax.core.declare import (
     get_device_list,
     get_flag,
     get_multi_mesh,
+    no_ambient_mesh,
     registrations_fingerprint,
     use_device_list,
 )
@@ -220,6 +221,12 @@ class MpmdJit:
         return _Entry(build_program(flat_fun, leaves, self.devices, donate), self.devices)
 
     def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
+        with no_ambient_mesh():
+            return self._entry_here(args, kwargs)
+
+    def _entry_here(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Entry, list[Any]]:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
         entry = self._cache.get(key)
         if entry is None:
@@ -235,6 +242,10 @@ class MpmdJit:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_flag("ignore_transforms"):
             return self.fun(*args, **kwargs)
+        with no_ambient_mesh():
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         entry, leaves = self._entry(args, kwargs)
         donation = entry.donation
         if donation is None:

@@ -41,7 +41,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
+from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     RecomputeTransform,
     Task,
@@ -52,10 +54,12 @@ from multimesh_flax.core.declare import (
 from multimesh_flax.core.front._jit import jit
 from multimesh_flax.core.trace import (
     ResolvedTask,
+    abstract_mesh,
     contains_tracer,
     current_session,
     enter_task,
     flax_rules,
+    leave_explicit_axes,
     resolve_task,
     warn_foreign_trace,
 )
@@ -110,7 +114,8 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
         StrictModeError: under ``context(strict=True)``, a task traced by a foreign trace.
     """
     if get_flag("ignore_transforms"):
-        return task_call.body(*args, **kwargs)
+        with _explicit_ambient_while_tracing(task_call):
+            return task_call.body(*args, **kwargs)
     session = current_session()
     inputs_traced = contains_tracer((args, kwargs, task_call.state))
     if session is None and not inputs_traced and not _jax_is_tracing():
@@ -118,6 +123,28 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
     return run_as(resolve(task_call), task_call, args, kwargs)
+
+
+def _explicit_ambient_while_tracing(task_call: TaskCall) -> AbstractContextManager[Any]:
+    """Under ``ignore_transforms``, a task whose axes are Explicit still sees its submesh as
+    the ambient abstract mesh while JAX traces it (``parallelize_step`` initialises its
+    model so), since ``reshard`` and ``out_sharding=`` need one; eagerly it runs as is."""
+    if not _jax_is_tracing():
+        return nullcontext()
+    try:
+        mesh = resolve_task(task_call.spec, task_call.name).ambient_mesh
+    except errors.MultiMeshError:  # no MultiMesh for its slice: the plain body
+        return nullcontext()
+    return nullcontext() if mesh.are_all_axes_auto else abstract_mesh(mesh)
+
+
+def eager_mesh(resolved: ResolvedTask) -> AbstractContextManager[Any]:
+    """Around an eager call of a task with Explicit axes: ``jax.set_mesh`` of its submesh
+    with those axes, so that ``reshard`` and ``out_sharding=`` resolve there."""
+    mesh = resolved.typed_mesh
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return nullcontext()
+    return jax.set_mesh(mesh)
 
 
 def _jax_is_tracing() -> bool:
@@ -143,9 +170,10 @@ def run_as(
     """The body run as ``resolved`` (entered, rules and ambient mesh set, recomputed per
     policy); also how name-registered NNX modules run as their matched task."""
     with _entered(resolved), task_call.place(resolved):
-        return call_recomputed(
+        out = call_recomputed(
             task_call.body, args, kwargs, resolved.task.recompute, task_call.transform
         )
+    return leave_explicit_axes(out, resolved)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from multimesh_flax.core.run._dispatch import Timeline as Timeline
 from multimesh_flax.core.run._dispatch import TimelineEvent as TimelineEvent
 from multimesh_flax.core.run._dispatch import compile_program as compile_program
 from multimesh_flax.core.run._dispatch import record_timeline as record_timeline
+from multimesh_flax.core.run._explicit import jaxpr_as_auto_fun as jaxpr_as_auto_fun
 from multimesh_flax.core.run._timeline_plot import measured_costs as measured_costs
 from multimesh_flax.core.run._timeline_plot import plot_timeline as plot_timeline
 from multimesh_flax.core.run._timeline_plot import recorded_bubble as recorded_bubble

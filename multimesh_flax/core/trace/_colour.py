@@ -211,6 +211,14 @@ def current_task() -> _session.ResolvedTask | None:
 
 
 @contextlib.contextmanager
+def abstract_mesh(mesh: AbstractMesh) -> Iterator[None]:
+    """``mesh`` as the ambient abstract mesh, through the empty mesh (``use_abstract_mesh``
+    refuses to change a mesh's size directly)."""
+    with jax.sharding.use_abstract_mesh(_EMPTY_MESH), jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+@contextlib.contextmanager
 def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     """Makes Flax's logical API resolve through ``resolved``'s rules onto its mesh.
 
@@ -224,8 +232,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     try:
         with (
             nn.logical_axis_rules(resolved.rules),
-            jax.sharding.use_abstract_mesh(_EMPTY_MESH),
-            jax.sharding.use_abstract_mesh(resolved.mesh.abstract_mesh),
+            abstract_mesh(resolved.ambient_mesh),
         ):
             yield
     finally:
