@@ -169,7 +169,7 @@ def run_as(
 ) -> Any:
     """The body run as ``resolved`` (entered, rules and ambient mesh set, recomputed per
     policy); also how name-registered NNX modules run as their matched task."""
-    with _entered(resolved), task_call.place(resolved):
+    with _entered(resolved), task_call.place(resolved), explain_axis_types(resolved):
         out = call_recomputed(
             task_call.body, args, kwargs, resolved.task.recompute, task_call.transform
         )
@@ -181,6 +181,34 @@ def _entered(resolved: ResolvedTask) -> Iterator[None]:
     """Inside ``resolved``: its marker scope, its rules, its submesh as the ambient mesh."""
     with enter_task(resolved), flax_rules(resolved):
         yield
+
+
+@contextlib.contextmanager
+def explain_axis_types(resolved: ResolvedTask) -> Iterator[None]:
+    """Turns JAX's refusal of ``reshard``/``out_sharding=`` on Auto axes inside task
+    ``resolved`` into an ``AxisTypeError`` that says how to get Explicit axes."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if not _refuses_auto_axes(e, resolved):
+            raise
+        mesh = resolved.ambient_mesh
+        raise errors.AxisTypeError(
+            f"Task {resolved.name!r} uses sharding in types (`jax.sharding.reshard` or "
+            f"`out_sharding=`), but its submesh {dict(mesh.shape)} has axis types "
+            f"{mesh.axis_types}: JAX says {str(e).splitlines()[0]!r}. Give the mesh Explicit "
+            "axes: `MultiMesh(global_mesh=jax.make_mesh(...))` (Explicit by default), "
+            "`MultiMesh(..., axis_types=(AxisType.Explicit,) * n)` or "
+            "`TaskMesh(..., axis_types=...)`; or use `mm.with_sharding_constraint` with "
+            "logical names on Auto axes."
+        ) from e
+
+
+def _refuses_auto_axes(error: Exception, resolved: ResolvedTask) -> bool:
+    if isinstance(error, errors.MultiMeshError) or not resolved.ambient_mesh.are_all_axes_auto:
+        return False
+    text = str(error)
+    return "of type Auto" in text or "AxisType.Auto" in text
 
 
 def one_task_program(program: Callable[..., Any]) -> EagerRunner:
