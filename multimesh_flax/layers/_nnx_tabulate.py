@@ -128,7 +128,8 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
         model: an NNX module instance (a ``Task[Block]`` or a model holding some).
         *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
         **kwargs: keyword arguments of the model's ``__call__``, and ``nnx.tabulate``
-            options (``depth``, ``console_kwargs``, ...).
+            options (``depth``, ``console_kwargs``, ...); ``console_kwargs={"width": 200}``
+            widens both tables (default 120 characters; paths wrap, never cut).
 
     Returns:
         The tables as one string: NNX's summary, then per variable its logical spec, mesh
@@ -152,9 +153,10 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
         )
     options = {k: v for k, v in kwargs.items() if k in _NNX_TABULATE_OPTIONS}
     call_kwargs = {k: v for k, v in kwargs.items() if k not in _NNX_TABULATE_OPTIONS}
-    options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
+    console = {"force_terminal": False, "width": 120, **options.get("console_kwargs", {})}
+    options["console_kwargs"] = console
     placement = get_placement(model, *args, **call_kwargs)
-    return f"{_summary(model, args, options, call_kwargs)}\n{placement}"
+    return f"{_summary(model, args, options, call_kwargs)}\n{placement.render(console['width'])}"
 
 
 _abstract = shape_structs

@@ -138,3 +138,99 @@ def assert_trees_close(a, b, tol=TOL):
 
 def sgd():
     return optax.sgd(0.1)
+
+
+# --- BatchNorm, Dropout and parameters no task owns ---------------------------------------
+
+
+class NormBlock(nn.Module):
+    """Dense, BatchNorm (``batch_stats``), Dropout: a ResNet-style block in Linen."""
+
+    train: bool = True
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(D, name="dense_with_a_rather_long_name")(x)
+        x = nn.BatchNorm(use_running_average=not self.train, momentum=0.5)(x)
+        return nn.relu(nn.Dropout(self.dropout, deterministic=not self.train)(x))
+
+
+class NormNet(nn.Module):
+    """Two ``NormBlock`` stages between layers no task owns (a stem and a head)."""
+
+    train: bool = True
+    dropout: float = 0.0
+    wrap: bool = True
+
+    @nn.compact
+    def __call__(self, x, y):
+        x = nn.Dense(D, name="stem")(x)
+        for s in range(2):
+            block = mm.task(NormBlock, mesh_slice={"stage": s}) if self.wrap else NormBlock
+            x = block(self.train, self.dropout, name=f"stage_{s}_residual_block")(x)
+        return jnp.mean((nn.Dense(D, name="head")(x) - y) ** 2)
+
+
+def auto_multi_mesh():
+    return mm.MultiMesh(axis_sizes=(2, 2, 2), axis_names=AXES)
+
+
+class NnxNormBlock(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.linear = nnx.Linear(d, d, rngs=rngs)
+        self.norm = nnx.BatchNorm(d, momentum=0.5, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return jax.nn.relu(self.drop(self.norm(self.linear(x))))
+
+
+class TiedNet(nnx.Module):
+    """An embedding no task owns, tied: read first (lookup) and last (logits)."""
+
+    def __init__(self, vocab, d, *, rngs, wrap=True):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+
+        def make(s):
+            block = mm.task(nnx.Linear, mesh_slice={"stage": s}) if wrap else nnx.Linear
+            return block(d, d, rngs=rngs)
+
+        self.blocks = nnx.List([make(s) for s in range(2)])
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = jax.nn.relu(block(x))
+        return self.embed.attend(x)
+
+
+def tied_loss(model, ids):
+    return optax.softmax_cross_entropy_with_integer_labels(model(ids), ids).mean()
+
+
+def tied_step(model, optimizer, ids):
+    loss, grads = nnx.value_and_grad(tied_loss)(model, ids)
+    optimizer.update(model, grads)
+    return loss
+
+
+def live_placement(tree):
+    """``{path: (device ids, spec)}`` of the arrays in a tree of parameters."""
+    from multimesh_flax.core.fragment import canonical_spec
+
+    flat = jax.tree_util.tree_leaves_with_path(tree)
+    out = {}
+    for path, leaf in flat:
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        spec = getattr(leaf.sharding, "spec", None)
+        ids = tuple(sorted(d.id for d in leaf.devices()))
+        out["/".join(keys)] = (ids, None if spec is None else canonical_spec(spec))
+    return out
+
+
+def table_placement(placement):
+    """``{path: (device ids, spec)}`` as ``mm.tabulate``'s table says."""
+    from multimesh_flax.core.fragment import canonical_spec
+
+    return {p.path: (tuple(p.device_ids), canonical_spec(p.mesh_spec)) for p in placement.params}

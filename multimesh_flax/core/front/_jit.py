@@ -115,6 +115,7 @@ class _Entry:
         self.warm = False
         self.donation: _donation.Donation | None = None  # None: the program consumes nothing
         self.build_seconds = build.seconds  # "trace", "partition": wall time spent
+        self._input_shardings: list[Any] | None = None
 
     def partition(self) -> Partition:
         """The placed program (on the fast path placed now, from the same trace)."""
@@ -124,7 +125,12 @@ class _Entry:
 
     def input_shardings(self) -> list[Any]:
         """Per input leaf, the sharding it should arrive in (see ``_inputs.input_sharding``);
-        an unused input: replicated on the default submesh."""
+        an unused input: replicated on the default submesh. Worked out once."""
+        if self._input_shardings is None:
+            self._input_shardings = self._find_input_shardings()
+        return self._input_shardings
+
+    def _find_input_shardings(self) -> list[Any]:
         part = self.partition()
         fallback = NamedSharding(part.place_meshes[part.default_place], PartitionSpec())
         wanted = [input_sharding(part, v) for v in self.traced.jaxpr.invars]
