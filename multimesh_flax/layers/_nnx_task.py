@@ -39,7 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     Task,
+    call_recomputed,
     check_rules_have_mesh,
+    get_device_list,
     get_flag,
     has_registrations,
     ignore_transforms,
@@ -240,7 +242,32 @@ def _task_call_of(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
         key=("nnx", getattr(module, _INSTANCE_KEY, id(module))),
         state=[v.get_value() for _, v in own_variables(module)],
         place=lambda resolved: _placed_variables(module, resolved),
+        unstaged=_unstaged_runner(module, spec, fun, transform),
     )
+
+
+def _unstaged_runner(module: nnx.Module, spec: Task, fun: Any, transform: Any) -> EagerRunner:
+    """Under a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
+    ``jax.checkpoint`` outside every jit): the module's body on its submesh (where its
+    variables live; its array arguments moved there), recomputed as its policy says, its
+    results handed back on the first device -- where the rest of the unplaced computation
+    runs, as the ``PlacementWarning`` says."""
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        resolved = resolve(module, spec)
+        replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
+        moved = jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
+            (args, kwargs),
+        )
+        with eager_mesh(resolved):
+            out = call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
+        home = get_device_list()[0]
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, home) if isinstance(x, jax.Array) else x, out
+        )
+
+    return run
 
 
 def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) -> EagerRunner:

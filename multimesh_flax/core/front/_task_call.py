@@ -19,7 +19,11 @@ order:
    tracers, a ``PlacementWarning`` naming ``multimesh_flax.jit`` (none inside
    ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
    ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
-   is taken as a shape-only trace and not warned. Then as 4;
+   is taken as a shape-only trace and not warned. Then as 4, except for a module whose
+   variables live on its submesh (NNX: ``TaskCall.unstaged``), which runs op by op there as
+   an eager call does and hands its results back on device 0, so that modules born on
+   different submeshes never meet in one operation (``jax.grad``, ``jax.vmap``,
+   ``jax.checkpoint`` applied outside every jit);
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
@@ -59,6 +63,7 @@ from multimesh_flax.core.trace import (
     current_session,
     enter_task,
     flax_rules,
+    is_shape_only,
     leave_explicit_axes,
     resolve_task,
     warn_foreign_trace,
@@ -90,6 +95,11 @@ class TaskCall:
             module's variables).
         place: a context manager factory entered inside the task around the body (NNX reads
             its variables through constraints on the submesh there).
+        unstaged: how the call runs under a JAX transformation that is not ours and stages
+            nothing (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied eagerly), or
+            ``None`` to run it as under a staging one. A module whose variables live on its
+            submesh runs op by op there (its ``eager`` runner), so that modules on other
+            submeshes do not meet in one operation.
     """
 
     spec: Task
@@ -99,6 +109,7 @@ class TaskCall:
     key: Hashable | None = None
     state: Any = ()
     place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
+    unstaged: EagerRunner | None = None
 
     @property
     def name(self) -> str:
@@ -122,6 +133,8 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
         return task_call.eager(args, kwargs)
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
+        if task_call.unstaged is not None and not is_shape_only():
+            return task_call.unstaged(args, kwargs)
     return run_as(resolve(task_call), task_call, args, kwargs)
 
 
@@ -144,7 +157,10 @@ def eager_mesh(resolved: ResolvedTask) -> AbstractContextManager[Any]:
     mesh = resolved.typed_mesh
     if all(t == AxisType.Auto for t in mesh.axis_types):
         return nullcontext()
-    return jax.set_mesh(mesh)
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:  # inside a trace (``jax.checkpoint``): its abstract mesh only
+        return abstract_mesh(resolved.ambient_mesh)
 
 
 def _jax_is_tracing() -> bool:

@@ -42,6 +42,7 @@ from multimesh_flax.core.trace._session import contains_tracer as contains_trace
 from multimesh_flax.core.trace._session import current_session as current_session
 from multimesh_flax.core.trace._session import current_task as current_task
 from multimesh_flax.core.trace._session import enter_task as enter_task
+from multimesh_flax.core.trace._session import is_shape_only as is_shape_only
 from multimesh_flax.core.trace._session import resolve_task as resolve_task
 from multimesh_flax.core.trace._session import shape_only_trace as shape_only_trace
 from multimesh_flax.core.trace._session import trace_session as trace_session

@@ -255,6 +255,11 @@ def shape_only_trace() -> Iterator[None]:
         STATE.shape_only -= 1
 
 
+def is_shape_only() -> bool:
+    """Whether the current trace only reads shapes (``shape_only_trace``)."""
+    return bool(STATE.shape_only)
+
+
 def warn_foreign_trace(name: str) -> None:
     """Warns (once per task) that task ``name`` is traced by a transformation not ours.
 
@@ -269,7 +274,11 @@ def warn_foreign_trace(name: str) -> None:
         "(jax.jit, jax.grad, jax.vmap, ... outside `multimesh_flax.jit`), so it is not placed "
         "on its submesh: it runs wherever that transformation runs (usually device 0). "
         "Compile the function with `multimesh_flax.jit`, `multimesh_flax.parallelize` or "
-        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless).",
+        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless). "
+        "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), an NNX task "
+        "runs op by op on the submesh its variables live on and hands its results back on "
+        "device 0; arrays placed on several submeshes (a `parallelize_step` state) cannot "
+        "meet in one operation there: `jax.device_put` them onto one device first.",
     )
 
 
