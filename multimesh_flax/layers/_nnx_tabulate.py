@@ -49,7 +49,7 @@ def _task_names(model: nnx.Module) -> list[tuple[tuple[Any, ...], str]]:
     for path, module in nnx.iter_modules(model):
         spec = _nnx_task.task_spec_of(module)
         if spec is None and path and has_registrations():  # register_task by path
-            match = find_match("/".join(map(str, path)), str(path[-1]))
+            match = find_match("/".join(map(str, path)), str(path[-1]), module_class=type(module))
             spec = None if match is None else task_for(match, False)
         if spec is not None:
             where = "/".join(map(str, path)) or type(module).wrapped_module.__name__

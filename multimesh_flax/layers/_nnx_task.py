@@ -362,7 +362,7 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
             if not path or task_spec_of(module) is not None:
                 continue
             name = "/".join(map(str, path))
-            match = state.match(name, str(path[-1]))
+            match = state.match(name, str(path[-1]), module_class=type(module))
             if match is not None and not hasattr(type(module), "registered_match"):
                 module.__class__ = _registered_class(type(module), name, match)
 

@@ -234,3 +234,28 @@ def table_placement(placement):
     from multimesh_flax.core.fragment import canonical_spec
 
     return {p.path: (tuple(p.device_ids), canonical_spec(p.mesh_spec)) for p in placement.params}
+
+
+# --- a model whose own code instantiates the blocks (placed by class) ----------------------
+
+
+class PlainBlock(nnx.Module):
+    def __init__(self, d, *, rngs):
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        return x + jax.nn.gelu(self.proj(x))
+
+
+class PlainNet(nnx.Module):
+    """Creates its ``PlainBlock``\\ s itself, under ``transformer_blocks/layers/<i>``."""
+
+    def __init__(self, d, layers, *, rngs):
+        self.transformer_blocks = nnx.Dict(
+            layers=nnx.List([PlainBlock(d, rngs=rngs) for _ in range(layers)])
+        )
+
+    def __call__(self, x):
+        for block in self.transformer_blocks["layers"]:
+            x = block(x)
+        return x

@@ -213,7 +213,12 @@ class MultiMesh(Context):
         )
 
     def register_task(
-        self, matcher: Any, *, callback: TaskCallback | None = None, task: Any = None
+        self,
+        matcher: Any = None,
+        *,
+        callback: TaskCallback | None = None,
+        task: Any = None,
+        module_class: type | None = None,
     ) -> None:
         """Registers a name-based task, active inside ``with self:`` (see ``register_task``).
 
@@ -237,7 +242,7 @@ class MultiMesh(Context):
         """
         if task is not None and getattr(task, "mesh_slice", None) is not None:
             self._slice_index(**task.mesh_slice)
-        super().register_task(matcher, callback=callback, task=task)
+        super().register_task(matcher, callback=callback, task=task, module_class=module_class)
 
     def __enter__(self) -> MultiMesh:
         entered = contextlib.ExitStack()

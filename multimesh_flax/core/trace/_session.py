@@ -198,7 +198,8 @@ class RegisteredTasks:
         default_factory=dict
     )  # (registration, matched name, backprop) -> its task
     origin: dict[int, Match] = dataclasses.field(default_factory=dict)  # uid -> match
-    matches: dict[tuple[str, ...], Match | None] = dataclasses.field(
+    # (names, module class or None) -> the winning registration
+    matches: dict[tuple[tuple[str, ...], type | None], Match | None] = dataclasses.field(
         default_factory=dict
     )  # scope or module names -> the winning registration
     labels: dict[str, Label | None] = dataclasses.field(default_factory=dict)  # by name stack
