@@ -175,7 +175,7 @@ class GraphJit:
 def _variable_keys(state: Any, kind: Any = nnx.Variable) -> set[tuple[Any, Any]]:
     return {
         (tuple(path), getattr(v.get_value(), "shape", None))
-        for path, v in state.flat_state()
+        for path, v in nnx.to_flat_state(state)
         if isinstance(v, kind)
     }
 

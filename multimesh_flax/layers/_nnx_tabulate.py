@@ -92,7 +92,7 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_re
         [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
     """
     graphdef, state = nnx.split(model)
-    flat = list(state.flat_state())
+    flat = list(nnx.to_flat_state(state))
     abstract, abstract_args = _abstract(state), _abstract(args)
 
     def forward(state: Any, inputs: Any) -> Any:

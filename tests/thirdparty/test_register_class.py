@@ -2,6 +2,8 @@
 every instance of a class wherever the model creates it (no namespace patching), pipelined
 against one device; and a pattern that matches nothing names the nearest full NNX paths."""
 
+import warnings
+
 import jax
 import numpy as np
 import optax
@@ -41,7 +43,10 @@ def test_register_by_class_places_every_instance_and_matches_one_device():
         model = PlainNet(D, 4, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         step = mm.jit(_step)
-        losses = [float(step(model, optimizer, data)) for _ in range(2)]
+        with warnings.catch_warnings(record=True) as caught:  # the suite ignores Flax's
+            warnings.simplefilter("always", DeprecationWarning)
+            losses = [float(step(model, optimizer, data)) for _ in range(2)]
+    assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
     layers = model.transformer_blocks["layers"]
     for i, devices in enumerate(([0, 1, 2, 3],) * 2 + ([4, 5, 6, 7],) * 2):
         assert sorted(d.id for d in layers[i].proj.kernel.get_value().devices()) == devices
