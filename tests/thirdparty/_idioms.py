@@ -259,3 +259,110 @@ class PlainNet(nnx.Module):
         for block in self.transformer_blocks["layers"]:
             x = block(x)
         return x
+
+
+# --- Linen logical axes, NNX logical partitioning, scan over layers -----------------------
+
+LOGICAL_RULES = (("batch", "data"), ("embed", None), ("mlp", "model"))
+
+
+class LogicalMlp(nn.Module):
+    """flax examples' idiom: logical names on parameters and activations."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.with_logical_constraint(x, ("batch", "embed"))
+        init = nn.initializers.lecun_normal()
+        up = nn.Dense(2 * D, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))
+        down = nn.Dense(D, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))
+        h = nn.with_logical_constraint(nn.gelu(up(x)), ("batch", "mlp"))
+        return x + down(h)
+
+
+class LogicalNet(nn.Module):
+    wrap: bool = True
+
+    @nn.compact
+    def __call__(self, x, y):
+        for s in range(2):
+            task = mm.task(LogicalMlp, mesh_slice={"stage": s}, logical_axes=LOGICAL_RULES)
+            x = (task if self.wrap else LogicalMlp)(name=f"mlp_{s}")(x)
+        return jnp.mean((x - y) ** 2)
+
+
+class NnxLogicalBlock(nnx.Module):
+    """NNX's idiom: ``nnx.with_partitioning`` logical names, mapped by the task's rules."""
+
+    def __init__(self, d, *, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.up = nnx.Linear(d, 2 * d, kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+                             rngs=rngs)  # fmt: skip
+        self.down = nnx.Linear(2 * d, d,
+                               kernel_init=nnx.with_partitioning(init, ("mlp", "embed")),
+                               rngs=rngs)  # fmt: skip
+
+    def __call__(self, x):
+        return x + self.down(jax.nn.gelu(self.up(x)))
+
+
+class NnxLogicalNet(nnx.Module):
+    def __init__(self, d, *, rngs, wrap=True):
+        def make(s):
+            if not wrap:
+                return NnxLogicalBlock
+            return mm.task(NnxLogicalBlock, mesh_slice={"stage": s}, logical_axes=LOGICAL_RULES)
+
+        self.blocks = nnx.List([make(s)(d, rngs=rngs) for s in range(2)])
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + nn.gelu(nn.Dense(D)(x)), None
+
+
+class ScanNet(nn.Module):
+    """A stem on stage 0, then four layers under ``nn.scan`` on stage 1 (``per_layer``: the
+    scanned layer itself a task, which a scan cannot hold)."""
+
+    wrap: bool = True
+    per_layer: bool = False
+
+    @nn.compact
+    def __call__(self, x, y):
+        stem = mm.task(nn.Dense, mesh_slice={"stage": 0}) if self.wrap else nn.Dense
+        x = stem(D, name="stem")(x)
+        layer = mm.task(ScanLayer, mesh_slice={"stage": 1}) if self.per_layer else ScanLayer
+        stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=4)
+        if self.wrap and not self.per_layer:
+            stack = mm.task(stack, mesh_slice={"stage": 1})
+        x, _ = stack(name="layers")(x, None)
+        return jnp.mean((x - y) ** 2)
+
+
+def linen_reference(model, data, steps=2, lr=0.1):
+    """Plain ``jax.jit`` SGD on one device, from ``parallelize_step``'s initial parameters."""
+    x, y = data
+    params = nn.unbox(model.init(jax.random.split(jax.random.key(0))[0], x, y))["params"]
+    grad = jax.jit(jax.value_and_grad(lambda p: model.apply({"params": p}, x, y)))
+    losses = []
+    with mm.ignore_transforms():
+        for _ in range(steps):
+            loss, grads = grad(params)
+            params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
+            losses.append(float(loss))
+    return losses, params
+
+
+def train_linen(model, data, steps=2, **kwargs):
+    step, state, _ = mm.parallelize_step(model, sgd(), global_batch=data, **kwargs)
+    losses = []
+    for _ in range(steps):
+        loss, state = step(state, data)
+        losses.append(float(loss))
+    return losses, state
