@@ -60,6 +60,7 @@ def test_nnx_explicit_sharding_pipelined_matches_one_device(stages, step):
     data = batch()
     with explicit_multi_mesh(stages):
         model = ExplicitNet(D, stages, rngs=nnx.Rngs(0))
+        table = mm.tabulate(model, data[0], console_kwargs={"width": 200})
         optimizer = nnx.Optimizer(model, sgd(), wrt=nnx.Param)
         jitted = mm.jit(step)
         losses = [float(jitted(model, optimizer, data)) for _ in range(STEPS)]
@@ -68,6 +69,7 @@ def test_nnx_explicit_sharding_pipelined_matches_one_device(stages, step):
     assert_trees_close(nnx_params(model), ref_params)
     last = model.blocks[stages - 1].up.kernel.get_value()
     assert {d.id for d in last.devices()} == set(range(8 - 8 // stages, 8))
+    assert f"blocks/{stages - 1}/up/kernel" in table
     model_axis = (None, "model") if stages == 2 else ()  # 4 stages: "model" has size 1
     assert last.sharding.spec == jax.sharding.PartitionSpec(*model_axis)
 
@@ -103,8 +105,13 @@ def test_linen_explicit_sharding_pipelined_matches_one_device():
         for _ in range(STEPS):
             loss, state = step(state, data)
             losses.append(float(loss))
+        # called eagerly, each task runs under jax.set_mesh of its submesh
+        eager = ExplicitLinenNet(stages=2).apply({"params": state.params}, *data)
     ref_losses, ref_params = _linen_reference(data)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     assert_trees_close(nn.unbox(state.params), ref_params)
+    with jax.set_mesh(one_device_mesh()):
+        after = ExplicitLinenNet(stages=2, wrap=False).apply({"params": ref_params}, *data)
+    np.testing.assert_allclose(float(eager), float(after), **TOL)
     kernel = nn.unbox(state.params)["block_1"]["up"]
     assert {d.id for d in kernel.devices()} == {4, 5, 6, 7}
