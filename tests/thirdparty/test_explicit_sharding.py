@@ -115,3 +115,16 @@ def test_linen_explicit_sharding_pipelined_matches_one_device():
     np.testing.assert_allclose(float(eager), float(after), **TOL)
     kernel = nn.unbox(state.params)["block_1"]["up"]
     assert {d.id for d in kernel.devices()} == {4, 5, 6, 7}
+
+
+def test_variables_with_out_sharding_no_task_owns_build_inside_a_multimesh():
+    """NNX would shard them at birth on an ambient mesh; inside ``with multi:`` they are
+    made unsharded and placed by ``mm.jit``."""
+    init = nnx.with_partitioning(nnx.initializers.normal(), (None, "model"))
+    ids = jnp.arange(8) % 16
+    with explicit_multi_mesh(2):
+        embed = nnx.Embed(16, D, embedding_init=init, rngs=nnx.Rngs(0))
+        got = mm.jit(lambda e, i: e(i))(embed, ids)
+    with nnx.use_eager_sharding(False):
+        plain = nnx.Embed(16, D, embedding_init=init, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(plain(ids)), **TOL)
