@@ -320,7 +320,7 @@ def load_linen_params(model: LlamaNNX, params: Any) -> None:
         is_leaf=lambda x: hasattr(x, "unbox"),
     )
     state = nnx.state(model, nnx.Param)
-    shardings = jax.tree_util.tree_map(lambda x: x.sharding, state.to_pure_dict())
+    shardings = jax.tree_util.tree_map(lambda x: x.sharding, nnx.to_pure_dict(state))
     placed = jax.tree_util.tree_map(jax.device_put, params, shardings)
     state.replace_by_pure_dict(placed)
     nnx.update(model, state)

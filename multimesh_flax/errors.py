@@ -213,6 +213,19 @@ class PlacementWarning(UserWarning):
     """
 
 
+class AxisTypeError(MultiMeshError, ValueError):
+    """Sharding in types (``jax.sharding.reshard``, ``out_sharding=``) inside a task whose
+    submesh has Auto axes.
+
+    Inside a task its submesh is the ambient mesh, with the axis types of the ``MultiMesh``
+    (or ``TaskMesh``/``jax.sharding.Mesh``) it was given; ``MultiMesh(axis_sizes=...)`` makes
+    them ``Auto``, where JAX refuses ``reshard`` onto named axes. Build the mesh with Explicit
+    axes (``MultiMesh(global_mesh=jax.make_mesh(...))``, ``MultiMesh(...,
+    axis_types=(AxisType.Explicit,) * n)``), or use ``mm.with_sharding_constraint`` with
+    logical names on Auto axes.
+    """
+
+
 class StrictModeError(MultiMeshError, ValueError):
     """A ``PlacementWarning`` raised as an error because ``context(strict=True)`` is on.
 

@@ -41,6 +41,7 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 from jax._src import source_info_util
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
@@ -248,6 +249,12 @@ def _damaged_ckpt(env, kind):
     return path
 
 
+def _reshard_on_auto_axes(env):
+    with env.multi:
+        body = mm.task(lambda x: jax.sharding.reshard(x, P("data")), mesh_slice={"stage": 0})
+        return mm.jit(body)(env.x)
+
+
 # fmt: off
 CATALOGUE: list[Mistake] = [
     # --- meshes ---
@@ -287,6 +294,15 @@ CATALOGUE: list[Mistake] = [
       "consumed and read)", lambda env: _donate_aliased(env),
       E.DonationError, ("float32[8, 4]", "`args[0]` and as `args[1]`", "`jnp.copy(x)`"),
       "pass a copy in one place, or donate less"),
+    M("mesh-nothing", "meshes", "`MultiMesh()` with no arguments and no `jax.set_mesh` mesh",
+      lambda env: mm.MultiMesh(),
+      E.MeshShapeError, ("got neither", "under `jax.set_mesh(mesh)`"),
+      "pass sizes and names, or call it under `jax.set_mesh`"),
+    M("mesh-axis-types", "meshes", "two axis types for a one-axis mesh",
+      lambda env: mm.MultiMesh(axis_sizes=(8,), axis_names=("x",),
+                               axis_types=(AxisType.Explicit,) * 2),
+      E.MeshShapeError, ("one jax.sharding.AxisType per axis of ('x',)", "(AxisType.Explicit,)"),
+      "pass one `AxisType` per axis"),
     M("mesh-global-and-sizes", "meshes", "both `global_mesh` and `axis_sizes`",
       lambda env: mm.MultiMesh(global_mesh=env.multi.mesh, axis_sizes=(8,)),
       E.MeshShapeError, ("got both", "Pass only `global_mesh`"), "pass only one of them"),
@@ -409,6 +425,10 @@ CATALOGUE: list[Mistake] = [
                                  logical_axes=[("batch", "y")]))(env.x),
       E.LogicalRulesError, ("('batch', 'y')", "'body'", "axes ('x',)", "Map logical names"),
       "map logical names onto the task mesh's axes"),
+    M("reshard-auto-axes", "logical rules", "`jax.sharding.reshard` inside a task on a "
+      "`MultiMesh` with Auto axes", lambda env: _reshard_on_auto_axes(env),
+      E.AxisTypeError, ("'stage': 1, 'data': 4", "(Auto, Auto)", "Give the mesh Explicit axes"),
+      "build the mesh with Explicit axes, or use logical constraints"),
     M("spec-uneven", "logical rules", "a dimension of 6 sharded over 4 devices",
       lambda env: mm.jit(mm.task(lambda x: mm.with_sharding_constraint(x, P("batch")),
                                  mesh=TM(devices=range(4), axis_names=("x",)),
@@ -440,6 +460,14 @@ CATALOGUE: list[Mistake] = [
     M("register-bad-regex", "registration", "an invalid regex as matcher",
       lambda env: _in(env.context, lambda: mm.register_task("layer_(", task=mm.Task())),
       E.InvalidMatcherError, ("'layer_('", "re.escape"), "fix the pattern or `re.escape` it"),
+    M("register-nothing", "registration", "neither a matcher nor `module_class`",
+      lambda env: _in(env.context, lambda: mm.register_task(task=mm.Task())),
+      E.InvalidMatcherError, ("or a `module_class`", "got neither"),
+      "pass a matcher or a module class"),
+    M("register-class-instance", "registration", "`module_class=` given a module instance",
+      lambda env: _in(env.context, lambda: mm.register_task(module_class=nn.Dense(3),
+                                                            task=mm.Task())),
+      E.TaskTypeError, ("got Dense", "Pass the class itself"), "pass the class, not an instance"),
     M("register-matcher-type", "registration", "a matcher that is not a string",
       lambda env: _in(env.context, lambda: mm.register_task(3, task=mm.Task())),
       E.InvalidMatcherError, ("int: 3", "regex string"), "pass a regex string"),

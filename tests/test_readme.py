@@ -125,6 +125,20 @@ def _nnx_step(r: Ran) -> None:
     )
 
 
+def _explicit_sharding(r: Ran) -> None:
+    # print(typed_multi.axis_types, typed_out.sharding.spec)   # (Explicit, ...) P('data',)
+    ns = r.namespace
+    explicit = jax.sharding.AxisType.Explicit
+    assert ns["typed_multi"].axis_types == (explicit,) * 3
+    out = ns["typed_out"]
+    assert out.sharding.spec == P("data") and _devices(out) == {4, 5, 6, 7}
+    one = jax.make_mesh((1, 1, 1), ("stage", "data", "model"), devices=jax.devices()[:1])
+    with jax.set_mesh(one):  # the same block, plain NNX on one device
+        plain = ns["TypedBlock"](16, rngs=ns["nnx"].Rngs(0))
+        expected = plain(jnp.ones((8, 16)))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
+
+
 # A snippet that identifies the block -> the check of what that block promises.
 def _pipeline_options(r: Ran) -> None:
     # chain_grads: as jax.grad of chain_loss on the whole batch, ordered for the given costs
@@ -145,6 +159,7 @@ PROMISES = {
     "multi.register_task(": _name_based,
     "options = mm.PipelineOptions(": _pipeline_options,
     "def train_step(model, optimizer, x, y)": _nnx_step,
+    "class TypedBlock(nnx.Module)": _explicit_sharding,
 }
 
 

@@ -137,8 +137,25 @@ class GraphJit:
             return self.plain(*args, **kwargs)
         static, state, (nodes, others) = self._split(args, kwargs)
         out, new_state = self.graph(static, state, others)
-        nnx.update(nodes, new_state)
+        nnx.update(nodes, self._kept_in_place(new_state, static, state, others))
         return out
+
+    def _kept_in_place(self, new_state: Any, static: _Static, state: Any, others: Any) -> Any:
+        """``new_state`` with every variable no task owns moved to where the program reads
+        it (its first reader's submesh, as ``tabulate`` reports): the update may compute
+        it elsewhere (a tied embedding's last use), and the next step would move it back."""
+        (wanted, _), _ = self.graph.input_shardings(static, state, others)
+
+        def keep(variable: Any, where: Any) -> Any:
+            value, sharding = variable.get_value(), where.get_value()
+            owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
+            if owned or not isinstance(value, jax.Array) or value.sharding == sharding:
+                return variable
+            return variable.replace(jax.device_put(value, sharding))
+
+        return jax.tree_util.tree_map(
+            keep, new_state, wanted, is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
 
     def executable(self, *args: Any, **kwargs: Any) -> Any:
         """The compiled program for these arguments (see ``MpmdJit.executable``)."""
@@ -158,7 +175,7 @@ class GraphJit:
 def _variable_keys(state: Any, kind: Any = nnx.Variable) -> set[tuple[Any, Any]]:
     return {
         (tuple(path), getattr(v.get_value(), "shape", None))
-        for path, v in state.flat_state()
+        for path, v in nnx.to_flat_state(state)
         if isinstance(v, kind)
     }
 

@@ -49,7 +49,7 @@ def _task_names(model: nnx.Module) -> list[tuple[tuple[Any, ...], str]]:
     for path, module in nnx.iter_modules(model):
         spec = _nnx_task.task_spec_of(module)
         if spec is None and path and has_registrations():  # register_task by path
-            match = find_match("/".join(map(str, path)), str(path[-1]))
+            match = find_match("/".join(map(str, path)), str(path[-1]), module_class=type(module))
             spec = None if match is None else task_for(match, False)
         if spec is not None:
             where = "/".join(map(str, path)) or type(module).wrapped_module.__name__
@@ -92,7 +92,7 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_re
         [('bias', P(), (2, 3), 32), ('kernel', P(None, 'x'), (2, 3), 48)]
     """
     graphdef, state = nnx.split(model)
-    flat = list(state.flat_state())
+    flat = list(nnx.to_flat_state(state))
     abstract, abstract_args = _abstract(state), _abstract(args)
 
     def forward(state: Any, inputs: Any) -> Any:
@@ -128,7 +128,8 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
         model: an NNX module instance (a ``Task[Block]`` or a model holding some).
         *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
         **kwargs: keyword arguments of the model's ``__call__``, and ``nnx.tabulate``
-            options (``depth``, ``console_kwargs``, ...).
+            options (``depth``, ``console_kwargs``, ...); ``console_kwargs={"width": 200}``
+            widens both tables (default 120 characters; paths wrap, never cut).
 
     Returns:
         The tables as one string: NNX's summary, then per variable its logical spec, mesh
@@ -152,9 +153,10 @@ def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:
         )
     options = {k: v for k, v in kwargs.items() if k in _NNX_TABULATE_OPTIONS}
     call_kwargs = {k: v for k, v in kwargs.items() if k not in _NNX_TABULATE_OPTIONS}
-    options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
+    console = {"force_terminal": False, "width": 120, **options.get("console_kwargs", {})}
+    options["console_kwargs"] = console
     placement = get_placement(model, *args, **call_kwargs)
-    return f"{_summary(model, args, options, call_kwargs)}\n{placement}"
+    return f"{_summary(model, args, options, call_kwargs)}\n{placement.render(console['width'])}"
 
 
 _abstract = shape_structs

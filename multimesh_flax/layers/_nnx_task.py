@@ -39,7 +39,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     Task,
+    call_recomputed,
     check_rules_have_mesh,
+    get_device_list,
     get_flag,
     has_registrations,
     ignore_transforms,
@@ -47,9 +49,10 @@ from multimesh_flax.core.declare import (
     make_task,
     nnx_transform,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, run_as
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, eager_mesh, run_as
 from multimesh_flax.core.trace import (
     ResolvedTask,
+    constrain_to_task,
     current_session,
     current_task,
     registry_state,
@@ -132,7 +135,7 @@ def place_variables(module: nnx.Module, resolved: ResolvedTask, *, record: bool 
     so the state's tree structure, as it is)."""
     for path, variable in own_variables(module):
         sharding = variable_sharding(path, variable, resolved)
-        variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), sharding))
+        variable.set_value(constrain_to_task(variable.get_value(), sharding.spec, resolved))
         if record:
             variable.set_metadata(**{TASK_SHARDING: sharding})
 
@@ -239,7 +242,32 @@ def _task_call_of(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
         key=("nnx", getattr(module, _INSTANCE_KEY, id(module))),
         state=[v.get_value() for _, v in own_variables(module)],
         place=lambda resolved: _placed_variables(module, resolved),
+        unstaged=_unstaged_runner(module, spec, fun, transform),
     )
+
+
+def _unstaged_runner(module: nnx.Module, spec: Task, fun: Any, transform: Any) -> EagerRunner:
+    """Under a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
+    ``jax.checkpoint`` outside every jit): the module's body on its submesh (where its
+    variables live; its array arguments moved there), recomputed as its policy says, its
+    results handed back on the first device -- where the rest of the unplaced computation
+    runs, as the ``PlacementWarning`` says."""
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        resolved = resolve(module, spec)
+        replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
+        moved = jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
+            (args, kwargs),
+        )
+        with eager_mesh(resolved):
+            out = call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
+        home = get_device_list()[0]
+        return jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, home) if isinstance(x, jax.Array) else x, out
+        )
+
+    return run
 
 
 def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) -> EagerRunner:
@@ -247,12 +275,13 @@ def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
     moved onto the task's submesh (replicated), where the module's variables were born."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        replicated = NamedSharding(resolve(module, spec).mesh, PartitionSpec())
+        resolved = resolve(module, spec)
+        replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
         moved_args, moved_kwargs = jax.tree_util.tree_map(
             lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
             (args, kwargs),
         )
-        with ignore_transforms():
+        with ignore_transforms(), eager_mesh(resolved):
             return method(module, *moved_args, **moved_kwargs)
 
     return run
@@ -333,7 +362,7 @@ def enter_registered_tasks(nodes: Sequence[Any]) -> None:
             if not path or task_spec_of(module) is not None:
                 continue
             name = "/".join(map(str, path))
-            match = state.match(name, str(path[-1]))
+            match = state.match(name, str(path[-1]), module_class=type(module))
             if match is not None and not hasattr(type(module), "registered_match"):
                 module.__class__ = _registered_class(type(module), name, match)
 

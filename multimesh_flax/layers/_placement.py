@@ -98,7 +98,7 @@ def _registered_owner(owners: dict[ModulePath, Task]) -> Callable[..., Any]:
 
     def intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
         module = context.module
-        match = find_match(*module_names(module))
+        match = find_match(*module_names(module), module_class=type(module))
         if match is not None and module.scope is not None:
             spec = task_for(match, False)
             named = spec if spec.name else dataclasses.replace(spec, name=match.name)

@@ -47,7 +47,15 @@ class Placement:
         return out
 
     def __str__(self) -> str:
-        return _render(self)
+        return _render(self, DEFAULT_WIDTH)
+
+    def render(self, width: int = 120) -> str:
+        """The tables, ``width`` characters wide; a path too long for its column wraps
+        onto more lines rather than being cut, so every path is shown whole."""
+        return _render(self, width)
+
+
+DEFAULT_WIDTH = 120
 
 
 def _spec_text(spec: Any) -> str:
@@ -61,10 +69,11 @@ def _ids_text(ids: Sequence[int]) -> str:
     return ",".join(str(i) for i in ids)
 
 
-def _render(placement: Placement) -> str:
+def _render(placement: Placement, width: int) -> str:
     params = rich.table.Table(title="Parameter placement")
-    for column in ("path", "shape", "logical", "mesh spec", "task", "devices", "bytes/device"):
-        params.add_column(column)
+    params.add_column("path", overflow="fold")  # wrapped, never cut
+    for column in ("shape", "logical", "mesh spec", "task", "devices", "bytes/device"):
+        params.add_column(column, overflow="fold")
     for p in placement.params:
         params.add_row(
             p.path,
@@ -88,7 +97,7 @@ def _render(placement: Placement) -> str:
     notes = [f"{p.path}: {p.problem}" for p in placement.params if p.problem]
     out = io.StringIO()
     console = rich.console.Console(
-        file=out, width=120, force_terminal=False, force_jupyter=False, color_system=None
+        file=out, width=width, force_terminal=False, force_jupyter=False, color_system=None
     )
     for table in (params, tasks, devices):
         console.print(table)

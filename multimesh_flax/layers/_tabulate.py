@@ -83,12 +83,21 @@ def get_placement(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> Pla
     params = nn.meta.unbox(boxed_params)
     others = nn.meta.unbox({k: v for k, v in boxed.items() if k != "params"})
 
-    def forward(p: Any, inputs: Any) -> Any:
+    def forward(p: Any, collections: Any, inputs: Any) -> Any:
+        # The other collections (``batch_stats``, ``cache``) are inputs too, not constants:
+        # they are abstract here, and a layer such as BatchNorm computes with them. They
+        # are mutable, as ``parallelize_step`` applies the model in training.
         p = _placement.constrain(p, task_sh, found)
-        return model.apply({"params": p, **others}, *inputs, rngs=_apply_rngs(rngs), **kwargs)
+        return model.apply(
+            {"params": p, **collections},
+            *inputs,
+            rngs=_apply_rngs(rngs),
+            mutable=sorted(collections),
+            **kwargs,
+        )
 
     abstract_args = shape_structs(args)
-    derived = derive_shardings(forward, (params, abstract_args), None)
+    derived = derive_shardings(forward, (params, others, abstract_args), None)
     flat_params, _ = jax.tree_util.tree_flatten_with_path(params)
     rows = []
     for (path, leaf), sharding in zip(flat_params, derived[: len(flat_params)], strict=True):
@@ -132,7 +141,8 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
         rngs: a PRNG key or a dict of keys, as for ``model.init``.
         *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
         **kwargs: keyword arguments of the model's ``__call__``, and ``Module.tabulate``
-            options (``depth``, ``console_kwargs``, ...).
+            options (``depth``, ``console_kwargs``, ...); ``console_kwargs={"width": 200}``
+            widens both tables (default 120 characters; paths wrap, never cut).
 
     Returns:
         The tables as one string.
@@ -156,7 +166,9 @@ def tabulate(model: nn.Module, rngs: Any, *args: Any, **kwargs: Any) -> str:
             f"{_placement_report.describe_value(model)}. Instantiate the class first."
         )
     flax_options, model_kwargs = _split_kwargs(kwargs)
-    flax_options.setdefault("console_kwargs", {"force_terminal": False, "width": 120})
+    console = {"force_terminal": False, "width": 120, **flax_options.get("console_kwargs", {})}
+    flax_options["console_kwargs"] = console
     with shape_only_trace():  # Flax's table traces the model; nothing is placed there
         summary = model.tabulate(rngs, *args, **flax_options, **model_kwargs)
-    return summary + "\n" + str(get_placement(model, rngs, *args, **model_kwargs))
+    placement = get_placement(model, rngs, *args, **model_kwargs)
+    return summary + "\n" + placement.render(console["width"])

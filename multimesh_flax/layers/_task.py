@@ -50,7 +50,7 @@ from multimesh_flax.core.declare import (
     linen_transform,
     make_task,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_task
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, eager_mesh
 from multimesh_flax.core.trace import ResolvedTask, current_session, resolve_task
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
@@ -145,11 +145,29 @@ def _eager_runner(module: nn.Module, spec: Task, method: Callable[..., Any]) -> 
     moved next to the module's variables (else onto the task's submesh)."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        explicit = _explicit_task(spec)
+        if explicit is not None:  # sharding in types: on its submesh, as ``jax.set_mesh``
+            placed = NamedSharding(explicit.typed_mesh, PartitionSpec())
+            positional, keywords = jax.tree_util.tree_map(
+                lambda x: jax.device_put(x, placed) if isinstance(x, jax.Array) else x,
+                (args, kwargs),
+            )
+            with ignore_transforms(), eager_mesh(explicit):
+                return method(module, *positional, **keywords)
         positional, keywords = _eager_inputs(module, spec, (args, kwargs))
         with ignore_transforms():
             return method(module, *positional, **keywords)
 
     return run
+
+
+def _explicit_task(spec: Task) -> ResolvedTask | None:
+    """The task resolved, where its submesh has Explicit axes (else ``None``)."""
+    try:
+        resolved = resolve_task(spec, spec.name or "task")
+    except errors.MultiMeshError:
+        return None
+    return None if resolved.ambient_mesh.are_all_axes_auto else resolved
 
 
 def _eager_target(module: nn.Module, spec: Task) -> jax.sharding.Sharding | None:

@@ -22,6 +22,7 @@ from multimesh_flax.core.declare._devices import as_device_array as as_device_ar
 from multimesh_flax.core.declare._devices import check_unique as check_unique
 from multimesh_flax.core.declare._devices import get_device_list as get_device_list
 from multimesh_flax.core.declare._devices import make_auto_mesh as make_auto_mesh
+from multimesh_flax.core.declare._devices import no_ambient_mesh as no_ambient_mesh
 from multimesh_flax.core.declare._devices import place_of as place_of
 from multimesh_flax.core.declare._devices import use_device_list as use_device_list
 from multimesh_flax.core.declare._multimesh import MultiMesh as MultiMesh

@@ -31,6 +31,33 @@ def make_auto_mesh(devices: np.ndarray, axis_names: Sequence[str]) -> Mesh:
     return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def check_axis_types(axis_types: Any, axis_names: Sequence[str]) -> tuple[AxisType, ...]:
+    """``axis_types`` as one ``AxisType`` per axis (``None``: all ``Auto``).
+
+    Raises:
+        MeshShapeError: not one ``AxisType`` per axis, or a ``Manual`` axis.
+    """
+    if axis_types is None:
+        return (AxisType.Auto,) * len(axis_names)
+    types = (axis_types,) if isinstance(axis_types, AxisType) else tuple(axis_types)
+    if len(types) != len(axis_names) or not all(isinstance(t, AxisType) for t in types):
+        raise errors.MeshShapeError(
+            f"Expected one jax.sharding.AxisType per axis of {tuple(axis_names)}, got "
+            f"`axis_types`={axis_types!r}. Pass e.g. (AxisType.Explicit,) * "
+            f"{len(axis_names)}."
+        )
+    if AxisType.Manual in types:
+        raise errors.MeshShapeError(
+            f"Got a Manual axis in `axis_types`={types}; a task mesh's axes are Auto or "
+            "Explicit (enter Manual axes with jax.shard_map inside the task)."
+        )
+    return types
+
+
+def is_all_auto(axis_types: Sequence[AxisType]) -> bool:
+    return all(t == AxisType.Auto for t in axis_types)
+
+
 def _as_axes(axis_sizes: Any, axis_names: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Checks that sizes and names are sequences (not a bare int or string) and tuples them."""
     for arg, value, example in (
@@ -151,6 +178,27 @@ def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterat
         _thread.STATE.device_lists.pop()
 
 
+@contextlib.contextmanager
+def no_ambient_mesh() -> Iterator[None]:
+    """Clears the mesh that ``jax.set_mesh`` made ambient, for the span of an MPMD program.
+
+    ``multimesh_flax.jit`` places every value itself: outside tasks a ``jax.set_mesh`` mesh
+    would give the traced arrays that mesh's type (and make each fragment's ``jax.jit``
+    insist its arguments live on all of it), inside a task the task's submesh is the ambient
+    mesh instead. Outside every trace this is ``jax.set_mesh(None)``; inside one (where
+    ``jax.set_mesh`` is refused) only the abstract mesh is cleared.
+    """
+    try:
+        cleared: Any = jax.set_mesh(None)  # refused inside a trace: a ValueError
+    except ValueError:
+        cleared = jax.sharding.use_abstract_mesh(_EMPTY_ABSTRACT_MESH)
+    with cleared:
+        yield
+
+
+_EMPTY_ABSTRACT_MESH = AbstractMesh((), ())
+
+
 def get_device_list() -> tuple[jax.Device, ...]:
     """Returns the device list that ``TaskMesh`` positions refer to right now.
 
@@ -200,7 +248,11 @@ class TaskMesh:
         axis_sizes: sizes of the submesh axes; default ``(len(devices),)``.
         axis_names: names of the submesh axes; default ``("devices",)`` for one axis,
             ``("axis_0", "axis_1", ...)`` otherwise.
-        abstract: a ``jax.sharding.AbstractMesh`` replacing ``axis_sizes``/``axis_names``.
+        abstract: a ``jax.sharding.AbstractMesh`` replacing ``axis_sizes``/``axis_names``
+            (and ``axis_types``).
+        axis_types: the ``jax.sharding.AxisType`` of each axis inside the task, where the
+            submesh is the ambient mesh (``AxisType.Explicit`` for sharding in types:
+            ``jax.sharding.reshard``, ``out_sharding=``); default all ``Auto``.
 
     Raises:
         MeshShapeError: sizes and names disagree, or the device count is not their product.
@@ -216,6 +268,7 @@ class TaskMesh:
     devices: tuple[int, ...]
     axis_sizes: tuple[int, ...]
     axis_names: tuple[str, ...]
+    axis_types: tuple[AxisType, ...]
 
     def __init__(
         self,
@@ -224,10 +277,12 @@ class TaskMesh:
         axis_sizes: Sequence[int] | None = None,
         axis_names: Sequence[str] | None = None,
         abstract: AbstractMesh | None = None,
+        axis_types: Sequence[AxisType] | None = None,
     ) -> None:
         positions = _positions(devices)
         if abstract is not None:
             axis_sizes, axis_names = abstract.axis_sizes, abstract.axis_names
+            axis_types = abstract.axis_types
         if axis_sizes is None:
             axis_sizes = (len(positions),)
         if axis_names is None:
@@ -248,6 +303,14 @@ class TaskMesh:
         object.__setattr__(self, "devices", positions)
         object.__setattr__(self, "axis_sizes", tuple(int(s) for s in axis_sizes))
         object.__setattr__(self, "axis_names", tuple(axis_names))
+        object.__setattr__(self, "axis_types", check_axis_types(axis_types, axis_names))
+
+    def __repr__(self) -> str:
+        types = "" if is_all_auto(self.axis_types) else f", axis_types={self.axis_types}"
+        return (
+            f"TaskMesh(devices={self.devices}, axis_sizes={self.axis_sizes}, "
+            f"axis_names={self.axis_names}{types})"
+        )
 
     @property
     def shape(self) -> dict[str, int]:
@@ -259,14 +322,17 @@ class TaskMesh:
 
     @property
     def abstract_mesh(self) -> AbstractMesh:
-        """The device-free ``AbstractMesh`` with this submesh's axes (all ``Auto``)."""
-        return AbstractMesh(
-            self.axis_sizes, self.axis_names, axis_types=(AxisType.Auto,) * len(self.axis_names)
-        )
+        """The device-free ``AbstractMesh`` with this submesh's axes and axis types."""
+        return AbstractMesh(self.axis_sizes, self.axis_names, axis_types=self.axis_types)
 
     def place(self, devices: Sequence[int]) -> TaskMesh:
         """Returns a task mesh with the same axes on other device positions."""
-        return TaskMesh(devices=devices, axis_sizes=self.axis_sizes, axis_names=self.axis_names)
+        return TaskMesh(
+            devices=devices,
+            axis_sizes=self.axis_sizes,
+            axis_names=self.axis_names,
+            axis_types=self.axis_types,
+        )
 
     def to_mesh(self, device_list: Sequence[jax.Device] | None = None) -> Mesh:
         """Resolves the positions against ``device_list`` (default: the current device list).

@@ -7,13 +7,15 @@ registered on it, turns on autosharding and makes it the mesh that ``mesh_slice`
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, Mesh
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import _config, _thread
@@ -23,10 +25,28 @@ from multimesh_flax.core.declare._devices import (
     _check_device_count,
     _check_names_sizes,
     as_device_array,
+    check_axis_types,
     check_unique,
     make_auto_mesh,
+    no_ambient_mesh,
 )
 from multimesh_flax.core.declare._registry import Context, TaskCallback
+
+
+def _ambient_mesh() -> Mesh:
+    """The mesh ``jax.set_mesh`` set, for ``MultiMesh()`` with no arguments.
+
+    Raises:
+        MeshShapeError: no mesh is set.
+    """
+    mesh = jax.sharding.get_mesh()
+    if mesh.empty:
+        raise errors.MeshShapeError(
+            "Expected `axis_sizes` and `axis_names` (or `global_mesh`), got neither, and no "
+            "mesh is set with jax.set_mesh. Pass them, or call MultiMesh() under "
+            "`jax.set_mesh(mesh)` to wrap that mesh."
+        )
+    return mesh
 
 
 def get_multi_mesh() -> MultiMesh | None:
@@ -56,8 +76,11 @@ class MultiMesh(Context):
         axis_names: the name of each global axis.
         devices: devices to use (any shape with the right count), as jax devices or integer
             positions in ``jax.devices()`` (``range(8)``); default ``jax.devices()``.
-        global_mesh: an existing ``jax.sharding.Mesh`` to wrap; the other arguments must then
-            be omitted.
+        global_mesh: an existing ``jax.sharding.Mesh`` to wrap (its axis types kept); the
+            other arguments must then be omitted. With no arguments at all, the mesh set
+            with ``jax.set_mesh`` is wrapped.
+        axis_types: the ``jax.sharding.AxisType`` of each axis, as tasks on its slices see
+            them (default all ``Auto``; ``AxisType.Explicit`` for sharding in types).
 
     Raises:
         MeshShapeError: sizes, names and device count disagree.
@@ -77,9 +100,12 @@ class MultiMesh(Context):
         axis_names: Sequence[str] | None = None,
         devices: Sequence[jax.Device] | np.ndarray | None = None,
         global_mesh: Mesh | None = None,
+        axis_types: Sequence[AxisType] | None = None,
     ) -> None:
         super().__init__()
         self._exits: list[Any] = []
+        if global_mesh is None and axis_sizes is None and axis_names is None and devices is None:
+            global_mesh = _ambient_mesh()
         if global_mesh is not None:
             if axis_sizes is not None or axis_names is not None or devices is not None:
                 raise errors.MeshShapeError(
@@ -87,6 +113,8 @@ class MultiMesh(Context):
                     "got both. Pass only `global_mesh` to wrap an existing mesh."
                 )
             self._mesh = make_auto_mesh(global_mesh.devices, global_mesh.axis_names)
+            types = global_mesh.axis_types if axis_types is None else axis_types
+            self._axis_types = check_axis_types(types, self.axis_names)
             return
         if axis_sizes is None or axis_names is None:
             raise errors.MeshShapeError(
@@ -102,6 +130,12 @@ class MultiMesh(Context):
         _check_device_count(flat.size, sizes, "devices")
         check_unique(list(flat), "devices")
         self._mesh = make_auto_mesh(flat.reshape(sizes), names)
+        self._axis_types = check_axis_types(axis_types, names)
+
+    @property
+    def axis_types(self) -> tuple[AxisType, ...]:
+        """Each axis's ``AxisType`` inside tasks on this mesh's slices."""
+        return self._axis_types
 
     @property
     def mesh(self) -> Mesh:
@@ -175,10 +209,16 @@ class MultiMesh(Context):
             devices=positions.reshape(-1).tolist(),
             axis_sizes=positions.shape,
             axis_names=self.axis_names,
+            axis_types=self.axis_types,
         )
 
     def register_task(
-        self, matcher: Any, *, callback: TaskCallback | None = None, task: Any = None
+        self,
+        matcher: Any = None,
+        *,
+        callback: TaskCallback | None = None,
+        task: Any = None,
+        module_class: type | None = None,
     ) -> None:
         """Registers a name-based task, active inside ``with self:`` (see ``register_task``).
 
@@ -202,14 +242,20 @@ class MultiMesh(Context):
         """
         if task is not None and getattr(task, "mesh_slice", None) is not None:
             self._slice_index(**task.mesh_slice)
-        super().register_task(matcher, callback=callback, task=task)
+        super().register_task(matcher, callback=callback, task=task, module_class=module_class)
 
     def __enter__(self) -> MultiMesh:
-        autoshard = _config.autoshard()
-        autoshard.__enter__()
+        entered = contextlib.ExitStack()
+        entered.enter_context(_config.autoshard())
+        # A ``jax.set_mesh`` mesh around it (perhaps the one it wraps) is set aside: tasks
+        # see their own submesh as the ambient mesh, glue none.
+        entered.enter_context(no_ambient_mesh())
+        # Variables with ``out_sharding`` metadata that no task owns are made unsharded here
+        # (NNX would need an ambient mesh to shard them at birth); ``jit`` places them.
+        entered.enter_context(nnx.use_eager_sharding(False))
         _thread.STATE.multi_meshes.append(self)
         super().__enter__()
-        self._exits.append(autoshard)
+        self._exits.append(entered)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -40,6 +40,13 @@ class Registration:
     pattern: re.Pattern[str]
     callback: TaskCallback | None
     task: Task | None
+    module_class: type | None = None  # only modules of this class (and subclasses) match
+
+    def matches_class(self, module_class: type | None) -> bool:
+        """Whether a module of ``module_class`` (``None``: a named scope) may match."""
+        if self.module_class is None:
+            return True
+        return module_class is not None and issubclass(module_class, self.module_class)
 
     def matched_name(self, name: str) -> str | None:
         """The matched name for ``name``, or ``None`` if the matcher does not match it."""
@@ -76,11 +83,33 @@ def _compile(matcher: Any) -> re.Pattern[str]:
         ) from e
 
 
+def _check_module_class(module_class: Any, matcher: Any) -> re.Pattern[str]:
+    """The pattern of a class registration (``matcher``, or any name)."""
+    if not isinstance(module_class, type):
+        raise errors.TaskTypeError(
+            f"Expected `module_class` to be a Flax module class such as `nn.Dense` or "
+            f"`nnx.Linear`, got {type(module_class).__name__}: {module_class!r}. Pass the "
+            "class itself, not an instance."
+        )
+    return _compile(".*" if matcher is None else matcher)
+
+
 def make_registration(
-    matcher: Any, callback: TaskCallback | None, task: Task | None
+    matcher: Any,
+    callback: TaskCallback | None,
+    task: Task | None,
+    module_class: type | None = None,
 ) -> Registration:
     """Validates ``register_task``'s arguments and builds the registration."""
-    pattern = _compile(matcher)
+    if module_class is not None:
+        pattern = _check_module_class(module_class, matcher)
+    elif matcher is None:
+        raise errors.InvalidMatcherError(
+            "Expected a `matcher` (a regex such as 'layer_(\\d+)') or a `module_class`, got "
+            "neither. Pass one of them."
+        )
+    else:
+        pattern = _compile(matcher)
     if (callback is None) == (task is None):
         got = "neither" if callback is None else "both"
         raise errors.TaskRegistrationError(
@@ -100,7 +129,7 @@ def make_registration(
             f"{type(task).__name__}: {task!r}. Pass `task=Task(...)`, e.g. "
             "`Task(mesh_slice={'stage': 0})`."
         )
-    return Registration(pattern=pattern, callback=callback, task=task)
+    return Registration(pattern=pattern, callback=callback, task=task, module_class=module_class)
 
 
 class Context:
@@ -139,13 +168,14 @@ class Context:
 
     def register_task(
         self,
-        matcher: str | re.Pattern[str],
+        matcher: str | re.Pattern[str] | None = None,
         *,
         callback: TaskCallback | None = None,
         task: Any = None,
+        module_class: type | None = None,
     ) -> None:
         """Registers a name-based task in this context (see :func:`register_task`)."""
-        self._registrations.append(make_registration(matcher, callback, task))
+        self._registrations.append(make_registration(matcher, callback, task, module_class))
         self._version += 1
         _WITH_REGISTRATIONS.add(self)
 
@@ -194,14 +224,17 @@ def registrations_fingerprint() -> tuple[tuple[int, int], ...]:
     return tuple((id(ctx), ctx._version) for ctx in active_contexts() if ctx._registrations)
 
 
-def find_match(*names: str) -> Match | None:
+def find_match(*names: str, module_class: type | None = None) -> Match | None:
     """The winning registration for the first of ``names`` it matches, or ``None``.
 
     Registrations are tried in priority order (innermost context first, latest first);
-    for each, ``names`` are tried in order.
+    for each, ``names`` are tried in order. ``module_class``: the class of the module the
+    names belong to (``None`` for a named scope), for registrations by ``module_class``.
     """
     for ctx in active_contexts():
         for registration in reversed(ctx._registrations):
+            if not registration.matches_class(module_class):
+                continue
             for name in names:
                 matched = registration.matched_name(name)
                 if matched is not None:
@@ -210,7 +243,11 @@ def find_match(*names: str) -> Match | None:
 
 
 def register_task(
-    matcher: str | re.Pattern[str], *, callback: TaskCallback | None = None, task: Any = None
+    matcher: str | re.Pattern[str] | None = None,
+    *,
+    callback: TaskCallback | None = None,
+    task: Any = None,
+    module_class: type | None = None,
 ) -> None:
     """Registers a name-based task in the innermost active ``Context``.
 
@@ -224,8 +261,15 @@ def register_task(
     is several nested scopes. Registered tasks act only while ``jit``/``parallelize`` trace;
     called eagerly, the program computes the same values without moving anything.
 
+    **Classes inside modules you do not own.** ``module_class=Block`` matches every module
+    of that class (or a subclass) wherever another module creates it, by its path
+    (``encoder/layers_0`` for Linen, ``blocks/0`` for NNX; ``matcher``, if given, must also
+    match the path): each instance is its own task, named by its path. No module namespace
+    needs patching.
+
     Args:
         matcher: a regular expression; its first group, if any, is the *matched name*.
+            Optional with ``module_class``.
         callback: ``callback(matched_name, backprop) -> Task``, called once per trace for the
             forward (``backprop=False``) and, if the program differentiates it, the backward
             (``backprop=True``). A backward ``Task`` equal field by field to the forward one
@@ -233,12 +277,15 @@ def register_task(
         task: a fixed ``Task`` for every matched name (an unnamed one takes the matched
             name). Exactly one of ``callback`` and ``task`` is required.
 
+        module_class: a Flax module class (Linen or NNX): match its instances by class.
+
     Raises:
-        InvalidMatcherError: ``matcher`` is not a valid regular expression.
+        InvalidMatcherError: ``matcher`` is not a valid regular expression, or neither
+            ``matcher`` nor ``module_class`` is given.
         TaskRegistrationError: neither or both of ``callback`` and ``task``.
         TaskCallbackError: ``callback`` is not callable (and, at trace time, when it returns
             something other than a ``Task``).
-        TaskTypeError: ``task`` is not a ``Task``.
+        TaskTypeError: ``task`` is not a ``Task``, or ``module_class`` is not a class.
 
     Example:
         >>> import multimesh_flax as mm
@@ -255,4 +302,6 @@ def register_task(
         >>> y.tolist(), [d.id for d in y.devices()]
         ([3.0, 3.0], [1])
     """
-    active_contexts()[0].register_task(matcher, callback=callback, task=task)
+    active_contexts()[0].register_task(
+        matcher, callback=callback, task=task, module_class=module_class
+    )

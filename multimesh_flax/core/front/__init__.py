@@ -20,5 +20,6 @@ from multimesh_flax.core.front._parallelize import shape_structs as shape_struct
 from multimesh_flax.core.front._task_call import EagerRunner as EagerRunner
 from multimesh_flax.core.front._task_call import TaskCall as TaskCall
 from multimesh_flax.core.front._task_call import call_task as call_task
+from multimesh_flax.core.front._task_call import eager_mesh as eager_mesh
 from multimesh_flax.core.front._task_call import run_as as run_as
 from multimesh_flax.core.front._task_function import task as task

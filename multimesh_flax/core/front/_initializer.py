@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from multimesh_flax.core.fragment import aval_nbytes
+from multimesh_flax.core.run import jaxpr_as_auto_fun
 from multimesh_flax.core.trace import shape_only_trace
 
 REPLICATE_BYTES = 64 << 20
@@ -146,7 +147,7 @@ def sharded_initializer(
     if program is None:
         with shape_only_trace():  # tasks in an initializer are not placed, by design
             program = jax.make_jaxpr(init)()
-    run = jex.jaxpr_as_fun(program)
+    run = jaxpr_as_auto_fun(program)
     compiled = [(g.indices, _compile_group(run, g)) for g in _groups(flat, program.out_avals)]
 
     def sharded_init() -> Any:

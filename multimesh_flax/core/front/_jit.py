@@ -28,6 +28,7 @@ from multimesh_flax.core.declare import (
     get_device_list,
     get_flag,
     get_multi_mesh,
+    no_ambient_mesh,
     registrations_fingerprint,
     use_device_list,
 )
@@ -144,6 +145,7 @@ class _Entry:
         self.warm = False
         self.donation: _donation.Donation | None = None  # None: the program consumes nothing
         self.build_seconds = build.seconds  # "trace", "partition": wall time spent
+        self._input_shardings: list[Any] | None = None
 
     def partition(self) -> Partition:
         """The placed program (on the fast path placed now, from the same trace)."""
@@ -153,7 +155,12 @@ class _Entry:
 
     def input_shardings(self) -> list[Any]:
         """Per input leaf, the sharding it should arrive in (see ``_inputs.input_sharding``);
-        an unused input: replicated on the default submesh."""
+        an unused input: replicated on the default submesh. Worked out once."""
+        if self._input_shardings is None:
+            self._input_shardings = self._find_input_shardings()
+        return self._input_shardings
+
+    def _find_input_shardings(self) -> list[Any]:
         part = self.partition()
         fallback = NamedSharding(part.place_meshes[part.default_place], PartitionSpec())
         wanted = [input_sharding(part, v) for v in self.traced.jaxpr.invars]
@@ -250,6 +257,12 @@ class MpmdJit:
         return _Entry(build_program(flat_fun, leaves, self.devices, donate), self.devices)
 
     def _entry(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Entry, list[Any]]:
+        with no_ambient_mesh():
+            return self._entry_here(args, kwargs)
+
+    def _entry_here(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Entry, list[Any]]:
         leaves, in_tree, statics, key = self._signature(args, kwargs)
 
         def build(_: Hashable) -> _Entry:
@@ -266,6 +279,10 @@ class MpmdJit:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if get_flag("ignore_transforms"):
             return self.fun(*args, **kwargs)
+        with no_ambient_mesh():
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         entry, leaves = self._entry(args, kwargs)
         donation = entry.donation
         if donation is None:

@@ -19,7 +19,11 @@ order:
    tracers, a ``PlacementWarning`` naming ``multimesh_flax.jit`` (none inside
    ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
    ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
-   is taken as a shape-only trace and not warned. Then as 4;
+   is taken as a shape-only trace and not warned. Then as 4, except for a module whose
+   variables live on its submesh (NNX: ``TaskCall.unstaged``), which runs op by op there as
+   an eager call does and hands its results back on device 0, so that modules born on
+   different submeshes never meet in one operation (``jax.grad``, ``jax.vmap``,
+   ``jax.checkpoint`` applied outside every jit);
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
@@ -41,7 +45,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
+from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     RecomputeTransform,
     Task,
@@ -52,10 +58,13 @@ from multimesh_flax.core.declare import (
 from multimesh_flax.core.front._jit import jit
 from multimesh_flax.core.trace import (
     ResolvedTask,
+    abstract_mesh,
     contains_tracer,
     current_session,
     enter_task,
     flax_rules,
+    is_shape_only,
+    leave_explicit_axes,
     resolve_task,
     warn_foreign_trace,
 )
@@ -86,6 +95,11 @@ class TaskCall:
             module's variables).
         place: a context manager factory entered inside the task around the body (NNX reads
             its variables through constraints on the submesh there).
+        unstaged: how the call runs under a JAX transformation that is not ours and stages
+            nothing (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied eagerly), or
+            ``None`` to run it as under a staging one. A module whose variables live on its
+            submesh runs op by op there (its ``eager`` runner), so that modules on other
+            submeshes do not meet in one operation.
     """
 
     spec: Task
@@ -95,6 +109,7 @@ class TaskCall:
     key: Hashable | None = None
     state: Any = ()
     place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
+    unstaged: EagerRunner | None = None
 
     @property
     def name(self) -> str:
@@ -110,14 +125,42 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
         StrictModeError: under ``context(strict=True)``, a task traced by a foreign trace.
     """
     if get_flag("ignore_transforms"):
-        return task_call.body(*args, **kwargs)
+        with _explicit_ambient_while_tracing(task_call):
+            return task_call.body(*args, **kwargs)
     session = current_session()
     inputs_traced = contains_tracer((args, kwargs, task_call.state))
     if session is None and not inputs_traced and not _jax_is_tracing():
         return task_call.eager(args, kwargs)
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
+        if task_call.unstaged is not None and not is_shape_only():
+            return task_call.unstaged(args, kwargs)
     return run_as(resolve(task_call), task_call, args, kwargs)
+
+
+def _explicit_ambient_while_tracing(task_call: TaskCall) -> AbstractContextManager[Any]:
+    """Under ``ignore_transforms``, a task whose axes are Explicit still sees its submesh as
+    the ambient abstract mesh while JAX traces it (``parallelize_step`` initialises its
+    model so), since ``reshard`` and ``out_sharding=`` need one; eagerly it runs as is."""
+    if not _jax_is_tracing():
+        return nullcontext()
+    try:
+        mesh = resolve_task(task_call.spec, task_call.name).ambient_mesh
+    except errors.MultiMeshError:  # no MultiMesh for its slice: the plain body
+        return nullcontext()
+    return nullcontext() if mesh.are_all_axes_auto else abstract_mesh(mesh)
+
+
+def eager_mesh(resolved: ResolvedTask) -> AbstractContextManager[Any]:
+    """Around an eager call of a task with Explicit axes: ``jax.set_mesh`` of its submesh
+    with those axes, so that ``reshard`` and ``out_sharding=`` resolve there."""
+    mesh = resolved.typed_mesh
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return nullcontext()
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:  # inside a trace (``jax.checkpoint``): its abstract mesh only
+        return abstract_mesh(resolved.ambient_mesh)
 
 
 def _jax_is_tracing() -> bool:
@@ -142,10 +185,11 @@ def run_as(
 ) -> Any:
     """The body run as ``resolved`` (entered, rules and ambient mesh set, recomputed per
     policy); also how name-registered NNX modules run as their matched task."""
-    with _entered(resolved), task_call.place(resolved):
-        return call_recomputed(
+    with _entered(resolved), task_call.place(resolved), explain_axis_types(resolved):
+        out = call_recomputed(
             task_call.body, args, kwargs, resolved.task.recompute, task_call.transform
         )
+    return leave_explicit_axes(out, resolved)
 
 
 @contextlib.contextmanager
@@ -153,6 +197,34 @@ def _entered(resolved: ResolvedTask) -> Iterator[None]:
     """Inside ``resolved``: its marker scope, its rules, its submesh as the ambient mesh."""
     with enter_task(resolved), flax_rules(resolved):
         yield
+
+
+@contextlib.contextmanager
+def explain_axis_types(resolved: ResolvedTask) -> Iterator[None]:
+    """Turns JAX's refusal of ``reshard``/``out_sharding=`` on Auto axes inside task
+    ``resolved`` into an ``AxisTypeError`` that says how to get Explicit axes."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        if not _refuses_auto_axes(e, resolved):
+            raise
+        mesh = resolved.ambient_mesh
+        raise errors.AxisTypeError(
+            f"Task {resolved.name!r} uses sharding in types (`jax.sharding.reshard` or "
+            f"`out_sharding=`), but its submesh {dict(mesh.shape)} has axis types "
+            f"{mesh.axis_types}: JAX says {str(e).splitlines()[0]!r}. Give the mesh Explicit "
+            "axes: `MultiMesh(global_mesh=jax.make_mesh(...))` (Explicit by default), "
+            "`MultiMesh(..., axis_types=(AxisType.Explicit,) * n)` or "
+            "`TaskMesh(..., axis_types=...)`; or use `mm.with_sharding_constraint` with "
+            "logical names on Auto axes."
+        ) from e
+
+
+def _refuses_auto_axes(error: Exception, resolved: ResolvedTask) -> bool:
+    if isinstance(error, errors.MultiMeshError) or not resolved.ambient_mesh.are_all_axes_auto:
+        return False
+    text = str(error)
+    return "of type Auto" in text or "AxisType.Auto" in text
 
 
 def one_task_program(program: Callable[..., Any]) -> EagerRunner:

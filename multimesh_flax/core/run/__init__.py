@@ -15,6 +15,7 @@ from multimesh_flax.core.run._dispatch import Timeline as Timeline
 from multimesh_flax.core.run._dispatch import TimelineEvent as TimelineEvent
 from multimesh_flax.core.run._dispatch import compile_program as compile_program
 from multimesh_flax.core.run._dispatch import record_timeline as record_timeline
+from multimesh_flax.core.run._explicit import jaxpr_as_auto_fun as jaxpr_as_auto_fun
 from multimesh_flax.core.run._ops import DispatchState as DispatchState
 from multimesh_flax.core.run._ops import Op as Op
 from multimesh_flax.core.run._ops import OpKind as OpKind

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.fragment import Fragment, canonical_spec
 from multimesh_flax.core.run import _relocate
+from multimesh_flax.core.run._explicit import explicit_fun, has_explicit_axes, untyped
 from multimesh_flax.core.trace import (
     BoundedCache,
     concrete_constraint,
@@ -34,10 +35,12 @@ _FRAGMENT_CACHE = BoundedCache(capacity=2048)
 
 
 def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
+    if has_explicit_axes(jaxpr):  # a task with Explicit axes: typed as traced (_explicit)
+        return explicit_fun(jaxpr)
     run = jex.jaxpr_as_fun(jex.ClosedJaxpr(jaxpr, []))
 
     def fragment(*args: Any) -> tuple[Any, ...]:
-        return tuple(run(*args))
+        return tuple(run(*[untyped(x) for x in args]))
 
     return fragment
 

@@ -18,10 +18,13 @@ from multimesh_flax.core.trace._blocks import is_block as is_block
 from multimesh_flax.core.trace._blocks import is_sum as is_sum
 from multimesh_flax.core.trace._blocks import reaches_other_owner as reaches_other_owner
 from multimesh_flax.core.trace._blocks import with_producers as with_producers
+from multimesh_flax.core.trace._colour import abstract_mesh as abstract_mesh
 from multimesh_flax.core.trace._colour import flax_rules as flax_rules
 from multimesh_flax.core.trace._colour import module_names as module_names
 from multimesh_flax.core.trace._colour import registry_state as registry_state
 from multimesh_flax.core.trace._colour import task_for as task_for
+from multimesh_flax.core.trace._constraints import constrain_to_task as constrain_to_task
+from multimesh_flax.core.trace._constraints import leave_explicit_axes as leave_explicit_axes
 from multimesh_flax.core.trace._constraints import (
     with_sharding_constraint as with_sharding_constraint,
 )
@@ -39,6 +42,7 @@ from multimesh_flax.core.trace._session import contains_tracer as contains_trace
 from multimesh_flax.core.trace._session import current_session as current_session
 from multimesh_flax.core.trace._session import current_task as current_task
 from multimesh_flax.core.trace._session import enter_task as enter_task
+from multimesh_flax.core.trace._session import is_shape_only as is_shape_only
 from multimesh_flax.core.trace._session import resolve_task as resolve_task
 from multimesh_flax.core.trace._session import shape_only_trace as shape_only_trace
 from multimesh_flax.core.trace._session import trace_session as trace_session

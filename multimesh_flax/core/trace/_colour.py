@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -103,11 +104,13 @@ class _SessionState:
         self.labels = learnt.labels
         self.modules = learnt.modules
 
-    def match(self, *names: str) -> Match | None:
-        """The winning registration for ``names`` (see ``_registry.find_match``), cached."""
-        if names not in self.matches:
-            self.matches[names] = find_match(*names)
-        return self.matches[names]
+    def match(self, *names: str, module_class: type | None = None) -> Match | None:
+        """The winning registration for ``names`` (see ``_registry.find_match``), cached;
+        ``module_class``: the class of the module they name (``None``: a named scope)."""
+        key = (names, module_class)
+        if key not in self.matches:
+            self.matches[key] = find_match(*names, module_class=module_class)
+        return self.matches[key]
 
     def resolve(self, match: Match, backprop: bool) -> _session.ResolvedTask:
         """The task of ``match`` for the forward or backward pass (resolved once)."""
@@ -211,6 +214,14 @@ def current_task() -> _session.ResolvedTask | None:
 
 
 @contextlib.contextmanager
+def abstract_mesh(mesh: AbstractMesh) -> Iterator[None]:
+    """``mesh`` as the ambient abstract mesh, through the empty mesh (``use_abstract_mesh``
+    refuses to change a mesh's size directly)."""
+    with jax.sharding.use_abstract_mesh(_EMPTY_MESH), jax.sharding.use_abstract_mesh(mesh):
+        yield
+
+
+@contextlib.contextmanager
 def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     """Makes Flax's logical API resolve through ``resolved``'s rules onto its mesh.
 
@@ -224,8 +235,7 @@ def flax_rules(resolved: _session.ResolvedTask) -> Iterator[None]:
     try:
         with (
             nn.logical_axis_rules(resolved.rules),
-            jax.sharding.use_abstract_mesh(_EMPTY_MESH),
-            jax.sharding.use_abstract_mesh(resolved.mesh.abstract_mesh),
+            abstract_mesh(resolved.ambient_mesh),
         ):
             yield
     finally:
@@ -243,7 +253,7 @@ def _intercept(next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
     if session is None or get_flag("ignore_transforms"):
         return next_fun(*args, **kwargs)
     state = registry_state(session)
-    match = state.match(*module_names(context.module))
+    match = state.match(*module_names(context.module), module_class=type(context.module))
     if match is not None:
         resolved = state.resolve(match, False)
         state.modules.add(resolved.uid)
@@ -411,6 +421,8 @@ def warn_inactive(stacks: Sequence[str]) -> None:
     names = {n for n in names if find_match(n) is None}  # not claimed by active ones
     for ctx in inactive:
         for registration in ctx.registrations:
+            if registration.module_class is not None:  # matches modules, not these names
+                continue
             hit = next((n for n in sorted(names) if registration.matched_name(n)), None)
             if hit is not None:
                 warn_placement(
@@ -434,26 +446,53 @@ def warn_unmatched(state: _SessionState, stacks: Sequence[str]) -> None:
     path and name met while tracing. A matcher for ``"default"`` is exempt (it names glue).
     """
     scopes = {name for stack in set(stacks) for name, _ in _components(stack)}
-    modules = {n for names in state.matches for n in names}
+    modules = {n for names, _ in state.matches for n in names}
     seen = sorted(n for n in scopes | modules if not _OURS.match(n))
     for ctx in active_contexts():
         for registration in ctx.registrations:
+            if registration.module_class is not None:
+                if not any(m is not None and m.registration is registration
+                           for m in state.matches.values()):  # fmt: skip
+                    _warn_unmatched_class(registration, state)
+                continue
             if registration.matched_name("default") is not None:
                 continue
             if not any(registration.matched_name(n) is not None for n in seen):
                 _warn_unmatched(registration, seen)
 
 
+def nearest_first(pattern: str, names: Sequence[str], n: int = 20) -> list[str]:
+    """Up to ``n`` of ``names``, the most like ``pattern`` first (its regex syntax
+    stripped, so ``'block_(\\d+)'`` is compared as ``'block_'``); a note of how many more."""
+    literal = re.sub(r"\\[dwsDWS]|[\^$()\[\]{}+*?|.\\]", "", pattern)
+    ranked = sorted(
+        set(names), key=lambda name: (-difflib.SequenceMatcher(None, literal, name).ratio(), name)
+    )
+    return ranked[:n] + ([f"... ({len(ranked)} in all)"] if len(ranked) > n else [])
+
+
 def _warn_unmatched(registration: Registration, seen: list[str]) -> None:
     pattern = registration.pattern.pattern
-    shown = seen if len(seen) <= 20 else [*seen[:20], f"... ({len(seen)} in all)"]
     warn_placement(
         ("unmatched", id(registration)),
         f"register_task matcher {pattern!r} matched no name in the traced program, so "
         "nothing was placed by it (it runs wherever other tasks or glue put it, often on "
-        f"all devices). Closest names: {closest_names(pattern, seen)}; names seen "
-        f"(named scopes and Flax module paths): {shown}. Matchers must match a whole name "
-        "(re.fullmatch): fix the pattern, e.g. 'layer_([0-9]+)' for 'layer_0'.",
+        f"all devices). Closest names: {closest_names(pattern, seen)}; names seen, nearest "
+        "first (named scopes, Flax module paths and full NNX attribute paths such as "
+        f"'blocks/layers/0'): {nearest_first(pattern, seen)}. Matchers must match a whole "
+        "name (re.fullmatch): fix the pattern, e.g. 'layer_([0-9]+)' for 'layer_0'.",
+    )
+
+
+def _warn_unmatched_class(registration: Registration, state: _SessionState) -> None:
+    cls = registration.module_class
+    seen = sorted({c.__name__ for _, c in state.matches if c is not None})
+    warn_placement(
+        ("unmatched", id(registration)),
+        f"register_task(module_class={cls.__name__}) matched no module in the traced program "
+        f"(pattern {registration.pattern.pattern!r} on its path), so nothing was placed by "
+        f"it. Module classes seen: {seen}. Register the class the model really instantiates "
+        "(a subclass matches too), or loosen the pattern.",
     )
 
 

@@ -7,12 +7,13 @@ are replicated with a ``PlacementWarning``.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
 import jax
 from jax._src import source_info_util
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
@@ -91,7 +92,58 @@ def _constrain_leaf(x: Any, spec: PartitionSpec | None, resolved: _session.Resol
             raise
         raise errors.UnevenShardingError(f"{e} {_microbatch_note(index)}") from e
     warn_unmapped_names(logical, resolved)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, mesh_spec))
+    return constrain_to_task(x, mesh_spec, resolved)
+
+
+def constrain_to_task(x: Any, spec: PartitionSpec, resolved: _session.ResolvedTask) -> Any:
+    """``x`` laid out as ``spec`` (mesh axes) on task ``resolved``'s submesh.
+
+    On Auto axes a ``with_sharding_constraint`` onto the submesh; where the task's axes are
+    Explicit (sharding in types) a ``jax.sharding.reshard`` on its ambient mesh, since
+    there a constraint only asserts the type the value already has.
+    """
+    mesh = resolved.ambient_mesh
+    if mesh.are_all_axes_auto:
+        return jax.lax.with_sharding_constraint(x, NamedSharding(resolved.mesh, spec))
+    with _ambient(mesh):
+        return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+def leave_explicit_axes(tree: Any, resolved: _session.ResolvedTask) -> Any:
+    """The results of a task with Explicit axes, typed on its submesh's Auto axes.
+
+    Inside the task values are typed on its Explicit axes (sharding in types); outside it,
+    in glue and in other tasks, every value is typed as the program's inputs are, so that
+    values from several tasks meet (and each task's inputs arrive) with one kind of type.
+    Under ``jax.grad`` the transposed cast types the cotangents back on entry.
+    """
+    mesh = resolved.ambient_mesh
+    if mesh.are_all_axes_auto:
+        return tree
+    auto = mesh.update_axis_types({name: AxisType.Auto for name in mesh.axis_names})
+
+    def leave(x: Any) -> Any:
+        sharding = getattr(_aval(x), "sharding", None)
+        if not isinstance(sharding, NamedSharding) or sharding.mesh != mesh:
+            return x
+        with _ambient(auto):
+            return jax.sharding.reshard(x, NamedSharding(auto, PartitionSpec()))
+
+    return jax.tree_util.tree_map(leave, tree)
+
+
+def _aval(x: Any) -> Any:
+    try:
+        return jax.typeof(x)
+    except TypeError:
+        return None
+
+
+def _ambient(mesh: jax.sharding.AbstractMesh) -> Any:
+    """``mesh`` as the abstract mesh, unless it already is."""
+    if jax.sharding.get_abstract_mesh() == mesh:
+        return contextlib.nullcontext()
+    return _colour.abstract_mesh(mesh)
 
 
 def _mesh_given(axis_resources: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
@@ -65,6 +65,24 @@ class ResolvedTask:
     mesh: Mesh
     rules: tuple[Rule, ...]
     task: Task
+    axis_types: tuple[AxisType, ...] = ()  # inside the task; () for all Auto
+
+    @property
+    def ambient_mesh(self) -> AbstractMesh:
+        """The abstract mesh inside the task (as ``jax.set_mesh(submesh)`` would set it):
+        the submesh's axes with the axis types the user chose."""
+        mesh = self.mesh.abstract_mesh
+        if not self.axis_types or all(t == AxisType.Auto for t in self.axis_types):
+            return mesh
+        return mesh.update_axis_types(dict(zip(mesh.axis_names, self.axis_types, strict=True)))
+
+    @property
+    def typed_mesh(self) -> Mesh:
+        """The concrete submesh with the axis types the user chose (what ``jax.set_mesh``
+        sets around an eager call of a task with Explicit axes)."""
+        if not self.axis_types:
+            return self.mesh
+        return Mesh(self.mesh.devices, self.mesh.axis_names, axis_types=self.axis_types)
 
     @property
     def marker(self) -> str:
@@ -89,7 +107,13 @@ def _mesh_slice(spec: Task) -> Mapping[str, int] | None:
     return dict(loop_slice(index or 0))
 
 
-def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
+class _Resolved(NamedTuple):
+    mesh: Mesh  # concrete, all axes Auto (placement and compilation)
+    identity: tuple[Rule, ...]  # the default rules: each mesh axis to itself
+    axis_types: tuple[AxisType, ...]  # the axis types the user chose, inside the task
+
+
+def _resolve_mesh(spec: Task, name: str) -> _Resolved:
     multi = get_multi_mesh()
     mesh_slice = _mesh_slice(spec)
     if mesh_slice is not None:
@@ -99,16 +123,18 @@ def _resolve_mesh(spec: Task, name: str) -> tuple[Mesh, tuple[Rule, ...]]:
                 "is active. Call it inside `with multi_mesh:` or give it a `mesh`."
             )
         identity = tuple((n, n) for n in multi.axis_names)
-        return multi.slice(**mesh_slice), identity
+        return _Resolved(multi.slice(**mesh_slice), identity, multi.axis_types)
+    types: tuple[AxisType, ...] = ()
     if isinstance(spec.mesh, TaskMesh):
-        mesh = spec.mesh.to_mesh()
+        mesh, types = spec.mesh.to_mesh(), spec.mesh.axis_types
     elif isinstance(spec.mesh, Mesh):
         mesh = make_auto_mesh(spec.mesh.devices, spec.mesh.axis_names)
+        types = tuple(spec.mesh.axis_types)
     elif multi is not None:
-        mesh = multi.mesh
+        mesh, types = multi.mesh, multi.axis_types
     else:
         mesh = make_auto_mesh(np.array(get_device_list(), dtype=object), ("devices",))
-    return mesh, tuple((n, n) for n in mesh.axis_names)
+    return _Resolved(mesh, tuple((n, n) for n in mesh.axis_names), types)
 
 
 def _check_rules(rules: tuple[Rule, ...], mesh: Mesh, name: str) -> None:
@@ -134,11 +160,13 @@ def resolve_task(spec: Task, fallback_name: str = "task") -> ResolvedTask:
         LogicalRulesError: a rule names a mesh axis the task mesh lacks.
     """
     name = re.sub(r"\W", "_", spec.name or fallback_name)
-    mesh, identity = _resolve_mesh(spec, name)
+    mesh, identity, types = _resolve_mesh(spec, name)
     rules = spec.logical_axes if spec.logical_axes is not None else identity
     rules = tuple(rules) + tuple(spec.extra_axes or ())
     _check_rules(rules, mesh, name)
-    return ResolvedTask(uid=next(_UIDS), name=name, mesh=mesh, rules=rules, task=spec)
+    return ResolvedTask(
+        uid=next(_UIDS), name=name, mesh=mesh, rules=rules, task=spec, axis_types=types
+    )
 
 
 # --- trace sessions and the task stack ------------------------------------------------------
@@ -161,7 +189,8 @@ class RegisteredTasks:
         default_factory=dict
     )  # (registration, matched name, backprop) -> its task
     origin: dict[int, Match] = dataclasses.field(default_factory=dict)  # uid -> match
-    matches: dict[tuple[str, ...], Match | None] = dataclasses.field(
+    # (names, module class or None) -> the winning registration
+    matches: dict[tuple[tuple[str, ...], type | None], Match | None] = dataclasses.field(
         default_factory=dict
     )  # scope or module names -> the winning registration
     labels: dict[str, Label | None] = dataclasses.field(default_factory=dict)  # by name stack
@@ -218,6 +247,11 @@ def shape_only_trace() -> Iterator[None]:
         STATE.shape_only -= 1
 
 
+def is_shape_only() -> bool:
+    """Whether the current trace only reads shapes (``shape_only_trace``)."""
+    return bool(STATE.shape_only)
+
+
 def warn_foreign_trace(name: str) -> None:
     """Warns (once per task) that task ``name`` is traced by a transformation not ours.
 
@@ -232,7 +266,11 @@ def warn_foreign_trace(name: str) -> None:
         "(jax.jit, jax.grad, jax.vmap, ... outside `multimesh_flax.jit`), so it is not placed "
         "on its submesh: it runs wherever that transformation runs (usually device 0). "
         "Compile the function with `multimesh_flax.jit`, `multimesh_flax.parallelize` or "
-        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless).",
+        "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless). "
+        "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), an NNX task "
+        "runs op by op on the submesh its variables live on and hands its results back on "
+        "device 0; arrays placed on several submeshes (a `parallelize_step` state) cannot "
+        "meet in one operation there: `jax.device_put` them onto one device first.",
     )
 
 

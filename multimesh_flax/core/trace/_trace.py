@@ -341,6 +341,20 @@ def _live(equations: list[Equation], outs: Sequence[Any]) -> tuple[Equation, ...
     return tuple(reversed(keep))
 
 
+def _without_mesh(leaf: Any) -> Any:
+    """``leaf`` as the program sees it: an array typed on a mesh (``jax.set_mesh``, Explicit
+    axes) becomes a ``ShapeDtypeStruct`` with no sharding, so that inside each task its
+    value is typed on the task's submesh, not on the mesh it happened to arrive on."""
+    try:
+        aval = jax.typeof(leaf)
+    except TypeError:
+        return leaf
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or sharding.mesh.empty:
+        return leaf
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
 def capture_program(
     fun: Callable[..., Any], args: Sequence[Any], devices: Any = None
 ) -> CapturedProgram:
@@ -357,7 +371,9 @@ def capture_program(
     ):
         # A fresh wrapper: jax caches traces per function object, and our contexts (task
         # stack, flags) are not part of its cache key.
-        closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(*args)
+        closed, out_shape = jax.make_jaxpr(lambda *a: fun(*a), return_shape=True)(
+            *[_without_mesh(a) for a in args]
+        )
         default = _colour.default_task()
     inliner = _Inliner()
     outer, consts = _open(closed)
