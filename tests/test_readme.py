@@ -126,12 +126,32 @@ def _nnx_step(r: Ran) -> None:
 
 
 # A snippet that identifies the block -> the check of what that block promises.
+def _planning(r: Ran) -> None:
+    # three distinct units; 1F1B keeps 2 and 1 microbatches in flight; wide plans derived
+    ns = r.namespace
+    assert r.stdout.splitlines()[0] == "['GPTEmbed', 'GPTBlock', 'GPTHead'] 19"
+    prediction = ns["prediction"]
+    assert prediction.peak_in_flight == (2, 1)
+    stages = prediction.stages
+    phases = {"F": "forward", "B": "backward_input", "W": "backward_weight"}
+
+    def cost(stage, phase):
+        if phase == "transfer":
+            return stages[stage].transfer
+        return getattr(stages[stage], phases[phase]).seconds
+
+    reference = mm.simulate(mm.make_schedule("1f1b", 2, 4), costs=cost)
+    assert prediction.bubble == pytest.approx(reference.bubble_fraction)
+    assert str(ns["wide"].sources["unit times"]) == "derived"
+
+
 PROMISES = {
     "mm.task(lambda x: x * 2": _first_program,
     "l2 = mm.task(layer2": _logical_sharding,
     "class Pipeline(nn.Module)": _flax_step,
     "multi.register_task(": _name_based,
     "def train_step(model, optimizer, x, y)": _nnx_step,
+    "mm.profile_units(": _planning,
 }
 
 

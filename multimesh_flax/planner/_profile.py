@@ -121,8 +121,9 @@ class UnitProfile:
         rows: Rows (examples) of the microbatch profiled.
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
-        compiles: Programs compiled (4 per distinct unit and policy, fewer without an
-            optimizer or floating-point inputs).
+        compiles: Programs compiled: per distinct unit 3 per policy (F, B, W) and one
+            update; no B for a unit without floating-point inputs (the stem), no W or
+            update without parameters, no update without an optimizer.
     """
 
     units: UnitSet
@@ -247,6 +248,7 @@ class _Profiler:
         self.mode, self.device, self.repeats = mode, device, repeats
         self.compiles = 0
         self.shape = dict(mesh.shape)
+        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -372,7 +374,9 @@ class _Profiler:
         w_cost = PhaseCost(source=forward_cost.source)
         if param_leaves:
             w_cost = self._phase(self._compile(backward(0), res_in, ct_in)[1], res_ct)
-        opt_state, update = self._update(params, param_leaves)
+        if index not in self.updates:  # the same for every recomputation policy
+            self.updates[index] = self._update(params, param_leaves)
+        opt_state, update = self.updates[index]
         return UnitCost(
             unit=index,
             recompute=policy,
