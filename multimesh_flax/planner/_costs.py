@@ -17,6 +17,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -150,7 +151,7 @@ class StateLeaf:
     logical: tuple | None
 
 
-def shard_count(spec: Sequence, mesh_shape: dict[str, int]) -> list[int]:
+def shard_count(spec: Any, mesh_shape: dict[str, int]) -> list[int]:
     """How many pieces each dimension is cut into by a mesh ``PartitionSpec``."""
     counts = []
     for entry in spec:
@@ -159,7 +160,7 @@ def shard_count(spec: Sequence, mesh_shape: dict[str, int]) -> list[int]:
     return counts
 
 
-def bytes_per_device(shape: Sequence[int], dtype: np.dtype, spec: Sequence, mesh: dict) -> int:
+def bytes_per_device(shape: Sequence[int], dtype: Any, spec: Any, mesh: dict) -> int:
     """Bytes of one device's shard of an array of ``shape`` laid out as ``spec``."""
     counts = shard_count(spec, mesh) + [1] * (len(shape) - len(spec))
     size = math.prod(-(-int(n) // c) for n, c in zip(shape, counts, strict=True))

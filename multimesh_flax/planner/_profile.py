@@ -273,7 +273,7 @@ class _Profiler:
         flops = float(analysis.get("flops", 0.0))
         accessed = float(analysis.get("bytes accessed", 0.0))
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
-        if self.mode == "measured":
+        if inputs is not None:  # measured mode
             seconds, source = self._time(compiled, inputs), Source.MEASURED
         else:
             seconds, source = self.device.seconds(flops, accessed), Source.ANALYTIC
@@ -365,7 +365,7 @@ class _Profiler:
             inputs = (p_, d_, f_)
         forward_cost = self._phase(fwd, inputs)
         res_ct = None
-        if self.mode == "measured":
+        if inputs is not None:
             out_v, res_v = fwd(*inputs)
             res_ct = (res_v, jax.tree_util.tree_map(jnp.ones_like, out_v))
         b_cost = PhaseCost(source=forward_cost.source)
@@ -459,7 +459,7 @@ def _with(aval: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 def _sharded_bytes(aval: Any, sharding: Any) -> int:
     shape = sharding.shard_shape(aval.shape)
-    itemsize = 8 if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.prng_key) else aval.dtype.itemsize
+    itemsize = 8 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else aval.dtype.itemsize
     return int(math.prod(shape)) * int(itemsize)
 
 
@@ -504,7 +504,11 @@ def profile_units(
     analysed, measured and derived.
 
     Args:
-        model: A Flax Linen module (unbound), e.g. ``models.GPT(config)``.
+        model: A Flax Linen module (unbound), e.g. ``models.GPT(config)``, unstaged (no
+            ``stages``/``layers_per_stage``, no ``Task[Module]``s): each unit is compiled
+            with plain ``jax.jit`` under ``flax.linen.logical_axis_rules(rules)`` on the
+            profiled mesh, outside every task (``mm.with_sharding_constraint`` inside a unit
+            is then the identity; Flax's logical constraints apply).
         *inputs: Example inputs of one microbatch (arrays or ``ShapeDtypeStruct``s); their
             leading dimension is the microbatch's rows.
         mesh_shape: ``{axis: size}`` of the submesh to profile on, at most the local
@@ -556,7 +560,7 @@ def profile_units(
         )
     spec = _device_spec(device)
     policies = _policies(recompute)
-    rules = tuple(tuple(r) for r in rules)
+    rules = tuple((str(name), axes) for name, axes in rules)
     shape = _mesh_shape(mesh_shape, rules)
     rows = _rows(inputs)
     mesh = _make_mesh(shape)
