@@ -144,11 +144,16 @@ class TransferCost:
 
 @dataclasses.dataclass(frozen=True)
 class StateLeaf:
-    """One array of a unit's training state: shape, dtype, logical names (``None``: none)."""
+    """One array of a unit's training state: shape, dtype, logical names (``None``: none).
+
+    ``shared`` marks optimizer state that mirrors no parameter (Adam's step counter): one
+    optimizer over the whole model holds it once, not once per unit.
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     logical: tuple | None
+    shared: bool = False
 
 
 def shard_count(spec: Any, mesh_shape: dict[str, int]) -> list[int]:

@@ -14,12 +14,14 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    step time is the latest row's end. The bubble is the simulator's.
 3. **Peak bytes per device**, per row (submesh): the training state of its stages
    (parameters, gradients as large as the parameters, optimizer state; exact, from the
-   shapes and the logical rules on the stage's submesh shape), plus the activation bytes of
-   the microbatches in flight at the worst moment of the row's op order (an ``F`` adds its
-   stage's activation bytes, the last backward op of that stage and microbatch -- ``W``
-   when split, else ``B`` -- frees them; with one stage per row this is the stage's bytes
-   times the simulator's ``peak_in_flight``, counted here too so interleaved rows weigh each
-   stage's sets by their own bytes), plus the largest temporary of the row's programs.
+   shapes and the logical rules on the stage's submesh shape; optimizer state that mirrors
+   no parameter, such as Adam's step counter, once per model on the first stage), plus the
+   activation bytes of the microbatches in flight at the worst moment of the row's op
+   order (an ``F`` adds its stage's activation bytes, the last backward op of that stage
+   and microbatch -- ``W`` when split, else ``B`` -- frees them; with one stage per row
+   this is the stage's bytes times the simulator's ``peak_in_flight``, counted here too so
+   interleaved rows weigh each stage's sets by their own bytes), plus the largest
+   temporary of the row's programs.
 
 **Scaling rule** (what makes a number *derived*). Costs are profiled for ``rows`` examples
 per microbatch on one submesh shape. For a stage with ``r`` rows per microbatch on ``n``
@@ -225,6 +227,7 @@ def _stage_cost(
     mesh: dict,
     rows: int,
     transfer: TransferCost,
+    first: bool,
 ) -> StageCost:
     time, memory = _scales(profile, mesh, rows)
     shape = dict(profile.mesh_shape)
@@ -239,7 +242,10 @@ def _stage_cost(
         total["w"] += c.backward_weight.scaled(time, memory)
         total["u"] += c.update.scaled(update_scale, update_scale)
         params += params_here
-        opt += state_bytes(c.opt_state, mesh, profile.rules)
+        opt += state_bytes([x for x in c.opt_state if not x.shared], mesh, profile.rules)
+    if first:  # the optimizer's own counters: once per model, with the first stage
+        shared = [x for c in costs[:1] for x in c.opt_state if x.shared]
+        opt += state_bytes(shared, mesh, profile.rules)
     out_bytes = costs[-1].output_bytes * memory if costs else 0
     return StageCost(
         forward=total["f"],
@@ -356,8 +362,10 @@ def predict(
         )
     link = transfer if transfer is not None else TransferCost.from_spec(profile.device)
     costs = tuple(
-        _stage_cost([profile.cost(u, policy) for u in units], profile, mesh, batch // m, link)
-        for units, mesh, policy in zip(stages, meshes, policies, strict=True)
+        _stage_cost(
+            [profile.cost(u, policy) for u in units], profile, mesh, batch // m, link, s == 0
+        )
+        for s, (units, mesh, policy) in enumerate(zip(stages, meshes, policies, strict=True))
     )
     schedule = _schedule(plan)
     return _predict(plan, profile, schedule, costs, link)

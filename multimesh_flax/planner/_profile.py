@@ -87,7 +87,8 @@ class UnitCost:
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
         opt_state: The optimizer state's arrays, logical names mirrored from the parameter
-            each one mirrors (others replicated).
+            each one mirrors; the others (``shared``: step counters) replicated and counted
+            once per model by `predict`.
     """
 
     unit: int
@@ -225,13 +226,14 @@ def _mirror(opt_state: Any, params: Any, param_leaves: list[StateLeaf]) -> list[
         by_path[_keys(path)] = leaf
     out = []
     for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
-        keys, logical = _keys(path), None
+        keys, hit = _keys(path), None
         for start in range(len(keys)):
             hit = by_path.get(keys[start:])
             if hit is not None and hit.shape == tuple(x.shape):
-                logical = hit.logical
                 break
-        out.append(StateLeaf(tuple(x.shape), np.dtype(x.dtype), logical))
+            hit = None
+        logical = hit.logical if hit is not None else None
+        out.append(StateLeaf(tuple(x.shape), np.dtype(x.dtype), logical, shared=hit is None))
     return out
 
 

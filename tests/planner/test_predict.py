@@ -2,7 +2,9 @@
 schedules' known counts, parameter bytes against the placed model, scaling, bad plans."""
 
 import jax
+import optax
 import pytest
+from flax import linen as nn
 
 import multimesh_flax as mm
 from models import GPT, get_config
@@ -134,3 +136,16 @@ def test_another_shape_or_microbatch_is_derived_by_the_rule(gpt_profile):
 def test_bad_plans_raise(gpt_profile, plan, error, fragment):
     with pytest.raises(error, match=fragment):
         mm.predict(plan, gpt_profile)
+
+
+def test_optimizer_state_bytes_equal_adams_state_of_the_whole_model(gpt_profile):
+    model = GPT(get_config("gpt-tiny", num_layers=4))
+    params = jax.eval_shape(model.init, jax.random.key(0), tokens())["params"]
+    state = jax.eval_shape(optax.adamw(1e-3).init, nn.unbox(params))
+    expected = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state))
+    one_device = mm.predict(Plan((2, 2), stage_mesh={"data": 1, "model": 1}), gpt_profile)
+    assert sum(s.opt_state_bytes for s in one_device.stages) == expected
+    # on (data 2, model 2): the two moments shard like the parameters; one step counter
+    stages = mm.predict(Plan((2, 2)), gpt_profile).stages
+    assert stages[0].opt_state_bytes == 2 * stages[0].param_bytes + 4
+    assert stages[1].opt_state_bytes == 2 * stages[1].param_bytes
