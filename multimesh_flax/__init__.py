@@ -9,6 +9,7 @@ from multimesh_flax import checkpoint as checkpoint
 from multimesh_flax import core as core
 from multimesh_flax import errors as errors
 from multimesh_flax import layers as layers
+from multimesh_flax import planner as planner
 from multimesh_flax._compilation_cache import enable_compilation_cache
 from multimesh_flax._front import jit, microbatch, task
 from multimesh_flax.core import (
@@ -41,11 +42,23 @@ from multimesh_flax.core import (
     with_sharding_constraint,
 )
 from multimesh_flax.layers import parallelize_step, shard_axes, tabulate
+from multimesh_flax.planner import (
+    DeviceSpec,
+    Plan,
+    Prediction,
+    UnitProfile,
+    measure_transfer,
+    predict,
+    profile_units,
+)
 
 __all__ = [
     "Context",
+    "DeviceSpec",
     "MultiMesh",
     "PipelineOptions",
+    "Plan",
+    "Prediction",
     "Schedule",
     "ScheduleOp",
     "SimulationResult",
@@ -53,6 +66,7 @@ __all__ = [
     "TaskMesh",
     "Timeline",
     "TimelineEvent",
+    "UnitProfile",
     "autoshard",
     "checkpoint",
     "context",
@@ -66,11 +80,15 @@ __all__ = [
     "layers",
     "logical_to_mesh_spec",
     "make_schedule",
+    "measure_transfer",
     "measured_costs",
     "microbatch",
     "parallelize",
     "parallelize_step",
+    "planner",
     "plot_timeline",
+    "predict",
+    "profile_units",
     "record_timeline",
     "recorded_bubble",
     "register_task",

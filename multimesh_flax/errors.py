@@ -591,3 +591,34 @@ class InputMismatchError(MultiMeshError, ValueError):
     its own part of the batch as a global array (``jax.make_array_from_process_local_data``,
     ``parallelize_step(local_batch=...)``'s ``prepare_batch``). Checked on a program's first
     call; the message names the input and both processes."""
+
+
+# --- planning -------------------------------------------------------------------------------
+
+
+class UnitPatternError(MultiMeshError, ValueError):
+    """The units of a model could not be found from the given patterns.
+
+    Raised by ``find_units``/``profile_units`` for a model without default units and no
+    ``patterns``, a pattern that is not a regular expression, an unknown role, a pattern
+    that matches no submodule the model calls, or stems/heads not first/last in call order.
+    Use the module paths ``tabulate`` shows (``blocks_\\d+``, ``encoder/layer_\\d+``).
+    """
+
+
+class ProfileArgumentError(MultiMeshError, ValueError):
+    """``profile_units`` or ``measure_transfer`` got an argument it cannot use.
+
+    An unknown ``mode`` or ``device``, a ``mesh_shape`` that is malformed or larger than the
+    local devices (profile on a smaller submesh: ``predict`` scales to the plan's), or
+    inputs without a leading batch dimension.
+    """
+
+
+class PlanMismatchError(MultiMeshError, ValueError):
+    """A ``Plan`` does not fit the profile it is predicted from.
+
+    Blocks per stage that do not add up to the profiled model's layers, a stage submesh
+    without the profile's axes, a recomputation policy the profile did not cost, or a
+    schedule the plan's sizes cannot build. Change the plan, or profile what it needs.
+    """

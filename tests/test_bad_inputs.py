@@ -1147,7 +1147,41 @@ CATALOGUE: list[Mistake] = [
       lambda env: mm.jit(lambda m, x: (m, m(x)))(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), env.x),
       E.GraphArgumentError, ("returned an NNX graph object (Linear)", "return arrays"),
       "return arrays; graph objects passed in are updated in place"),
+    # --- issue 39: planning ---
+    M("plan-pattern-none", "planning", "`profile_units` with a pattern that matches no "
+      "submodule", lambda env: mm.profile_units(nn.Dense(4), env.x, patterns=["block"]),
+      E.UnitPatternError, ("'block'", "matched none", "module paths"),
+      "use the module paths `tabulate` shows"),
+    M("plan-mesh-too-large", "planning", "`profile_units` on a 16-device `mesh_shape` with 8 "
+      "devices", lambda env: mm.profile_units(nn.Dense(4), env.x, patterns=["Dense_0"],
+                                              mesh_shape={"data": 16}),
+      E.ProfileArgumentError, ("{'data': 16}", "Profile on a smaller submesh"),
+      "profile on a smaller submesh; `predict` scales to the plan's"),
+    M("plan-uneven-microbatches", "planning", "a `Plan` whose `microbatches` (4) do not "
+      "divide its `batch_size` (6)",
+      lambda env: mm.predict(mm.Plan((1, 1), microbatches=4, batch_size=6), _stack_profile(env)),
+      E.UnevenMicrobatchError, ("batch of 6", "got 4", "Pick a divisor of 6"),
+      "pick a divisor of the batch, or change `batch_size`"),
+    M("plan-split-mismatch", "planning", "a `Plan` splitting 3 blocks of a 2-block profile",
+      lambda env: mm.predict(mm.Plan((1, 2)), _stack_profile(env)),
+      E.PlanMismatchError, ("2 blocks", "(1, 2)", "Change the counts"),
+      "change the counts, or profile the model the plan is for"),
 ]
+
+
+class _Stack(nn.Module):
+    """Two Dense layers named ``layer_0`` and ``layer_1``: two identical planner units."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(4, name="layer_1")(nn.Dense(4, name="layer_0")(x))
+
+
+def _stack_profile(env):
+    """An analytic profile of `_Stack` (made once)."""
+    if not hasattr(env, "stack_profile"):
+        env.stack_profile = mm.profile_units(_Stack(), jnp.ones((8, 4)), patterns=[r"layer_\d"])
+    return env.stack_profile
 # fmt: on
 
 

@@ -139,7 +139,6 @@ def _explicit_sharding(r: Ran) -> None:
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
-# A snippet that identifies the block -> the check of what that block promises.
 def _pipeline_options(r: Ran) -> None:
     # chain_grads: as jax.grad of chain_loss on the whole batch, ordered for the given costs
     ns = r.namespace
@@ -152,6 +151,26 @@ def _pipeline_options(r: Ran) -> None:
     assert built == mm.make_schedule("zero-bubble-auto", 2, 4, costs=costs, max_in_flight=4)
 
 
+def _planning(r: Ran) -> None:
+    # three distinct units; 1F1B keeps 2 and 1 microbatches in flight; wide plans derived
+    ns = r.namespace
+    assert r.stdout.splitlines()[0] == "['GPTEmbed', 'GPTBlock', 'GPTHead'] 19"
+    prediction = ns["prediction"]
+    assert prediction.peak_in_flight == (2, 1)
+    stages = prediction.stages
+    phases = {"F": "forward", "B": "backward_input", "W": "backward_weight"}
+
+    def cost(stage, phase):
+        if phase == "transfer":
+            return stages[stage].transfer
+        return getattr(stages[stage], phases[phase]).seconds
+
+    reference = mm.simulate(mm.make_schedule("1f1b", 2, 4), costs=cost)
+    assert prediction.bubble == pytest.approx(reference.bubble_fraction)
+    assert str(ns["wide"].sources["unit times"]) == "derived"
+
+
+# A snippet that identifies the block -> the check of what that block promises.
 PROMISES = {
     "mm.task(lambda x: x * 2": _first_program,
     "l2 = mm.task(layer2": _logical_sharding,
@@ -160,6 +179,7 @@ PROMISES = {
     "options = mm.PipelineOptions(": _pipeline_options,
     "def train_step(model, optimizer, x, y)": _nnx_step,
     "class TypedBlock(nnx.Module)": _explicit_sharding,
+    "mm.profile_units(": _planning,
 }
 
 

@@ -15,8 +15,9 @@ packages together form a DAG, package ``__init__.py`` files included.
 
 Each stage package's ``__init__.py`` re-exports the stage's entry points, and that is the
 only way in: a module of one stage imports names from another stage's package, never one of
-its private (``_``) modules, and so do ``multimesh_flax/layers`` and
-``multimesh_flax/distributed``. A stage's own modules import each other directly.
+its private (``_``) modules, and so do ``multimesh_flax/layers``,
+``multimesh_flax/distributed`` and ``multimesh_flax/planner``. A stage's own modules import
+each other directly.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "multimesh_flax"
 CORE = PACKAGE / "core"
 LAYERS = PACKAGE / "layers"
+PLANNER = PACKAGE / "planner"
 DISTRIBUTED = PACKAGE / "distributed"
 STAGES = ("declare", "trace", "plan", "fragment", "run", "front")
 
@@ -193,7 +195,7 @@ def test_no_module_imports_another_stages_private_module(name: str) -> None:
 def _outside_modules() -> dict[str, Path]:
     return {
         f"{folder.name}.{path.stem}": path
-        for folder in (LAYERS, DISTRIBUTED)
+        for folder in (LAYERS, DISTRIBUTED, PLANNER)
         for path in sorted(folder.glob("*.py"))
     }
 

@@ -1,0 +1,424 @@
+"""Predictions: a plan's step time, bubble and peak bytes per device, from unit costs.
+
+A `Plan` says how a pipeline runs: blocks (the profile's ``"layer"`` units) per stage, the
+submesh shape of every stage, the schedule, the microbatch count, the global batch and the
+recomputation policy of every stage. `predict` turns it and a `UnitProfile` into a
+`Prediction`:
+
+1. **Stage costs.** A stage runs the stems (stage 0), its blocks and the heads (last stage).
+   Its F, B, W and update times are the sums of its units' (`UnitCost`), under the stage's
+   recomputation policy, scaled from the profiled shape to the stage's (the rule below).
+   The transfer after a stage moves its last unit's output: ``TransferCost.seconds(bytes)``.
+2. **Step time and bubble.** ``mm.simulate`` replays ``mm.make_schedule(...)`` with those
+   costs. Each row then runs the optimizer updates of its stages after its last op: the
+   step time is the latest row's end. The bubble is the simulator's.
+3. **Peak bytes per device**, per row (submesh): the training state of its stages
+   (parameters, gradients as large as the parameters, optimizer state; exact, from the
+   shapes and the logical rules on the stage's submesh shape; optimizer state that mirrors
+   no parameter, such as Adam's step counter, once per model on the first stage), plus the
+   activation bytes of the microbatches in flight at the worst moment of the row's op
+   order (an ``F`` adds its stage's activation bytes, the last backward op of that stage
+   and microbatch -- ``W`` when split, else ``B`` -- frees them; with one stage per row
+   this is the stage's bytes times the simulator's ``peak_in_flight``, counted here too so
+   interleaved rows weigh each stage's sets by their own bytes), plus the largest
+   temporary of the row's programs.
+
+**Scaling rule** (what makes a number *derived*). Costs are profiled for ``rows`` examples
+per microbatch on one submesh shape. For a stage with ``r`` rows per microbatch on ``n``
+devices, ``d`` of them along the batch axes, from a profile of ``r0`` rows on ``n0``
+devices, ``d0`` along the batch axes: times and FLOPs scale by ``(r / r0) * (n0 / n)``
+(work divides ideally over the devices; the collectives of a larger submesh are not added);
+activation, output and temporary bytes by ``(r / r0) * (d0 / d)`` (tensor parallelism is
+assumed not to shrink them: an upper bound); optimizer updates by the ratio of parameter
+bytes per device. Training-state bytes are never scaled: they are recomputed exactly.
+Profile on the plan's own shape and microbatch size to get unscaled numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from multimesh_flax import errors
+from multimesh_flax.core.declare import Schedule, make_schedule
+from multimesh_flax.core.plan import SimulationResult, simulate
+from multimesh_flax.planner._costs import PhaseCost, Source, TransferCost
+from multimesh_flax.planner._profile import UnitCost, UnitProfile, state_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a pipeline runs: the choices `predict` prices.
+
+    Attributes:
+        layers_per_stage: Blocks (``"layer"`` units) per stage, in order; the stems go to the
+            first stage, the heads to the last. Its length is the stage count.
+        microbatches: Microbatches per step ``m``.
+        batch_size: Examples per step; ``None``: ``m`` times the profiled microbatch rows.
+        schedule: A schedule name of ``mm.make_schedule`` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved-1f1b"``, ``"zero-bubble-h2"``, ...).
+        interleave: Stages per submesh for interleaved schedules (stage ``s`` on row
+            ``s % R``).
+        stage_mesh: The submesh shape ``{axis: size}`` of every stage, or one per stage;
+            ``None``: the profiled shape.
+        recompute: The recomputation policy of every stage, or one per stage.
+
+    Example:
+        >>> from multimesh_flax.planner import Plan
+        >>> plan = Plan((2, 2), microbatches=4, stage_mesh={"data": 2, "model": 2})
+        >>> plan.num_stages, plan.stage_meshes()
+        (2, ({'data': 2, 'model': 2}, {'data': 2, 'model': 2}))
+    """
+
+    layers_per_stage: tuple[int, ...]
+    microbatches: int = 1
+    batch_size: int | None = None
+    schedule: str = "1f1b"
+    interleave: int | None = None
+    stage_mesh: Mapping[str, int] | Sequence[Mapping[str, int]] | None = None
+    recompute: str | None | Sequence[str | None] = None
+
+    @property
+    def num_stages(self) -> int:
+        """The number of pipeline stages."""
+        return len(self.layers_per_stage)
+
+    def stage_meshes(self, default: Mapping[str, int] | None = None) -> tuple[dict, ...]:
+        """The submesh shape of every stage (``default`` where the plan gives none)."""
+        mesh = self.stage_mesh if self.stage_mesh is not None else default
+        if mesh is None or isinstance(mesh, Mapping):
+            return (dict(mesh or {}),) * self.num_stages
+        return tuple(dict(m) for m in mesh)
+
+    def policies(self) -> tuple[str | None, ...]:
+        """The recomputation policy of every stage."""
+        if self.recompute is None or isinstance(self.recompute, str):
+            return (self.recompute,) * self.num_stages
+        return tuple(self.recompute)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCost:
+    """One stage's per-microbatch costs on its submesh, after scaling.
+
+    Attributes:
+        forward, backward_input, backward_weight, update: Summed over the stage's units.
+        transfer: Seconds to send the stage's output to the next stage (and its gradient
+            back).
+        param_bytes: Parameters per device (gradients take as many).
+        opt_state_bytes: Optimizer state per device.
+        activation_bytes: What one microbatch keeps for the backward, per device.
+        temp_bytes: The largest temporary of the stage's programs.
+    """
+
+    forward: PhaseCost
+    backward_input: PhaseCost
+    backward_weight: PhaseCost
+    update: PhaseCost
+    transfer: float
+    param_bytes: int
+    opt_state_bytes: int
+    activation_bytes: int
+    temp_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, their gradients and the optimizer state, per device."""
+        return 2 * self.param_bytes + self.opt_state_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What `predict` expects a plan to do (seconds and bytes per device).
+
+    Attributes:
+        plan: The plan.
+        step_time: Seconds per training step: the simulated pipeline, then each row's
+            optimizer updates.
+        bubble: The simulator's idle fraction of the rows' time.
+        peak_bytes: Per row (submesh), peak bytes per device: state + activations in flight
+            + the largest temporary.
+        state_bytes, activation_bytes, temp_bytes: Per row, the three parts of
+            ``peak_bytes`` (activation bytes at their peak).
+        peak_in_flight: Per row, the most activation sets alive at once.
+        stages: Per stage, its `StageCost`.
+        simulation: The simulator's `SimulationResult`.
+        sources: Where each number came from (`Source`), by name: the inputs (``"unit
+            times"``, ``"flops"``, ``"transfer"``, ``"state_bytes"``, ``"activation_bytes"``,
+            ``"temp_bytes"``) and the outputs (``"step_time"``, ``"bubble"``,
+            ``"peak_bytes"``, always derived).
+    """
+
+    plan: Plan
+    step_time: float
+    bubble: float
+    peak_bytes: tuple[int, ...]
+    state_bytes: tuple[int, ...]
+    activation_bytes: tuple[int, ...]
+    temp_bytes: tuple[int, ...]
+    peak_in_flight: tuple[int, ...]
+    stages: tuple[StageCost, ...]
+    simulation: SimulationResult
+    sources: Mapping[str, Source]
+
+    @property
+    def max_peak_bytes(self) -> int:
+        """The largest ``peak_bytes`` of any device."""
+        return max(self.peak_bytes)
+
+    def __str__(self) -> str:
+        lines = [
+            f"step {self.step_time * 1e3:.3f} ms ({self.sources['unit times']} unit times), "
+            f"bubble {self.bubble:.3f}, peak {self.max_peak_bytes / 2**20:.2f} MiB per device"
+        ]
+        for row, peak in enumerate(self.peak_bytes):
+            lines.append(
+                f"row {row}: state {self.state_bytes[row]:,} B + activations "
+                f"{self.activation_bytes[row]:,} B ({self.peak_in_flight[row]} in flight) + "
+                f"temporary {self.temp_bytes[row]:,} B = {peak:,} B"
+            )
+        return "\n".join(lines)
+
+
+def _stage_instances(plan: Plan, profile: UnitProfile) -> list[list[int]]:
+    """The distinct-unit index of every instance on each stage."""
+    instances = profile.units.instances
+    layers = [i.unit for i in instances if i.role == "layer"]
+    split = tuple(plan.layers_per_stage)
+    if (
+        not split
+        or any(not isinstance(n, int) or n < 0 for n in split)
+        or sum(split) != len(layers)
+    ):
+        raise errors.PlanMismatchError(
+            f"Expected `layers_per_stage` to split the profiled model's {len(layers)} "
+            f"blocks (non-negative counts adding up to {len(layers)}), got {split!r}. "
+            f"Change the counts, or profile the model the plan is for."
+        )
+    stages: list[list[int]] = [[] for _ in split]
+    stages[0] += [i.unit for i in instances if i.role == "stem"]
+    start = 0
+    for s, n in enumerate(split):
+        stages[s] += layers[start : start + n]
+        start += n
+    stages[-1] += [i.unit for i in instances if i.role == "head"]
+    return stages
+
+
+def _scales(profile: UnitProfile, mesh: dict, rows: int) -> tuple[float, float]:
+    """(time scale, activation-memory scale) from the profiled shape to ``mesh``."""
+    shape = dict(profile.mesh_shape)
+    if set(mesh) != set(shape):
+        raise errors.PlanMismatchError(
+            f"Expected every stage submesh to have the profiled axes {sorted(shape)}, got "
+            f"{mesh}. Give sizes for exactly those axes (1 for an unused one)."
+        )
+    n0, n = math.prod(shape.values()), math.prod(mesh.values())
+    d0 = math.prod(shape[a] for a in profile.data_axes)
+    d = math.prod(mesh[a] for a in profile.data_axes)
+    r = rows / profile.rows
+    return r * n0 / n, r * d0 / d
+
+
+def _stage_cost(
+    costs: Sequence[UnitCost],
+    profile: UnitProfile,
+    mesh: dict,
+    rows: int,
+    transfer: TransferCost,
+    first: bool,
+) -> StageCost:
+    time, memory = _scales(profile, mesh, rows)
+    shape = dict(profile.mesh_shape)
+    total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u")}
+    params, opt = 0, 0
+    for c in costs:
+        params_here = state_bytes(c.params, mesh, profile.rules)
+        params_there = state_bytes(c.params, shape, profile.rules)
+        update_scale = params_here / params_there if params_there else 1.0
+        total["f"] += c.forward.scaled(time, memory)
+        total["b"] += c.backward_input.scaled(time, memory)
+        total["w"] += c.backward_weight.scaled(time, memory)
+        total["u"] += c.update.scaled(update_scale, update_scale)
+        params += params_here
+        opt += state_bytes([x for x in c.opt_state if not x.shared], mesh, profile.rules)
+    if first:  # the optimizer's own counters: once per model, with the first stage
+        shared = [x for c in costs[:1] for x in c.opt_state if x.shared]
+        opt += state_bytes(shared, mesh, profile.rules)
+    out_bytes = costs[-1].output_bytes * memory if costs else 0
+    return StageCost(
+        forward=total["f"],
+        backward_input=total["b"],
+        backward_weight=total["w"],
+        update=total["u"],
+        transfer=transfer.seconds(out_bytes),
+        param_bytes=params,
+        opt_state_bytes=opt,
+        activation_bytes=int(round(sum(c.activation_bytes for c in costs) * memory)),
+        temp_bytes=int(round(max((c.temp_bytes for c in costs), default=0) * memory)),
+    )
+
+
+def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> tuple[int, ...]:
+    """Per row, the most activation bytes alive at once along the row's op order.
+
+    An ``F`` op adds its stage's bytes; the last backward op of the same stage and
+    microbatch (``W`` when the backward is split, else ``B``) frees them. With
+    ``stage_bytes`` all 1 this is the simulator's ``peak_in_flight``.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> from multimesh_flax.planner import peak_activation_bytes
+        >>> schedule = mm.make_schedule("1f1b", num_stages=3, num_microbatches=8)
+        >>> peak_activation_bytes(schedule, [1, 1, 1])  # min(p - stage, m)
+        (3, 2, 1)
+        >>> peak_activation_bytes(schedule, [10, 20, 30])
+        (30, 40, 30)
+    """
+    last = schedule.phases[-1]
+    peaks = []
+    for ops in schedule.rows:
+        live = peak = 0
+        for op in ops:
+            if op.phase == "F":
+                live += stage_bytes[op.stage]
+                peak = max(peak, live)
+            elif op.phase == last:
+                live -= stage_bytes[op.stage]
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def _sources(profile: UnitProfile, stages: Sequence[StageCost], transfer: TransferCost) -> dict:
+    phases = [p for s in stages for p in (s.forward, s.backward_input, s.backward_weight)]
+    derived = any(p.source == Source.DERIVED for p in phases)
+    times = Source.DERIVED if derived else profile.mode
+    memory = Source.DERIVED if derived else Source.ANALYTIC
+    return {
+        "unit times": times,
+        "flops": Source.DERIVED if derived else Source.ANALYTIC,
+        "transfer": transfer.source,
+        "state_bytes": Source.DERIVED,
+        "activation_bytes": memory,
+        "temp_bytes": memory,
+        "step_time": Source.DERIVED,
+        "bubble": Source.DERIVED,
+        "peak_bytes": Source.DERIVED,
+    }
+
+
+def predict(
+    plan: Plan, profile: UnitProfile, *, transfer: TransferCost | None = None
+) -> Prediction:
+    """Predicts ``plan``'s step time, bubble and peak bytes per device from ``profile``.
+
+    See the module docstring for the model and the scaling rule.
+
+    Args:
+        plan: The `Plan`.
+        profile: Unit costs from `profile_units`.
+        transfer: The cost of moving bytes between stages (e.g. `measure_transfer`);
+            ``None``: the link of the profile's `DeviceSpec` (analytic).
+
+    Returns:
+        A `Prediction`.
+
+    Raises:
+        PlanMismatchError: the plan's split does not fit the profiled model, a stage submesh
+            lacks the profiled axes, a policy was not profiled, or the schedule cannot be
+            built for the plan's sizes.
+        UnevenMicrobatchError: ``microbatches`` does not divide ``batch_size``.
+
+    Example:
+        >>> import multimesh_flax as mm
+        >>> from flax import linen as nn
+        >>> class MLP(nn.Module):
+        ...     @nn.compact
+        ...     def __call__(self, x):
+        ...         for i in range(4):
+        ...             x = nn.Dense(32, name=f"layer_{i}")(x)
+        ...         return x
+        >>> profile = mm.profile_units(MLP(), jnp.ones((8, 32)), patterns=[r"layer_\\d+"])
+        >>> prediction = mm.predict(mm.Plan((2, 2), microbatches=4), profile)
+        >>> prediction.peak_in_flight, str(prediction.sources["unit times"])
+        ((2, 1), 'analytic')
+    """
+    m = plan.microbatches
+    batch = plan.batch_size if plan.batch_size is not None else m * profile.rows
+    if not isinstance(m, int) or m < 1 or batch % m:
+        raise errors.UnevenMicrobatchError(
+            f"Expected `microbatches` to divide the plan's batch of {batch} examples, got "
+            f"{m!r}. Pick a divisor of {batch}, or change `batch_size`."
+        )
+    stages = _stage_instances(plan, profile)
+    meshes = plan.stage_meshes(dict(profile.mesh_shape))
+    policies = plan.policies()
+    if len(meshes) != plan.num_stages or len(policies) != plan.num_stages:
+        raise errors.PlanMismatchError(
+            f"Expected one `stage_mesh` and one `recompute` entry per stage "
+            f"({plan.num_stages}), got {len(meshes)} and {len(policies)}. Give one value "
+            "for all stages, or one per stage."
+        )
+    link = transfer if transfer is not None else TransferCost.from_spec(profile.device)
+    costs = tuple(
+        _stage_cost(
+            [profile.cost(u, policy) for u in units], profile, mesh, batch // m, link, s == 0
+        )
+        for s, (units, mesh, policy) in enumerate(zip(stages, meshes, policies, strict=True))
+    )
+    schedule = _schedule(plan)
+    return _predict(plan, profile, schedule, costs, link)
+
+
+def _schedule(plan: Plan) -> Schedule:
+    try:
+        return make_schedule(
+            plan.schedule, plan.num_stages, plan.microbatches, interleave=plan.interleave
+        )
+    except errors.InvalidScheduleError as e:
+        raise errors.PlanMismatchError(
+            f"Expected a schedule the plan's {plan.num_stages} stages and "
+            f"{plan.microbatches} microbatches can build, got {plan.schedule!r}: {e}"
+        ) from e
+
+
+def _predict(
+    plan: Plan,
+    profile: UnitProfile,
+    schedule: Schedule,
+    costs: tuple[StageCost, ...],
+    link: TransferCost,
+) -> Prediction:
+    def cost(stage: int, phase: str) -> float:
+        c = costs[stage]
+        return {
+            "F": c.forward.seconds,
+            "B": c.backward_input.seconds,
+            "W": c.backward_weight.seconds,
+            "transfer": c.transfer,
+        }[phase]
+
+    result = simulate(schedule, costs=cost)
+    rows = range(schedule.num_submeshes)
+    on_row = [[s for s in range(plan.num_stages) if schedule.stage_to_row[s] == r] for r in rows]
+    ends = [0.0] * schedule.num_submeshes
+    for row, _, _, end in result.timeline:
+        ends[row] = max(ends[row], end)
+    step = max(ends[r] + sum(costs[s].update.seconds for s in on_row[r]) for r in rows)
+    activations = peak_activation_bytes(schedule, [c.activation_bytes for c in costs])
+    state = tuple(sum(costs[s].state_bytes for s in on_row[r]) for r in rows)
+    temp = tuple(max(costs[s].temp_bytes for s in on_row[r]) for r in rows)
+    return Prediction(
+        plan=plan,
+        step_time=step,
+        bubble=result.bubble_fraction,
+        peak_bytes=tuple(state[r] + activations[r] + temp[r] for r in rows),
+        state_bytes=state,
+        activation_bytes=activations,
+        temp_bytes=temp,
+        peak_in_flight=peak_activation_bytes(schedule, [1] * plan.num_stages),
+        stages=costs,
+        simulation=result,
+        sources=_sources(profile, costs, link),
+    )

@@ -1,0 +1,650 @@
+"""Costs per unit: every distinct unit compiled on one submesh shape, analysed or timed.
+
+`profile_units` finds the units of a model (`_units.find_units`) and, for each distinct unit
+and each recomputation policy asked for, compiles four programs with ``jax.jit`` on a mesh
+of the requested shape (the first devices of ``jax.devices()``), the unit's parameters
+sharded by its logical names through ``rules`` and its batch-sized inputs over the axes the
+rules map ``"batch"`` to:
+
+* **F**, the forward: ``jax.vjp`` of the unit's apply, returning the output and the vjp's
+  residuals -- what a pipeline's forward hands its backward. The residuals that are not
+  parameters, each counted once, are the *activation bytes* a microbatch keeps for its
+  backward (per device, from the compiled output shardings). Under a recomputation policy
+  the apply is wrapped in ``jax.checkpoint`` first, so the residuals shrink to what the
+  policy saves (``"full"``: the inputs) and the backward recomputes the rest.
+* **B**, the activation gradient (the residuals and the output cotangent in, the gradient of
+  the unit's floating-point inputs out), and **W**, the weight gradient (the parameters'
+  gradient): the two halves of a split backward, each compiled alone so XLA drops what the
+  other half needs. An unsplit backward costs ``B + W``.
+* **update**, the optax optimizer's ``update`` and ``apply_updates`` on the unit's
+  parameters, gradients and optimizer state (mirroring the parameters' shardings).
+
+``mode="analytic"`` runs nothing: FLOPs and bytes from ``compiled.cost_analysis()``,
+temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec` roofline.
+``mode="measured"`` also runs every compiled program a few times on random inputs (after one
+warm-up run) and keeps the median wall time. Bytes of the training state per device
+(parameters, gradients as large as the parameters, optimizer state) are not measured: they
+follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
+`predict` gets them for any other submesh shape without its devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from jax.extend import core as jex_core
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from multimesh_flax import errors
+from multimesh_flax.core.declare import logical_to_mesh_spec
+from multimesh_flax.planner._costs import (
+    DEVICE_SPECS,
+    DeviceSpec,
+    PhaseCost,
+    Source,
+    StateLeaf,
+    TransferCost,
+    bytes_per_device,
+)
+from multimesh_flax.planner._units import Unit, UnitSet, find_units
+
+log = logging.getLogger(__name__)
+
+POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+"""Recomputation policies a profile can cost, by name (``None``: no recomputation)."""
+
+MODES = ("analytic", "measured")
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitCost:
+    """The costs of one distinct unit under one recomputation policy, per device.
+
+    Attributes:
+        unit: Index into ``profile.units.units``.
+        recompute: ``None``, ``"full"`` or ``"dots"``.
+        forward, backward_input, backward_weight, update: The four programs (`PhaseCost`):
+            forward with residuals (F), activation gradient (B), weight gradient (W),
+            optimizer update.
+        activation_bytes: Bytes a microbatch keeps from F to its backward (the residuals
+            that are not parameters), per device.
+        output_bytes: Bytes of the unit's output per device: what a stage boundary after it
+            sends (its gradient comes back the same size).
+        params: The parameters as `StateLeaf` records (shape, dtype, logical names).
+        opt_state: The optimizer state's arrays, logical names mirrored from the parameter
+            each one mirrors; the others (``shared``: step counters) replicated and counted
+            once per model by `predict`.
+    """
+
+    unit: int
+    recompute: str | None
+    forward: PhaseCost
+    backward_input: PhaseCost
+    backward_weight: PhaseCost
+    update: PhaseCost
+    activation_bytes: int
+    output_bytes: int
+    params: tuple[StateLeaf, ...]
+    opt_state: tuple[StateLeaf, ...]
+
+    @property
+    def temp_bytes(self) -> int:
+        """The largest temporary of the unit's programs."""
+        phases = (self.forward, self.backward_input, self.backward_weight, self.update)
+        return max(p.temp_bytes for p in phases)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitProfile:
+    """What `profile_units` measured: the units and their costs on one submesh shape.
+
+    Attributes:
+        units: The model's units (`UnitSet`).
+        costs: One `UnitCost` per (distinct unit, recomputation policy).
+        mesh_shape: The submesh shape profiled, ``((axis, size), ...)``.
+        rules: The logical rules used.
+        data_axes: The mesh axes the batch is split over (the rules' ``"batch"``).
+        rows: Rows (examples) of the microbatch profiled.
+        mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
+        device: The `DeviceSpec` of analytic times (and default transfers).
+        compiles: Programs compiled: per distinct unit 3 per policy (F, B, W) and one
+            update; no B for a unit without floating-point inputs (the stem), no W or
+            update without parameters, no update without an optimizer.
+    """
+
+    units: UnitSet
+    costs: tuple[UnitCost, ...]
+    mesh_shape: tuple[tuple[str, int], ...]
+    rules: tuple[tuple[str, Any], ...]
+    data_axes: tuple[str, ...]
+    rows: int
+    mode: Source
+    device: DeviceSpec
+    compiles: int
+
+    def cost(self, unit: int, recompute: str | None = None) -> UnitCost:
+        """The `UnitCost` of distinct unit ``unit`` under ``recompute``.
+
+        Raises:
+            PlanMismatchError: the policy was not profiled.
+        """
+        for c in self.costs:
+            if c.unit == unit and c.recompute == recompute:
+                return c
+        profiled = sorted({str(c.recompute) for c in self.costs})
+        raise errors.PlanMismatchError(
+            f"Expected a recomputation policy the profile costed ({profiled}), got "
+            f"{recompute!r}. Profile it too: `profile_units(..., recompute=(None, "
+            f"{recompute!r}))`."
+        )
+
+
+def _mesh_shape(mesh_shape: Any, rules: Sequence) -> dict[str, int]:
+    if mesh_shape is None:
+        axes = {a for _, m in rules for a in ((m,) if isinstance(m, str) else (m or ()))}
+        return {a: 1 for a in sorted(axes)} or {"data": 1}
+    shape = dict(mesh_shape)
+    bad = {k: v for k, v in shape.items() if not isinstance(v, int) or v < 1}
+    if not shape or bad:
+        raise errors.ProfileArgumentError(
+            f"Expected `mesh_shape` as {{axis: size}} with sizes >= 1, e.g. {{'data': 2, "
+            f"'model': 2}}, got {mesh_shape!r}. Name every axis the rules use."
+        )
+    return shape
+
+
+def _make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
+    count = math.prod(shape.values())
+    devices = jax.devices()
+    if count > len(devices):
+        raise errors.ProfileArgumentError(
+            f"Expected a `mesh_shape` of at most the {len(devices)} local devices, got "
+            f"{shape} ({count} devices). Profile on a smaller submesh: `predict` scales "
+            "the costs to the plan's submesh shapes (see the README, 'Planning a pipeline')."
+        )
+    return jax.make_mesh(
+        tuple(shape.values()),
+        tuple(shape),
+        axis_types=(AxisType.Auto,) * len(shape),
+        devices=devices[:count],
+    )
+
+
+def _data_axes(rules: Sequence, mesh: dict[str, int]) -> tuple[str, ...]:
+    for name, axes in rules:
+        if name == "batch" and axes is not None:
+            return tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a in mesh)
+    return ()
+
+
+def _state_leaves(boxed: Any) -> list[StateLeaf]:
+    leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return [
+        StateLeaf(tuple(x.value.shape), np.dtype(x.value.dtype), tuple(x.names))
+        if isinstance(x, nn.Partitioned)
+        else StateLeaf(tuple(x.shape), np.dtype(x.dtype), None)
+        for x in leaves
+    ]
+
+
+def mesh_spec(leaf: StateLeaf, mesh: Mapping[str, int], rules: Sequence) -> P:
+    """The mesh ``PartitionSpec`` of a state leaf: its logical names through ``rules``."""
+    if leaf.logical is None:
+        return P()
+    return logical_to_mesh_spec(P(*leaf.logical), leaf.shape, dict(mesh), rules)
+
+
+def state_bytes(leaves: Sequence[StateLeaf], mesh: Mapping[str, int], rules: Sequence) -> int:
+    """Bytes per device of ``leaves`` on a mesh of shape ``mesh`` (no devices needed)."""
+    return sum(
+        bytes_per_device(x.shape, x.dtype, mesh_spec(x, mesh, rules), dict(mesh)) for x in leaves
+    )
+
+
+def _mirror(opt_state: Any, params: Any, param_leaves: list[StateLeaf]) -> list[StateLeaf]:
+    """Optimizer-state leaves, with the logical names of the parameter each one mirrors
+    (same trailing key path and shape: Adam's moments), else none (replicated)."""
+    by_path = {}
+    for (path, _), leaf in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], param_leaves, strict=True
+    ):
+        by_path[_keys(path)] = leaf
+    out = []
+    for path, x in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        keys, hit = _keys(path), None
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit.shape == tuple(x.shape):
+                break
+            hit = None
+        logical = hit.logical if hit is not None else None
+        out.append(StateLeaf(tuple(x.shape), np.dtype(x.dtype), logical, shared=hit is None))
+    return out
+
+
+def _keys(path: Any) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+class _Profiler:
+    """Compiles (and in measured mode runs) one unit's programs on one mesh."""
+
+    def __init__(self, mesh, rules, data_axes, rows, optimizer, loss_fn, mode, device, repeats):
+        self.mesh, self.rules, self.data_axes = mesh, tuple(rules), data_axes
+        self.rows, self.optimizer, self.loss_fn = rows, optimizer, loss_fn
+        self.mode, self.device, self.repeats = mode, device, repeats
+        self.compiles = 0
+        self.shape = dict(mesh.shape)
+        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
+
+    # -- building blocks -------------------------------------------------------------------
+
+    def _input_sharding(self, x: jax.ShapeDtypeStruct) -> NamedSharding:
+        data = math.prod(self.shape[a] for a in self.data_axes)
+        batched = x.ndim and x.shape[0] == self.rows and x.shape[0] % data == 0
+        spec = P(self.data_axes or None) if batched and self.data_axes else P()
+        return NamedSharding(self.mesh, spec)
+
+    def _compile(self, fun: Callable, *args: Any) -> tuple[Any, Any]:
+        """(traced jaxpr, compiled) of ``fun`` on ``args`` (``ShapeDtypeStruct``s with
+        shardings), under the rules and the mesh."""
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            traced = jax.jit(fun).trace(*args)
+            compiled = traced.lower().compile()
+        self.compiles += 1
+        return traced.jaxpr, compiled
+
+    def _phase(self, compiled: Any, inputs: Sequence[Any] | None) -> PhaseCost:
+        analysis = compiled.cost_analysis()
+        analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis or {}
+        flops = float(analysis.get("flops", 0.0))
+        accessed = float(analysis.get("bytes accessed", 0.0))
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+        if inputs is not None:  # measured mode
+            seconds, source = self._time(compiled, inputs), Source.MEASURED
+        else:
+            seconds, source = self.device.seconds(flops, accessed), Source.ANALYTIC
+        return PhaseCost(seconds, flops, accessed, temp, source)
+
+    def _time(self, compiled: Any, inputs: Sequence[Any]) -> float:
+        jax.block_until_ready(compiled(*inputs))  # warm-up
+        times = []
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*inputs))
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    def _concrete(self, abstract: Any, seed: int) -> Any:
+        """Random host arrays (normals of scale 0.02; integers 0) put in the shardings of
+        ``abstract`` (made with numpy: random programs would cost compiles)."""
+        leaves, tree = jax.tree_util.tree_flatten(abstract)
+        rng = np.random.default_rng(seed)
+        made = [
+            (0.02 * rng.standard_normal(x.shape, np.float32)).astype(x.dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else np.zeros(x.shape, x.dtype)
+            for x in leaves
+        ]
+        placed = jax.device_put(made, [x.sharding for x in leaves])
+        return jax.tree_util.tree_unflatten(tree, placed)
+
+    # -- one unit ----------------------------------------------------------------------------
+
+    def profile(self, index: int, unit: Unit, policy: str | None, is_last: bool) -> UnitCost:
+        param_leaves = _state_leaves(unit.params)
+        params = self._abstract_params(unit.params)
+        leaves, tree = jax.tree_util.tree_flatten(unit.args)
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.ShapeDtypeStruct)]
+        diff = [i for i in dynamic if jnp.issubdtype(leaves[i].dtype, jnp.floating)]
+        fixed = [i for i in dynamic if i not in diff]
+        place = lambda i: jax.ShapeDtypeStruct(  # noqa: E731
+            leaves[i].shape, leaves[i].dtype, sharding=self._input_sharding(leaves[i])
+        )
+        diff_in = [place(i) for i in diff]
+        fixed_in = [place(i) for i in fixed]
+        loss_fn = self.loss_fn if is_last else None
+
+        def apply(p: Any, d: Sequence[Any], f: Sequence[Any]) -> Any:
+            full = list(leaves)
+            for i, x in zip(diff + fixed, list(d) + list(f), strict=True):
+                full[i] = x
+            args, kwargs = jax.tree_util.tree_unflatten(tree, full)
+            out = unit.module.apply({"params": p}, *args, **kwargs)
+            return loss_fn(out) if loss_fn is not None else out
+
+        if policy is not None:
+            apply = jax.checkpoint(apply, policy=POLICIES[policy])
+        vjp_tree: dict[str, Any] = {}
+
+        def forward(p: Any, d: Any, f: Any) -> Any:
+            out, vjp = jax.vjp(lambda p, d: apply(p, d, f), p, d)
+            res, vjp_tree["tree"] = jax.tree_util.tree_flatten(vjp)
+            return out, res
+
+        jaxpr, fwd = self._compile(forward, params, diff_in, fixed_in)
+        out_sh, res_sh = fwd.output_shardings
+        out_abs, res_abs = jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(fwd.output_shardings), jaxpr.out_avals
+        )
+        kept = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
+        activation = self._residual_bytes(
+            jaxpr, len(jax.tree_util.tree_leaves(params)), kept, res_sh
+        )
+        output_bytes = sum(
+            _sharded_bytes(a, s)
+            for a, s in zip(
+                jax.tree_util.tree_leaves(out_abs), jax.tree_util.tree_leaves(out_sh), strict=True
+            )
+        )
+        res_in = [_with(a, s) for a, s in zip(res_abs, res_sh, strict=True)]
+        ct_in = jax.tree_util.tree_map(_with, out_abs, out_sh)
+
+        def backward(which: int) -> Callable:
+            def run(res: Any, ct: Any) -> Any:
+                return jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct)[which]
+
+            return run
+
+        inputs = None
+        if self.mode == "measured":
+            p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate((params, diff_in, fixed_in)))
+            inputs = (p_, d_, f_)
+        forward_cost = self._phase(fwd, inputs)
+        res_ct = None
+        if inputs is not None:
+            out_v, res_v = fwd(*inputs)
+            res_ct = (res_v, jax.tree_util.tree_map(jnp.ones_like, out_v))
+        b_cost = PhaseCost(source=forward_cost.source)
+        if diff:
+            b_cost = self._phase(self._compile(backward(1), res_in, ct_in)[1], res_ct)
+        w_cost = PhaseCost(source=forward_cost.source)
+        if param_leaves:
+            w_cost = self._phase(self._compile(backward(0), res_in, ct_in)[1], res_ct)
+        if index not in self.updates:  # the same for every recomputation policy
+            self.updates[index] = self._update(params, param_leaves)
+        opt_state, update = self.updates[index]
+        return UnitCost(
+            unit=index,
+            recompute=policy,
+            forward=forward_cost,
+            backward_input=b_cost,
+            backward_weight=w_cost,
+            update=update,
+            activation_bytes=activation,
+            output_bytes=output_bytes,
+            params=tuple(param_leaves),
+            opt_state=tuple(opt_state),
+        )
+
+    def _abstract_params(self, boxed: Any) -> Any:
+        def one(x: Any) -> Any:
+            leaf = _state_leaves(x)[0]
+            spec = mesh_spec(leaf, self.shape, self.rules)
+            return jax.ShapeDtypeStruct(
+                leaf.shape, leaf.dtype, sharding=NamedSharding(self.mesh, spec)
+            )
+
+        return jax.tree_util.tree_map(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+    def _residual_bytes(
+        self, jaxpr: Any, n_params: int, unbatched: Sequence[bool], res_sh: Sequence[Any]
+    ) -> int:
+        """Per-device bytes of the residuals that are neither parameters, nor inputs without
+        the batch dimension (weights passed in, such as GPT's tied table), nor repeats."""
+        invars = jaxpr.jaxpr.invars
+        params = set(invars[:n_params])
+        params.update(v for v, skip in zip(invars[n_params:], unbatched, strict=True) if skip)
+        outvars = jaxpr.jaxpr.outvars[len(jaxpr.jaxpr.outvars) - len(res_sh) :]
+        seen, total = set(), 0
+        for var, sharding in zip(outvars, res_sh, strict=True):
+            if isinstance(var, jex_core.Literal) or var in params or var in seen:
+                continue
+            seen.add(var)
+            total += _sharded_bytes(var.aval, sharding)
+        return total
+
+    def _update(self, params: Any, param_leaves: list[StateLeaf]) -> tuple[list, PhaseCost]:
+        if self.optimizer is None or not param_leaves:
+            return [], PhaseCost(
+                source=Source.ANALYTIC if self.mode == "analytic" else Source.MEASURED
+            )
+        opt = self.optimizer
+        state_abs = jax.eval_shape(opt.init, params)
+        state_leaves = _mirror(state_abs, params, param_leaves)
+        flat, tree = jax.tree_util.tree_flatten(state_abs)
+        state_in = jax.tree_util.tree_unflatten(
+            tree,
+            [
+                jax.ShapeDtypeStruct(
+                    x.shape,
+                    x.dtype,
+                    sharding=NamedSharding(self.mesh, mesh_spec(s, self.shape, self.rules)),
+                )
+                for x, s in zip(flat, state_leaves, strict=True)
+            ],
+        )
+
+        def step(p: Any, g: Any, s: Any) -> Any:
+            updates, s = opt.update(g, s, p)
+            return optax.apply_updates(p, updates), s
+
+        compiled = self._compile(step, params, params, state_in)[1]
+        inputs = None
+        if self.mode == "measured":
+            inputs = (
+                self._concrete(params, 7),
+                self._concrete(params, 8),
+                self._concrete(state_in, 9),
+            )
+        return state_leaves, self._phase(compiled, inputs)
+
+
+def _with(aval: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
+def _sharded_bytes(aval: Any, sharding: Any) -> int:
+    shape = sharding.shard_shape(aval.shape)
+    itemsize = 8 if jnp.issubdtype(aval.dtype, jax.dtypes.prng_key) else aval.dtype.itemsize
+    return int(math.prod(shape)) * int(itemsize)
+
+
+def _policies(recompute: Any) -> tuple[str | None, ...]:
+    values = (recompute,) if recompute is None or isinstance(recompute, str) else tuple(recompute)
+    bad = [r for r in values if r is not None and r not in POLICIES]
+    if bad or not values:
+        raise errors.RecomputePolicyError(
+            f"Expected `recompute` as policies among None, 'full' and 'dots' (one, or a "
+            f"sequence of them), got {recompute!r}. Pass e.g. `recompute=(None, 'full')`."
+        )
+    return tuple(dict.fromkeys(values))
+
+
+def _rows(inputs: Sequence[Any]) -> int:
+    for x in jax.tree_util.tree_leaves(inputs):
+        if np.ndim(x):
+            return int(np.shape(x)[0])
+    raise errors.ProfileArgumentError(
+        f"Expected example inputs of one microbatch with a leading batch dimension, got "
+        f"{[getattr(x, 'shape', x) for x in inputs]!r}. Pass e.g. `jnp.zeros((8, 64), int)`."
+    )
+
+
+def profile_units(
+    model: nn.Module,
+    *inputs: Any,
+    mesh_shape: Mapping[str, int] | None = None,
+    rules: Sequence[tuple[str, Any]] = (),
+    patterns: Sequence[Any] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    loss_fn: Callable[[Any], jax.Array] | None = None,
+    recompute: str | None | Sequence[str | None] = None,
+    mode: str = "analytic",
+    device: DeviceSpec | str = "cpu",
+    repeats: int = 5,
+) -> UnitProfile:
+    """Costs every distinct unit of ``model`` on a submesh of shape ``mesh_shape``.
+
+    Identical units (the same module class and fields on the same shapes: the blocks of a
+    transformer) are compiled once. See the module docstring for the programs and what is
+    analysed, measured and derived.
+
+    Args:
+        model: A Flax Linen module (unbound), e.g. ``models.GPT(config)``, unstaged (no
+            ``stages``/``layers_per_stage``, no ``Task[Module]``s): each unit is compiled
+            with plain ``jax.jit`` under ``flax.linen.logical_axis_rules(rules)`` on the
+            profiled mesh, outside every task (``mm.with_sharding_constraint`` inside a unit
+            is then the identity; Flax's logical constraints apply).
+        *inputs: Example inputs of one microbatch (arrays or ``ShapeDtypeStruct``s); their
+            leading dimension is the microbatch's rows.
+        mesh_shape: ``{axis: size}`` of the submesh to profile on, at most the local
+            devices (default: size 1 along every axis the rules name).
+        rules: ``(logical_name, mesh_axis)`` pairs; parameters shard by their logical names
+            through them, inputs over the axes ``"batch"`` maps to.
+        patterns: The units: ``register_task``-style regexes over module paths, or ``(role,
+            pattern)`` pairs (roles ``"stem"``, ``"layer"``, ``"head"``). ``None``: the
+            reference models' stem, blocks and head.
+        optimizer: The optax optimizer whose update is costed (``None``: no update, no
+            optimizer state).
+        loss_fn: ``loss_fn(output) -> scalar`` appended to the last unit (e.g. the
+            cross-entropy against fixed targets); ``None``: the backward starts from a
+            cotangent of the output's shape.
+        recompute: A policy (``None``, ``"full"``, ``"dots"``) or several to cost.
+        mode: ``"analytic"`` (compile only) or ``"measured"`` (also run, median time).
+        device: A `DeviceSpec` or a name in `DEVICE_SPECS`: the roofline of analytic times
+            and the default link of `predict`'s transfers.
+        repeats: Timed runs per program in measured mode.
+
+    Returns:
+        A `UnitProfile`.
+
+    Raises:
+        ProfileArgumentError: an unknown ``mode`` or ``device``, a bad ``mesh_shape`` or one
+            larger than the local devices, inputs without a batch dimension.
+        UnitPatternError: see `find_units`.
+        RecomputePolicyError: an unknown policy.
+
+    Example:
+        >>> import optax
+        >>> from models import GPT, get_config
+        >>> from models.pipeline import LOGICAL_RULES
+        >>> import multimesh_flax as mm
+        >>> profile = mm.profile_units(
+        ...     GPT(get_config("gpt-tiny", num_layers=4)), jnp.zeros((4, 32), jnp.int32),
+        ...     mesh_shape={"data": 1, "model": 1}, rules=LOGICAL_RULES,
+        ...     optimizer=optax.sgd(1e-3))
+        >>> [u.kind for u in profile.units.units], profile.compiles  # 3 distinct units
+        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 11)
+        >>> block = profile.cost(1)
+        >>> block.forward.flops > 0, str(block.forward.source)
+        (True, 'analytic')
+    """
+    if mode not in MODES:
+        raise errors.ProfileArgumentError(
+            f"Expected `mode` in {MODES}, got {mode!r}. 'analytic' compiles only; "
+            "'measured' also runs each program."
+        )
+    spec = _device_spec(device)
+    policies = _policies(recompute)
+    rules = tuple((str(name), axes) for name, axes in rules)
+    shape = _mesh_shape(mesh_shape, rules)
+    rows = _rows(inputs)
+    mesh = _make_mesh(shape)
+    found = find_units(model, *inputs, patterns=patterns)
+    data_axes = _data_axes(rules, shape)
+    profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
+    last = found.instances[-1].unit
+    costs = tuple(
+        profiler.profile(i, unit, policy, i == last)
+        for i, unit in enumerate(found.units)
+        for policy in policies
+    )
+    log.info("profiled %d units, %d compiles", len(found.units), profiler.compiles)
+    return UnitProfile(
+        units=found,
+        costs=costs,
+        mesh_shape=tuple(shape.items()),
+        rules=rules,
+        data_axes=data_axes,
+        rows=rows,
+        mode=Source(mode),
+        device=spec,
+        compiles=profiler.compiles,
+    )
+
+
+def _device_spec(device: DeviceSpec | str) -> DeviceSpec:
+    if isinstance(device, DeviceSpec):
+        return device
+    if device in DEVICE_SPECS:
+        return DEVICE_SPECS[device]
+    raise errors.ProfileArgumentError(
+        f"Expected `device` as a DeviceSpec or one of {sorted(DEVICE_SPECS)}, got "
+        f"{device!r}. Build `DeviceSpec(name, flops_per_second, bytes_per_second, "
+        "link_bytes_per_second)` for another device."
+    )
+
+
+def measure_transfer(
+    source: int = 0,
+    destination: int = 1,
+    sizes: Sequence[int] = (1 << 12, 1 << 20),
+    repeats: int = 5,
+) -> TransferCost:
+    """Measures moving float32 arrays from one local device to another (``jax.device_put``).
+
+    Fits ``latency + bytes * seconds_per_byte`` through the medians at two sizes.
+
+    Args:
+        source, destination: Positions in ``jax.devices()``.
+        sizes: Two sizes in bytes.
+        repeats: Timed moves per size (after one warm-up).
+
+    Returns:
+        A measured `TransferCost`.
+
+    Raises:
+        ProfileArgumentError: positions outside the local devices or equal, or not two sizes.
+
+    Example:
+        >>> from multimesh_flax.planner import measure_transfer
+        >>> cost = measure_transfer(0, 1, repeats=2)
+        >>> cost.seconds_per_byte >= 0 and cost.latency >= 0, str(cost.source)
+        (True, 'measured')
+    """
+    devices = jax.devices()
+    n = len(devices)
+    if not (0 <= source < n and 0 <= destination < n) or source == destination or len(sizes) != 2:
+        raise errors.ProfileArgumentError(
+            f"Expected two different device positions below {n} and two sizes, got "
+            f"source={source!r}, destination={destination!r}, sizes={tuple(sizes)!r}."
+        )
+    medians = []
+    for nbytes in sizes:
+        x = jax.device_put(jnp.ones(max(int(nbytes) // 4, 1), jnp.float32), devices[source])
+        jax.block_until_ready(jax.device_put(x, devices[destination]))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(jax.device_put(x, devices[destination]))
+            times.append(time.perf_counter() - start)
+        medians.append(statistics.median(times))
+    per_byte = max((medians[1] - medians[0]) / (sizes[1] - sizes[0]), 0.0)
+    latency = max(medians[0] - per_byte * sizes[0], 0.0)
+    return TransferCost(latency, per_byte, Source.MEASURED)

@@ -1,0 +1,120 @@
+"""profile_units: FLOPs against XLA's analysis of the unit compiled alone, identical blocks
+compiled once, activation bytes under recomputation, measured mode, and bad arguments."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+
+import multimesh_flax as mm
+from models import GPT, GPTBlock, get_config
+from models.pipeline import LOGICAL_RULES
+from multimesh_flax import errors
+from multimesh_flax.planner import Source
+from tests.planner._models import LENGTH, MLP, ROWS, tokens
+
+pytestmark = pytest.mark.xdist_group("planner")
+
+
+def _xla_flops(fun, *args):
+    return jax.jit(fun).lower(*args).compile().cost_analysis()["flops"]
+
+
+def test_dense_flops_equal_xla_on_one_device(mlp_profile):
+    # A dense layer's forward keeps only its input: the F program is the plain forward.
+    dense = nn.Dense(16)
+    x = jnp.ones((8, 16))
+    params = dense.init(jax.random.key(0), x)["params"]
+    expected = _xla_flops(lambda p, x: dense.apply({"params": p}, x), params, x)
+    cost = mlp_profile.cost(0)
+    assert cost.forward.flops == expected
+    # the weight gradient x^T g and the input gradient g W^T are one matmul each
+    matmul = 2 * 8 * 16 * 16
+    assert cost.backward_weight.flops >= matmul and cost.backward_input.flops >= matmul
+
+
+def test_block_forward_flops_equal_xla_of_the_block_alone():
+    profile = mm.profile_units(
+        GPT(get_config("gpt-tiny", num_layers=2)), tokens(), rules=LOGICAL_RULES
+    )
+    block = GPTBlock(get_config("gpt-tiny", num_layers=2))
+    x = jnp.ones((ROWS, LENGTH, 64))
+    params = block.init(jax.random.key(0), x)["params"]
+
+    def forward(p, x):  # the forward a pipeline runs: output and the vjp's residuals
+        out, vjp = jax.vjp(lambda p, x: block.apply({"params": p}, x), p, x)
+        return out, jax.tree_util.tree_leaves(vjp)
+
+    assert profile.cost(1).forward.flops == _xla_flops(forward, params, x)
+    plain = _xla_flops(lambda p, x: block.apply({"params": p}, x), params, x)
+    assert plain <= profile.cost(1).forward.flops <= 1.2 * plain
+
+
+def test_identical_blocks_are_compiled_once():
+    traced = {}
+
+    def count(next_fun, args, kwargs, context):
+        if isinstance(context.module, GPTBlock) and context.method_name == "__call__":
+            traced[layers] = traced.get(layers, 0) + 1
+        return next_fun(*args, **kwargs)
+
+    compiles = {}
+    for layers in (2, 4):
+        with nn.intercept_methods(count):
+            profile = mm.profile_units(
+                GPT(get_config("gpt-tiny", num_layers=layers)), tokens(), rules=LOGICAL_RULES
+            )
+        compiles[layers] = profile.compiles
+    # Two more blocks cost two more calls while finding the units, and nothing else.
+    assert traced[4] - traced[2] == 2
+    assert compiles[2] == compiles[4]
+
+
+def test_state_and_activation_bytes_on_a_submesh(gpt_profile):
+    block = gpt_profile.cost(1)
+    assert str(block.forward.source) == "analytic"
+    # full recomputation keeps the block's input alone: (rows, length, embed) float32 over
+    # the 2 data devices
+    assert gpt_profile.cost(1, "full").activation_bytes == ROWS * LENGTH * 64 * 4 // 2
+    assert block.activation_bytes > 4 * gpt_profile.cost(1, "full").activation_bytes
+    # recomputation moves forward work into the backward
+    assert (
+        gpt_profile.cost(1, "full").backward_input.flops
+        + gpt_profile.cost(1, "full").backward_weight.flops
+        > block.backward_input.flops + block.backward_weight.flops
+    )
+    # AdamW keeps two moments per parameter (and a step count)
+    n_params = sum(int(np.prod(p.shape)) for p in block.params)
+    n_state = sum(int(np.prod(p.shape)) for p in block.opt_state)
+    assert n_state == 2 * n_params + 1
+
+
+def test_measured_mode_times_the_programs(mlp_profile):
+    measured = mm.profile_units(
+        MLP(), jnp.ones((8, 16)), patterns=[r"layer_\d+"], mode="measured", repeats=2
+    )
+    cost = measured.cost(0)
+    assert measured.mode is Source.MEASURED and cost.forward.source is Source.MEASURED
+    assert cost.forward.seconds > 0 and cost.backward_weight.seconds > 0
+    assert cost.forward.flops == mlp_profile.cost(0).forward.flops  # FLOPs stay analytic
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        (dict(mode="timed"), errors.ProfileArgumentError, "'timed'"),
+        (dict(device="tpu9"), errors.ProfileArgumentError, "'tpu9'"),
+        (dict(mesh_shape={"data": 16}), errors.ProfileArgumentError, "at most the 8"),
+        (dict(mesh_shape={"data": 0}), errors.ProfileArgumentError, "sizes >= 1"),
+        (dict(recompute="all"), errors.RecomputePolicyError, "'all'"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, fragment):
+    with pytest.raises(error, match=fragment):
+        mm.profile_units(MLP(), jnp.ones((8, 16)), patterns=[r"layer_\d+"], **kwargs)
+
+
+def test_inputs_without_batch_dimension_raise():
+    with pytest.raises(errors.ProfileArgumentError, match="leading batch dimension"):
+        mm.profile_units(MLP(), jnp.float32(1.0), patterns=[r"layer_\d+"])
