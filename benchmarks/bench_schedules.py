@@ -50,18 +50,11 @@ import multimesh_flax as mm  # noqa: E402
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import replay  # noqa: E402
+from multimesh_flax.core.declare import SCHEDULE_NAMES  # noqa: E402
 
 SUBMESHES = 4
 BLOCKS = 8
-SCHEDULES = [
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "zero-bubble-h1",
-    "zero-bubble-h2",
-    "zero-bubble-auto",
-    "zero-bubble-v",
-]
+SCHEDULES = [name for name in SCHEDULE_NAMES if name != "custom"]
 TWO_PER_SUBMESH = ("interleaved-1f1b", "zero-bubble-v")
 
 

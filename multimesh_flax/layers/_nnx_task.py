@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -44,12 +45,18 @@ from multimesh_flax.core.declare import (
     get_device_list,
     get_flag,
     has_registrations,
-    ignore_transforms,
     logical_to_mesh_spec,
     make_task,
     nnx_transform,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, eager_mesh, run_as
+from multimesh_flax.core.front import (
+    EagerRunner,
+    TaskCall,
+    call_on_submesh,
+    call_task,
+    eager_mesh,
+    run_as,
+)
 from multimesh_flax.core.trace import (
     ResolvedTask,
     constrain_to_task,
@@ -276,13 +283,7 @@ def _eager_runner(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         resolved = resolve(module, spec)
-        replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-        moved_args, moved_kwargs = jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
-            (args, kwargs),
-        )
-        with ignore_transforms(), eager_mesh(resolved):
-            return method(module, *moved_args, **moved_kwargs)
+        return call_on_submesh(resolved, functools.partial(method, module), args, kwargs)
 
     return run
 

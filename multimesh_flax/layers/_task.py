@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,7 +51,7 @@ from multimesh_flax.core.declare import (
     linen_transform,
     make_task,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_task, eager_mesh
+from multimesh_flax.core.front import EagerRunner, TaskCall, call_on_submesh, call_task
 from multimesh_flax.core.trace import ResolvedTask, current_session, resolve_task
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
@@ -147,13 +148,7 @@ def _eager_runner(module: nn.Module, spec: Task, method: Callable[..., Any]) -> 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         explicit = _explicit_task(spec)
         if explicit is not None:  # sharding in types: on its submesh, as ``jax.set_mesh``
-            placed = NamedSharding(explicit.typed_mesh, PartitionSpec())
-            positional, keywords = jax.tree_util.tree_map(
-                lambda x: jax.device_put(x, placed) if isinstance(x, jax.Array) else x,
-                (args, kwargs),
-            )
-            with ignore_transforms(), eager_mesh(explicit):
-                return method(module, *positional, **keywords)
+            return call_on_submesh(explicit, functools.partial(method, module), args, kwargs)
         positional, keywords = _eager_inputs(module, spec, (args, kwargs))
         with ignore_transforms():
             return method(module, *positional, **keywords)

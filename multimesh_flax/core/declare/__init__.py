@@ -58,6 +58,7 @@ from multimesh_flax.core.declare._rules import logical_to_mesh_spec as logical_t
 from multimesh_flax.core.declare._schedule_ops import Phase as Phase
 from multimesh_flax.core.declare._schedule_ops import ScheduleOp as ScheduleOp
 from multimesh_flax.core.declare._schedule_ops import op_deps as op_deps
+from multimesh_flax.core.declare._schedules import SCHEDULE_NAMES as SCHEDULE_NAMES
 from multimesh_flax.core.declare._schedules import Schedule as Schedule
 from multimesh_flax.core.declare._schedules import make_schedule as make_schedule
 from multimesh_flax.core.declare._schedules import stage_rows as stage_rows

@@ -437,6 +437,9 @@ _BUILDERS: dict[str, Callable[[_Request], tuple[_Rows, bool]]] = {
     "custom": _custom_rows,
 }
 
+# Every name ``make_schedule`` builds, in the order the docs list them ("custom" last).
+SCHEDULE_NAMES = tuple(_BUILDERS)
+
 
 # --- validation -----------------------------------------------------------------------------
 

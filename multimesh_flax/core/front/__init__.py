@@ -19,6 +19,7 @@ from multimesh_flax.core.front._parallelize import parallelize as parallelize
 from multimesh_flax.core.front._parallelize import shape_structs as shape_structs
 from multimesh_flax.core.front._task_call import EagerRunner as EagerRunner
 from multimesh_flax.core.front._task_call import TaskCall as TaskCall
+from multimesh_flax.core.front._task_call import call_on_submesh as call_on_submesh
 from multimesh_flax.core.front._task_call import call_task as call_task
 from multimesh_flax.core.front._task_call import eager_mesh as eager_mesh
 from multimesh_flax.core.front._task_call import run_as as run_as

@@ -45,7 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
@@ -53,6 +53,7 @@ from multimesh_flax.core.declare import (
     Task,
     call_recomputed,
     get_flag,
+    ignore_transforms,
     jax_transform,
 )
 from multimesh_flax.core.front._jit import jit
@@ -161,6 +162,20 @@ def eager_mesh(resolved: ResolvedTask) -> AbstractContextManager[Any]:
         return jax.set_mesh(mesh)
     except ValueError:  # inside a trace (``jax.checkpoint``): its abstract mesh only
         return abstract_mesh(resolved.ambient_mesh)
+
+
+def call_on_submesh(
+    resolved: ResolvedTask, call: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+) -> Any:
+    """``call(*args, **kwargs)`` eagerly on ``resolved``'s submesh: array arguments replicated
+    there, its mesh ambient (:func:`eager_mesh`), no placement transforms inside."""
+    replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
+    args, kwargs = jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
+        (args, kwargs),
+    )
+    with ignore_transforms(), eager_mesh(resolved):
+        return call(*args, **kwargs)
 
 
 def _jax_is_tracing() -> bool:

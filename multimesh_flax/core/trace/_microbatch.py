@@ -29,6 +29,7 @@ import numpy as np
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
+    SCHEDULE_NAMES,
     PipelineOptions,
     ScheduleOp,
     ignore_transforms,
@@ -36,16 +37,6 @@ from multimesh_flax.core.declare import (
 )
 from multimesh_flax.core.trace import _constraints, _loops, _session
 
-SCHEDULES = (
-    "gpipe",
-    "1f1b",
-    "interleaved-1f1b",
-    "zero-bubble-h1",
-    "zero-bubble-h2",
-    "zero-bubble-auto",
-    "zero-bubble-v",
-    "custom",
-)
 _REDUCTIONS = ("sum", "mean")
 
 
@@ -111,9 +102,9 @@ def _make_options(options: PipelineOptions) -> PipelineOptions:
     schedule, custom_schedule = options.schedule, options.custom_schedule
     if custom_schedule is not None and schedule is None:
         schedule = "custom"
-    if schedule is not None and schedule not in SCHEDULES:
+    if schedule is not None and schedule not in SCHEDULE_NAMES:
         raise errors.InvalidScheduleError(
-            f"Unknown `schedule`={schedule!r}. Use one of {list(SCHEDULES)}, or None for "
+            f"Unknown `schedule`={schedule!r}. Use one of {list(SCHEDULE_NAMES)}, or None for "
             "program order."
         )
     if (schedule == "custom") != (custom_schedule is not None):
