@@ -10,11 +10,14 @@ compilation cache per run (see the comment below).
 """
 
 import atexit
+import functools
 import os
+import re
 import shutil
 import signal
 import tempfile
 import threading
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -98,3 +101,37 @@ def pytest_collection_modifyitems(items):
     the workers take tests one at a time in this order, and the longest ones started first
     leave short ones, not a long one, for the end of the run."""
     items.sort(key=lambda item: item.get_closest_marker("heavy") is None)
+
+
+_GROUP_MARK = re.compile(r'^pytestmark = pytest\.mark\.xdist_group\("([^"]+)"\)', re.M)
+
+
+@functools.cache
+def _group_of(path: str) -> str | None:
+    """The ``xdist_group`` name test module ``path`` (relative to the root) is marked with
+    (``pytestmark = pytest.mark.xdist_group("name")``), or ``None``."""
+    file = Path(__file__).parent / path
+    found = _GROUP_MARK.search(file.read_text()) if file.is_file() else None
+    return found.group(1) if found else None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` as ``dev.py test`` means it: the tests of the modules marked with
+    one ``xdist_group`` name run on one worker, every other test is handed out on its own, in
+    collection order (``heavy`` first, see above) after the groups, largest first.
+
+    pytest-xdist 3.8 implements ``loadgroup`` by appending ``@group`` to each test's node
+    id, which pytest 9 no longer lets it do (``nodeid`` is derived there): the groups were
+    silently split across workers, and a module's expensive fixture (the benchmark smoke
+    run, 4 minutes) ran once per worker. This scheduler reads the group from the module's
+    source instead (module-level marks only).
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group_of(nodeid.split("::", 1)[0]) or nodeid
+
+    return ModuleGroups(config, log)

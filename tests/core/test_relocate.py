@@ -41,15 +41,23 @@ def _mapping(a, b):
     return {d.id: e for d, e in zip(a.devices.flat, b.devices.flat, strict=True)}
 
 
+def _moved_f(x, w):
+    """``_f`` shifted: a program only the next test compiles. A source loaded from the suite's
+    persistent cache (had another test compiled it) serializes without its kernels, and its
+    relocated copy cannot run; ``_relocate.compile`` tells the two apart (tested below)."""
+    y = jnp.tanh(x @ w + 0.5)
+    return y.sum(axis=0), y
+
+
 def test_relocated_executable_runs_on_the_other_devices_exactly():
     a, b = _mesh([0, 1, 2, 3]), _mesh([7, 5, 6, 4])  # another set, in a shuffled order
-    compiled = jax.jit(_f).lower(*_args(a)).compile()
+    compiled = jax.jit(_moved_f).lower(*_args(a)).compile()
     moved = _relocate.relocate(compiled, _mapping(a, b))
     assert moved is not None
     total, y = moved(*_args(b))
     assert {d.id for d in y.devices()} == {4, 5, 6, 7}
     assert y.sharding.mesh.devices.tolist() == b.devices.tolist()
-    reference_total, reference_y = jax.jit(_f)(*_args(b))  # compiled for b itself
+    reference_total, reference_y = jax.jit(_moved_f)(*_args(b))  # compiled for b itself
     np.testing.assert_array_equal(np.asarray(y), np.asarray(reference_y))
     np.testing.assert_array_equal(np.asarray(total), np.asarray(reference_total))
 

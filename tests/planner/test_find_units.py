@@ -7,7 +7,7 @@ from flax import linen as nn
 from models import GPT, Llama, get_config
 from multimesh_flax import errors
 from multimesh_flax.planner import find_units
-from tests.planner._models import MLP, tokens
+from tests.planner._planning_models import MLP, tokens
 
 pytestmark = pytest.mark.xdist_group("planner")
 

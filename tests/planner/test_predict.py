@@ -11,7 +11,7 @@ from models import GPT, get_config
 from models.pipeline import make_multimesh
 from multimesh_flax import errors
 from multimesh_flax.planner import Plan, Source, TransferCost, peak_activation_bytes
-from tests.planner._models import tokens
+from tests.planner._planning_models import tokens
 
 pytestmark = pytest.mark.xdist_group("planner")
 

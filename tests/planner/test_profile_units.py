@@ -12,7 +12,7 @@ from models import GPT, GPTBlock, get_config
 from models.pipeline import LOGICAL_RULES
 from multimesh_flax import errors
 from multimesh_flax.planner import Source
-from tests.planner._models import LENGTH, MLP, ROWS, tokens
+from tests.planner._planning_models import LENGTH, MLP, ROWS, tokens
 
 pytestmark = pytest.mark.xdist_group("planner")
 
