@@ -115,6 +115,7 @@ def _group_of(path: str) -> str | None:
     return found.group(1) if found else None
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under `-p no:xdist`
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` as ``dev.py test`` means it: the tests of the modules marked with
     one ``xdist_group`` name run on one worker, every other test is handed out on its own, in

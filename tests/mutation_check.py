@@ -59,10 +59,10 @@ MUTATIONS = (
     Mutation(
         "sim-bubble",
         "multimesh_flax/core/plan/_simulator.py",
-        "bubble_fraction=idle / (rows * makespan) if makespan > 0 else 0.0",
-        "bubble_fraction=idle / (rows * makespan + 1) if makespan > 0 else 0.0",
+        "return 1.0 - sum(busy) / (len(busy) * span) if span > 0 else 0.0",
+        "return 1.0 - sum(busy) / (len(busy) * span + 1) if span > 0 else 0.0",
         SIM,
-        "simulator: bubble fraction idle / (rows * makespan + 1)",
+        "simulator: idle fraction 1 - busy / (rows * span + 1)",
     ),
     Mutation(
         "sim-transfer",
