@@ -94,6 +94,9 @@ def pytest_configure(config):
         "markers",
         "heavy: runs for 15 s or more; scheduled first, so the two workers finish together",
     )
+    config.addinivalue_line(  # pytest-xdist registers it too; this keeps `-p no:xdist` working
+        "markers", "xdist_group(name): the module's tests run on one worker (see below)"
+    )
 
 
 def pytest_collection_modifyitems(items):
