@@ -184,8 +184,8 @@ def _eager_target(module: nn.Module, spec: Task) -> jax.sharding.Sharding | None
 def _eager_inputs(module: nn.Module, spec: Task, args: Any) -> Any:
     """``args`` with every array moved to where the module computes (replicated there).
 
-    A task function called eagerly runs as a one-task program whose inputs move to its
-    submesh; a ``Task[Module]`` does the same, so that a pipelined model applied eagerly to
+    A task function called eagerly runs on its submesh with its inputs moved there; a
+    ``Task[Module]`` does the same, so that a pipelined model applied eagerly to
     its placed parameters (stage 0's output meeting stage 1's parameters) computes the
     unplaced model's values instead of failing on incompatible devices.
     """

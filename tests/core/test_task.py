@@ -181,7 +181,7 @@ def test_eager_call_with_mesh_slice(index, expected):
 def test_mesh_slice_task_uses_the_multi_mesh_axes_as_rules():
     fun = mm.task(lambda x: mm.with_sharding_constraint(x, P("data")), mesh_slice={"stage": 1})
     with mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data")):
-        y = fun(jnp.arange(8.0))
+        y = mm.jit(fun)(jnp.arange(8.0))  # eagerly it runs unconstrained (test_task_kinds)
     assert tuple(y.sharding.spec) == ("data",)
     assert _ids(y) == {4, 5, 6, 7}
     assert all(s.data.shape == (2,) for s in y.addressable_shards)

@@ -1,7 +1,8 @@
 """The same checks through every kind of task: a function, a Linen ``Task[Module]`` and an
 NNX ``Task[Block]`` all run through ``core/front/_task_call.call`` (issue 36, part 5).
 
-Each kind computes ``tanh(x @ w)`` with ``w`` a (3, 3) parameter on device 5.
+Each kind computes ``tanh(x @ w)`` with ``w`` a (3, 3) parameter on device 5, its result
+constrained to ``P("batch", None)``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors
@@ -25,6 +27,10 @@ W = 0.5 * jnp.arange(9.0).reshape(3, 3) / 9.0
 X = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
 
 
+def _layer(x, w):
+    return mm.with_sharding_constraint(jnp.tanh(x @ w), P("batch", None))
+
+
 def _reference(w, x):
     return jnp.sum(jnp.tanh(x @ w) ** 2)
 
@@ -32,8 +38,7 @@ def _reference(w, x):
 class _Dense(nn.Module):
     @nn.compact
     def __call__(self, x):
-        w = self.param("w", lambda *_: W)
-        return jnp.tanh(x @ w)
+        return _layer(x, self.param("w", lambda *_: W))
 
 
 class _Block(nnx.Module):
@@ -41,12 +46,12 @@ class _Block(nnx.Module):
         self.w = nnx.Param(W)
 
     def __call__(self, x):
-        return jnp.tanh(x @ self.w[...])
+        return _layer(x, self.w[...])
 
 
 def _function(**options):
     """``(loss(w, x), call(x))`` for each kind: ``w`` a parameter tree of that kind."""
-    body = mm.task(lambda w, x: jnp.tanh(x @ w), name="layer", **options)
+    body = mm.task(lambda w, x: _layer(x, w), name="layer", **options)
     return (lambda w, x: jnp.sum(body(w, x) ** 2)), (lambda x: body(W, x)), W
 
 
@@ -122,6 +127,15 @@ def test_an_eager_call_leaves_the_result_on_the_submesh(kind):
     _, call, _ = KINDS[kind](mesh=MESH)
     out = call(X)
     assert _ids(out) == {5}
+    np.testing.assert_allclose(out, jnp.tanh(X @ W), **TOL)
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_an_eager_call_runs_op_by_op_on_the_whole_submesh(kind):
+    # Eagerly a task runs with transforms off: its constraint does not shard the result.
+    _, call, _ = KINDS[kind](mesh=mm.TaskMesh(devices=[4, 5], axis_names=("batch",)))
+    out = call(X)
+    assert _ids(out) == {4, 5} and out.sharding.is_fully_replicated
     np.testing.assert_allclose(out, jnp.tanh(X @ W), **TOL)
 
 

@@ -170,7 +170,7 @@ def call_on_arrays(
     the array leaves of the arguments (and of the result) as its only inputs (and outputs).
 
     Everything else is closed over, as a plain call would see it. :func:`call_recomputed` hands a
-    checkpoint to it; an eager task call hands it a one-task ``jit`` program.
+    checkpoint to it.
 
     Example:
         >>> call_on_arrays(lambda x, n: x * n, (np.ones(2), 3), {}, jax.jit).tolist()

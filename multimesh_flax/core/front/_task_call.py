@@ -3,17 +3,15 @@
 
 A frontend describes its call as a :class:`TaskCall` -- the body, how the recomputation
 checkpoint reaches the body's variables, which trees besides the arguments reveal a trace,
-how it runs as a one-task program -- and hands it to :func:`call_task`, which decides, in this
+how it runs eagerly -- and hands it to :func:`call_task`, which decides, in this
 order:
 
 1. **under** ``ignore_transforms``: the body itself, nothing else;
 2. **eager** (no trace session, and JAX traces nothing): the frontend's ``eager`` runner.
-   Every kind computes the plain computation's values with the result on the task's
-   submesh. A function runs as a *one-task program* compiled with ``jit`` (inputs move to
-   the submesh, constraints resolve through the task's rules); a module runs op by op with
-   transforms off, its array arguments moved onto the submesh (Linen: next to its
-   committed variables, where those already are), so constraints inside it do not shard
-   the result;
+   Every kind runs the same way: op by op with transforms off, on the task's submesh, its
+   array arguments moved there (:func:`call_on_submesh`; a Linen module's next to its
+   committed variables, where those already are). The result is the plain computation's
+   values, replicated on the submesh: constraints inside the task do not shard it;
 3. **traced by a transformation that is not ours** (``jax.jit``, ``jax.grad``, ``nnx.jit``
    outside ``multimesh_flax.jit``): when the call's arguments or the module's variables are
    tracers, a ``PlacementWarning`` naming ``multimesh_flax.jit`` (none inside
@@ -56,7 +54,6 @@ from multimesh_flax.core.declare import (
     ignore_transforms,
     jax_transform,
 )
-from multimesh_flax.core.front._jit import jit
 from multimesh_flax.core.trace import (
     ResolvedTask,
     abstract_mesh,
@@ -84,9 +81,8 @@ class TaskCall:
     Attributes:
         spec: the task, with its display name filled in.
         body: the wrapped computation, ``body(*args, **kwargs)``.
-        eager: runs the call outside every trace (``args, kwargs -> result``): a
-            one-task program for functions (:func:`one_task_program`), op by op on the
-            submesh for modules.
+        eager: runs the call outside every trace (``args, kwargs -> result``): op by op
+            on the task's submesh (:func:`eager_on_submesh` for functions).
         transform: how the recomputation checkpoint wraps the body
             (:func:`~multimesh_flax.core.declare._recompute.jax_transform` for functions; the
             Linen and NNX transforms pass the module's variables in).
@@ -242,14 +238,11 @@ def _refuses_auto_axes(error: Exception, resolved: ResolvedTask) -> bool:
     return "of type Auto" in text or "AxisType.Auto" in text
 
 
-def one_task_program(program: Callable[..., Any]) -> EagerRunner:
-    """An eager runner that calls ``program(*args, **kwargs)`` compiled once with ``jit``
-    (and kept): a function task's eager call, ``program`` being the task function itself."""
-    compiled: list[Any] = []
+def eager_on_submesh(spec: Task, fun: Callable[..., Any]) -> EagerRunner:
+    """A function task's eager runner: ``fun`` op by op on the task's submesh
+    (:func:`call_on_submesh`), as a module task's eager call runs."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not compiled:
-            compiled.append(jit(program))
-        return compiled[0](*args, **kwargs)
+        return call_on_submesh(resolve_task(spec, spec.name or "task"), fun, args, kwargs)
 
     return run

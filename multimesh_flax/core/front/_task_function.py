@@ -1,8 +1,8 @@
 """``task(fun, ...)``: a function that runs as a task.
 
 The adapter of a function to the one task call (``front/_task_call``): the body is the
-function, the recomputation checkpoint is ``jax.checkpoint``, and called eagerly it runs as a
-one-task program compiled once with ``jit`` (and kept). Everything else -- placement, rules,
+function, the recomputation checkpoint is ``jax.checkpoint``, and called eagerly it runs op
+by op on the task's submesh. Everything else -- placement, rules,
 recomputation, the foreign-trace warning, errors -- is ``_task_call.call_task``'s, the same for
 Linen and NNX modules.
 """
@@ -25,8 +25,8 @@ def task(
     """Wraps ``fun`` so that it (forward and backward) runs on the task's submesh.
 
     Inside ``jit``/``parallelize`` the task becomes its own units of the MPMD program. Called
-    eagerly, the task runs as a one-task program: inputs move to its submesh and the result
-    stays there. Under ``ignore_transforms`` it is ``fun`` itself.
+    eagerly, it runs op by op on the task's submesh: inputs move there (replicated) and the
+    result stays there. Under ``ignore_transforms`` it is ``fun`` itself.
 
     Args:
         fun: the function to run as a task.
@@ -72,7 +72,7 @@ def task(
         return _task_call.call_task(task_call, args, kw)
 
     task_call = _task_call.TaskCall(
-        spec=spec, body=fun, eager=_task_call.one_task_program(run_task)
+        spec=spec, body=fun, eager=_task_call.eager_on_submesh(spec, fun)
     )
     run_task.task = declared  # type: ignore[attr-defined]
     return run_task
