@@ -32,8 +32,10 @@ import argparse
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -106,6 +108,27 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[SMOKE_VAR] = "1"
         args.quick = True
     configure_devices()
+    cache = _smoke_cache() if args.smoke else None
+    try:
+        return _run_sections(args, wanted)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def _smoke_cache() -> str:
+    """A smoke run's own compilation cache: a new temporary directory (removed at the end),
+    so that the sections that build the same small programs (B1, B2, B4, B7) load them
+    instead of compiling them again (a smoke run's numbers are not measurements). Child
+    processes keep their own settings."""
+    import multimesh_flax as mm
+
+    directory = tempfile.mkdtemp(prefix="mmflax-bench-smoke-xla-")
+    mm.enable_compilation_cache(directory)
+    return directory
+
+
+def _run_sections(args: argparse.Namespace, wanted: list[str]) -> int:
     from benchmarks import _common, report
 
     out = Path(args.out)
