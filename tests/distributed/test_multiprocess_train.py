@@ -31,7 +31,7 @@ TRAIN = [
     *("--stages", "2", "--data", "2", "--tensor", "2"),
     *("--microbatches", "4", "--schedule", "1f1b", "--steps", "5"),
     *("--batch-size", "8", "--seq-len", "32", "--warmup", "5", "--log-every", "1"),
-    *("--compile-cache", "off", "--no-samples"),
+    "--no-samples",
 ]
 
 
