@@ -39,6 +39,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from multimesh_flax.core.declare import _zb_rounds
 from multimesh_flax.core.declare._costs import CostFn
 from multimesh_flax.core.declare._schedule_ops import ScheduleOp, op_deps
 
@@ -129,7 +130,12 @@ class _State:
 
 
 def list_schedule(
-    stage_to_row: Sequence[int], m: int, cost: CostFn, limit: int, policy: Policy
+    stage_to_row: Sequence[int],
+    m: int,
+    cost: CostFn,
+    limit: float,
+    policy: Policy,
+    w_share: float = 1.0,
 ) -> Rows:
     """Builds every row's order by simulating the heuristic with ``cost``.
 
@@ -141,7 +147,8 @@ def list_schedule(
     state = _State(tuple(stage_to_row), m, cost)
     num_rows = max(stage_to_row) + 1
     stages = [[s for s, r in enumerate(stage_to_row) if r == row] for row in range(num_rows)]
-    free, live = [0.0] * num_rows, [0] * num_rows
+    free, live = [0.0] * num_rows, [0.0] * num_rows
+    change = {"F": 1.0, "B": w_share - 1.0, "W": -w_share}
     out: Rows = [[] for _ in range(num_rows)]
     picks: list[tuple[float, ScheduleOp] | None] = [None] * num_rows
     stale = set(range(num_rows))
@@ -152,7 +159,7 @@ def list_schedule(
         start, op = picks[row]  # type: ignore[misc]
         state.end[op] = free[row] = start + cost(op.stage, op.phase)
         state.done[(op.stage, op.phase)] = op.microbatch + 1
-        live[row] += {"F": 1, "B": 0, "W": -1}[op.phase]
+        live[row] += change[op.phase]
         out[row].append(op)
         near = (s for s in (op.stage - 1, op.stage + 1) if 0 <= s < len(stage_to_row))
         stale = {row, *(stage_to_row[s] for s in near)}
@@ -160,7 +167,7 @@ def list_schedule(
 
 
 def _pick(
-    state: _State, row: int, stages: list[int], free: float, room: int, policy: Policy
+    state: _State, row: int, stages: list[int], free: float, room: float, policy: Policy
 ) -> tuple[float, ScheduleOp] | None:
     """The op ``row`` runs next and its start, or ``None`` if it must wait for others.
 
@@ -172,7 +179,7 @@ def _pick(
     timed: dict[str, list[tuple[float, ScheduleOp]]] = {"B": [], "F": []}
     for phase in ("B", "F"):
         for s in order:
-            if phase == "F" and sum(t >= s for t in stages) > room:
+            if phase == "F" and sum(t >= s for t in stages) > room + 1e-9:
                 continue
             op = state.next_op(s, phase)
             ready = None if op is None else state.ready_at(op, row)
@@ -231,10 +238,13 @@ def row_spans(rows: Rows, stage_to_row: Sequence[int], cost: CostFn) -> tuple[li
     return spans, max(free, default=0.0)
 
 
-def auto_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
-    """The best order for ``cost`` within ``limit`` activation sets per row (one stage each)."""
+def auto_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0) -> Rows:
+    """The best order for ``cost`` within ``limit`` activation sets per row (one stage each):
+    the paper's round-by-round heuristic (``_zb_rounds``), the list scheduler's policies, and
+    ZB-H1 and ZB-H2 where they fit, each timed with ``cost``."""
     layout = tuple(range(rows))
-    candidates = [list_schedule(layout, m, cost, limit, policy) for policy in POLICIES]
+    candidates = _zb_rounds.round_variants(rows, m, cost, limit, w_share)
+    candidates += [list_schedule(layout, m, cost, limit, pol, w_share) for pol in POLICIES]
     if limit >= rows:
         candidates.append(zb_h1_rows(rows, m))
     if limit >= 2 * rows - 1:
@@ -242,10 +252,10 @@ def auto_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
     return best_of(candidates, layout, cost)
 
 
-def v_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
+def v_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0) -> Rows:
     """The best order of the heuristic on the V for ``cost`` within ``limit`` sets per row."""
     layout = v_layout(rows)
-    candidates = [list_schedule(layout, m, cost, limit, policy) for policy in POLICIES]
+    candidates = [list_schedule(layout, m, cost, limit, pol, w_share) for pol in POLICIES]
     return best_of(candidates, layout, cost)
 
 
