@@ -39,7 +39,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from multimesh_flax.core.declare import _zb_rounds
+from multimesh_flax.core.declare import _zb_rounds, _zb_v
 from multimesh_flax.core.declare._costs import CostFn
 from multimesh_flax.core.declare._schedule_ops import ScheduleOp, op_deps
 
@@ -244,7 +244,11 @@ def auto_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0)
     ZB-H1 and ZB-H2 where they fit, each timed with ``cost``."""
     layout = tuple(range(rows))
     candidates = _zb_rounds.round_variants(rows, m, cost, limit, w_share)
-    candidates += [list_schedule(layout, m, cost, limit, pol, w_share) for pol in POLICIES]
+    ideal = next((c for c in candidates if no_idle(c, layout, cost)), None)
+    if ideal is not None:
+        return ideal
+    one_stage = [pol for pol in POLICIES if pol.deep_first]  # the same orders either way
+    candidates += [list_schedule(layout, m, cost, limit, pol, w_share) for pol in one_stage]
     if limit >= rows:
         candidates.append(zb_h1_rows(rows, m))
     if limit >= 2 * rows - 1:
@@ -253,10 +257,34 @@ def auto_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0)
 
 
 def v_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0) -> Rows:
-    """The best order of the heuristic on the V for ``cost`` within ``limit`` sets per row."""
+    """The best V order for ``cost`` within ``limit`` half-size sets per row: the paper's
+    ZB-V (``_zb_v``) where it fits, and the list scheduler's policies."""
     layout = v_layout(rows)
+    paper = _zb_v.zb_v_rows(rows, m, cost)
+    fits = paper is not None and max(peak_sets(r, w_share) for r in paper) <= limit + 1e-9
+    if fits and no_idle(paper, layout, cost):  # type: ignore[arg-type]
+        return paper  # type: ignore[return-value]
     candidates = [list_schedule(layout, m, cost, limit, pol, w_share) for pol in POLICIES]
-    return best_of(candidates, layout, cost)
+    return best_of([paper, *candidates] if fits else candidates, layout, cost)  # type: ignore[list-item]
+
+
+def no_idle(rows: Rows, layout: Sequence[int], cost: CostFn) -> bool:
+    """Whether every row of ``rows`` is busy from its first op to its last (no order can
+    have a shorter longest row)."""
+    spans, _ = row_spans(rows, layout, cost)
+    busy = [sum(cost(op.stage, op.phase) for op in row) for row in rows]
+    return all(span <= b * (1 + 1e-12) + 1e-12 for span, b in zip(spans, busy, strict=True))
+
+
+def peak_sets(row: Sequence[ScheduleOp], w_share: float = 1.0) -> float:
+    """The most activation sets ``row`` holds at once: an ``F`` takes one, its ``B`` frees
+    all but ``w_share`` of it and its ``W`` the rest."""
+    change = {"F": 1.0, "B": w_share - 1.0, "W": -w_share}
+    live = peak = 0.0
+    for op in row:
+        live += change[op.phase]
+        peak = max(peak, live)
+    return peak
 
 
 def best_of(candidates: list[Rows], layout: Sequence[int], cost: CostFn) -> Rows:
