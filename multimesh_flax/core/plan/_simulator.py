@@ -225,7 +225,7 @@ def _peak_live(
     live = peak = 0
     for op in ops:
         size = 1 if sizes is None else sizes[op.stage]
-        kept = w_share if sizes is not None and schedule.split_backward else 1.0
+        kept = w_share if sizes is not None and schedule.split_backward else 1
         if op.phase == "F":
             live += size
             peak = max(peak, live)
