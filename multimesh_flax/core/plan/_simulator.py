@@ -232,5 +232,5 @@ def _peak_live(
         elif op.phase == last:
             live -= size * kept
         elif op.phase == "B":
-            live -= size * (1.0 - kept)
+            live -= size * (1 - kept)
     return peak
