@@ -130,18 +130,19 @@ def make_schedule(
       - ``"zero-bubble-h2"``: ZB-H2, ``2 R - 1`` sets per row; a free row runs its next
         ready ``B``, else its next ``F`` while memory allows, else a pending ``W``.
         Bubble ``(R - 1)(T_F + T_B - 2 T_W)``, none with equal costs. One stage per row.
-      - ``"zero-bubble-auto"``: the paper's automatic scheduler (its heuristic) for
-        ``costs`` (as ``simulate`` takes them; default unit costs) within
-        ``max_in_flight`` sets per row (default ``R``, ZB-1p; ``2 R`` is ZB-2p). It
-        simulates the heuristic's variants, and ZB-H1 and ZB-H2 where they fit, and keeps
-        the order whose longest row is shortest. One stage per row.
-      - ``"zero-bubble-v"``: ZB-V (Qi et al., "Pipeline Parallelism with Controllable
-        Memory", 2024): ``2 R`` stages on a V, stage ``s`` and ``2 R - 1 - s`` on row
-        ``s``, so each microbatch turns on the last row and ends where it began. The same
-        heuristic's best variant for ``costs`` (default unit costs) within
-        ``max_in_flight`` (default ``2 R``) half-size sets per row: 1F1B's activation
-        memory. With equal costs its longest row still idles a few op-times (``R - 1``
-        for ``R <= 4``), where the paper's hand-built ZB-V idles none.
+      - ``"zero-bubble-auto"``: the paper's automatic scheduler (its heuristic, with its
+        grid of options) for ``costs`` (as ``simulate`` takes them; default unit costs)
+        within ``max_in_flight`` sets per row (default ``R``, ZB-1p; ``2 R`` is ZB-2p),
+        counting a set waiting for its ``W`` as ``w_memory`` of one. It also times the list
+        scheduler's variants, and ZB-H1 and ZB-H2 where they fit, and keeps the order whose
+        longest row is shortest. One stage per row.
+      - ``"zero-bubble-v"``: ZB-V (the same paper, section 6): ``2 R`` stages on a V, stage
+        ``s`` and ``2 R - 1 - s`` on row ``s``, so each microbatch turns on the last row
+        and ends where it began. Each row runs ``2 R - 1`` warm-up forwards, then groups
+        of ``F``, ``B``, ``W`` of one chunk, then the remaining ``B`` and ``W``. With equal
+        costs and ``m >= 2 R`` no row idles, and a row holds at most ``2 R`` half-size
+        sets: 1F1B's activation memory. For other ``costs`` the heuristic's variants on
+        the V compete with it within ``max_in_flight`` (default ``2 R``) sets per row.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any

@@ -13,21 +13,19 @@ bubbles. This module builds the orders; ``_schedules.make_schedule`` wraps them.
   that is free runs its next ready ``B``; else its next ready ``F`` while it holds fewer
   than ``limit`` activation sets; else a pending ``W`` to fill the gap. A :class:`Policy`
   fixes the choices the heuristic leaves open. ZB-H2 is this with unit costs and
-  ``2 R - 1`` sets; ZB-V is this on the V layout (stage ``s`` and ``2 R - 1 - s`` on row
-  ``s``) with ``2 R`` half-size sets, 1F1B's memory, for the given costs.
-* :func:`auto_rows`: the automatic schedule for given costs and memory limit: every policy
-  and, where the limit allows them, ZB-H1 and ZB-H2, timed with the costs; the order whose
-  longest row is shortest wins (then the shortest makespan). :func:`v_rows` does the same
-  on the V.
+  ``2 R - 1`` sets; on the V layout (stage ``s`` and ``2 R - 1 - s`` on row ``s``) its
+  variants are ZB-V's alternatives for uneven costs.
+* :func:`auto_rows`: the automatic schedule for given costs and memory limit: the paper's
+  round-by-round heuristic (``_zb_rounds``, its grid of options), the list scheduler's
+  policies and, where the limit allows them, ZB-H1 and ZB-H2, timed with the costs; the
+  order whose longest row is shortest wins (then the shortest makespan). With the paper's
+  profiled costs and memory accounting it gives its Table 5's ZB-1p and ZB-2p bubbles.
+  :func:`v_rows` does the same on the V, with the paper's ZB-V (``_zb_v``) first: no
+  bubble with equal costs and ``m >= 2 R``, at 1F1B's activation memory.
 
-Known limit: the published ZB-V has no bubble with equal costs at 1F1B's memory; our heuristic
-on the V leaves a few idle op-times on the longest row (in our runs ``R - 1`` for ``R`` = 2
-and 4, 10 for ``R = 8``, whatever ``m``), below interleaved 1F1B and ZB-H1 but not zero. An
-exhaustive search finds zero-bubble V orders for ``R = 2``, so the heuristic, not the layout,
-falls short. ``max_in_flight = 3 R`` narrows the gap (none left for ``R <= 4``).
-
-An activation set lives from its ``F`` to its ``W``. A row's *span* runs from its first
-op's start to its last op's end; when steps overlap (the paper updates each stage's
+An activation set lives from its ``F`` to its ``W``; with ``w_share`` < 1 (the paper's
+``M_W / M_B``) it counts as that share of a set from its ``B`` on. A row's *span* runs
+from its first op's start to its last op's end; when steps overlap (the paper updates each stage's
 weights without waiting for the others, section 4), the longest span is the step time, and
 that is the bubble the paper's Table 2 gives.
 """
