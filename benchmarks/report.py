@@ -289,6 +289,19 @@ def _b6(data: dict[str, Any]) -> list[dict]:
                 exact == len(entries),
             )
         )
+    paper = data.get("table5", [])
+    if paper:
+        met = sum(bool(e["met"]) for e in paper)
+        rows.append(
+            _row(
+                "B6",
+                "Zero Bubble Table 5 from its Table 9 inputs: 1F1B, ZB-H1, ZB-H2 equal at 4 "
+                "decimals, ZB-1p/ZB-2p no worse within p/2p M_B (setups)",
+                f"{met} / {len(paper)}",
+                "all",
+                met == len(paper),
+            )
+        )
     return rows
 
 

@@ -121,11 +121,12 @@ def test_new_zero_bubble_schedules_match_full_batch(schedule):
 
 
 def test_pipeline_options_take_the_schedule_its_costs_and_memory_limit():
-    """One ``PipelineOptions`` record: the count instead of a size, and the costs and
-    activation-set limit that ``"zero-bubble-auto"`` orders for reach ``make_schedule``."""
+    """One ``PipelineOptions`` record: the count instead of a size, and the costs,
+    activation-set limit and ``w_memory`` that ``"zero-bubble-auto"`` orders for reach
+    ``make_schedule``."""
     costs, m = {"F": 1.0, "B": 2.0, "W": 0.5}, 8
     options = mm.PipelineOptions(
-        microbatches=m, schedule="zero-bubble-auto", costs=costs, max_in_flight=8
+        microbatches=m, schedule="zero-bubble-auto", costs=costs, max_in_flight=8, w_memory=0.5
     )
     loss, params, batch = _chain(4, 4)
     step = mm.jit(
@@ -133,7 +134,7 @@ def test_pipeline_options_take_the_schedule_its_costs_and_memory_limit():
     )
     _assert_trees_close(step(params, batch), _reference(loss, params, batch))
     built = step.executable(params, batch).schedule
-    wanted = mm.make_schedule("zero-bubble-auto", 4, m, costs=costs, max_in_flight=8)
+    wanted = mm.make_schedule("zero-bubble-auto", 4, m, costs=costs, max_in_flight=8, w_memory=0.5)
     assert built.rows == wanted.rows
     assert built.rows != mm.make_schedule("zero-bubble-auto", 4, m).rows  # the costs mattered
 
@@ -146,7 +147,7 @@ def test_pipeline_options_take_the_schedule_its_costs_and_memory_limit():
         (
             None,
             mm.PipelineOptions(microbatches=4, schedule="1f1b", costs={"F": 2.0}),
-            "`costs` and `max_in_flight` shape",
+            "`costs`, `max_in_flight` and `w_memory` shape",
         ),
         (None, {"microbatches": 4}, "Expected `pipeline` to be a PipelineOptions"),
     ],

@@ -156,6 +156,21 @@ def test_bad_activation_bytes(value):
         simulate(make_schedule("1f1b", 2, 2), activation_bytes=value)
 
 
+@pytest.mark.parametrize("value", [-0.1, 2, True, None])
+def test_bad_w_memory_in_simulate(value):
+    with pytest.raises(errors.InvalidScheduleError, match="`w_memory`"):
+        simulate(make_schedule("zero-bubble-h1", 2, 2), w_memory=value)
+
+
+def test_w_memory_in_peak_bytes():
+    """ZB-H1 by the paper's Table 2: row i holds (p - i + 1) M_B + (i - 1) M_W at its peak
+    (i from 1), so p M_B on the first row whatever M_W."""
+    p, m, share = 4, 8, 0.25
+    result = simulate(make_schedule("zero-bubble-h1", p, m), activation_bytes=1.0, w_memory=share)
+    expected = [(p - i + 1) + (i - 1) * share for i in range(1, p + 1)]
+    np.testing.assert_allclose(result.peak_bytes, expected, rtol=0, atol=EXACT)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -166,6 +181,9 @@ def test_bad_activation_bytes(value):
         ({"name": "zero-bubble-v", "num_submeshes": 4}, "two stages per submesh"),
         ({"name": "zero-bubble-h1", "num_submeshes": 2}, "one stage per submesh"),
         ({"name": "zero-bubble-auto", "costs": {"X": 1.0}}, "Unknown keys"),
+        ({"name": "zero-bubble-h1", "w_memory": 0.5}, "`w_memory` applies"),
+        ({"name": "zero-bubble-auto", "w_memory": 1.5}, r"`w_memory` to be a number in \[0, 1\]"),
+        ({"name": "zero-bubble-v", "w_memory": "half"}, r"`w_memory` to be a number in \[0, 1\]"),
     ],
 )
 def test_bad_zero_bubble_arguments(kwargs, match):

@@ -27,6 +27,9 @@ class PipelineOptions:
             ``"zero-bubble-auto"`` and ``"zero-bubble-v"`` order for; default unit costs.
         max_in_flight: activation sets a submesh may hold, for ``"zero-bubble-auto"`` and
             ``"zero-bubble-v"`` (default: 1F1B's).
+        w_memory: for those two, the share of an activation set kept from its ``B`` to its
+            ``W`` (the Zero Bubble paper's ``M_W / M_B``); ``max_in_flight`` counts a set
+            waiting for its ``W`` as this share. Default: a whole set.
         num_stages: the expected number of stages (checked against the tasks found).
 
     Example:
@@ -44,6 +47,7 @@ class PipelineOptions:
     costs: Mapping[str, float] | CostFn | None = None
     max_in_flight: int | None = None
     num_stages: int | None = None
+    w_memory: float | None = None
 
 
 def pipeline_options(

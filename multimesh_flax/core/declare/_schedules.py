@@ -103,6 +103,7 @@ def make_schedule(
     custom: Sequence[Sequence[ScheduleOp | str | tuple[int, int, str]]] | None = None,
     costs: Mapping[str, float] | CostFn | None = None,
     max_in_flight: int | None = None,
+    w_memory: float | None = None,
 ) -> Schedule:
     """Builds a named pipeline schedule and validates it.
 
@@ -129,18 +130,19 @@ def make_schedule(
       - ``"zero-bubble-h2"``: ZB-H2, ``2 R - 1`` sets per row; a free row runs its next
         ready ``B``, else its next ``F`` while memory allows, else a pending ``W``.
         Bubble ``(R - 1)(T_F + T_B - 2 T_W)``, none with equal costs. One stage per row.
-      - ``"zero-bubble-auto"``: the paper's automatic scheduler (its heuristic) for
-        ``costs`` (as ``simulate`` takes them; default unit costs) within
-        ``max_in_flight`` sets per row (default ``R``, ZB-1p; ``2 R`` is ZB-2p). It
-        simulates the heuristic's variants, and ZB-H1 and ZB-H2 where they fit, and keeps
-        the order whose longest row is shortest. One stage per row.
-      - ``"zero-bubble-v"``: ZB-V (Qi et al., "Pipeline Parallelism with Controllable
-        Memory", 2024): ``2 R`` stages on a V, stage ``s`` and ``2 R - 1 - s`` on row
-        ``s``, so each microbatch turns on the last row and ends where it began. The same
-        heuristic's best variant for ``costs`` (default unit costs) within
-        ``max_in_flight`` (default ``2 R``) half-size sets per row: 1F1B's activation
-        memory. With equal costs its longest row still idles a few op-times (``R - 1``
-        for ``R <= 4``), where the paper's hand-built ZB-V idles none.
+      - ``"zero-bubble-auto"``: the paper's automatic scheduler (its heuristic, with its
+        grid of options) for ``costs`` (as ``simulate`` takes them; default unit costs)
+        within ``max_in_flight`` sets per row (default ``R``, ZB-1p; ``2 R`` is ZB-2p),
+        counting a set waiting for its ``W`` as ``w_memory`` of one. It also times the list
+        scheduler's variants, and ZB-H1 and ZB-H2 where they fit, and keeps the order whose
+        longest row is shortest. One stage per row.
+      - ``"zero-bubble-v"``: ZB-V (the same paper, section 6): ``2 R`` stages on a V, stage
+        ``s`` and ``2 R - 1 - s`` on row ``s``, so each microbatch turns on the last row
+        and ends where it began. Each row runs ``2 R - 1`` warm-up forwards, then groups
+        of ``F``, ``B``, ``W`` of one chunk, then the remaining ``B`` and ``W``. With equal
+        costs and ``m >= 2 R`` no row idles, and a row holds at most ``2 R`` half-size
+        sets: 1F1B's activation memory. For other ``costs`` the heuristic's variants on
+        the V compete with it within ``max_in_flight`` (default ``2 R``) sets per row.
     * ``"custom"``: the order given in ``custom``, one sequence per row. An entry is a
       :class:`ScheduleOp`, a string ``"<phase><stage>.<microbatch>"`` such as ``"F0.3"``,
       or a tuple ``(stage, microbatch, phase)``. The backward counts as split when any
@@ -158,6 +160,11 @@ def make_schedule(
         ``simulate`` takes them.
       max_in_flight: Activation sets a row may hold, for ``"zero-bubble-auto"`` and
         ``"zero-bubble-v"``.
+      w_memory: For ``"zero-bubble-auto"`` and ``"zero-bubble-v"``: the share of an
+        activation set a stage still holds between its ``B`` and its ``W`` (the inputs and
+        output gradients ``W`` needs; the paper's ``M_W / M_B``, about 0.4 for GPT-like
+        layers). ``max_in_flight`` then counts a set waiting for its ``W`` as this share.
+        Default 1: a set counts whole until its ``W``.
 
     Returns:
       A validated :class:`Schedule`.
@@ -197,7 +204,7 @@ def make_schedule(
         chunks,
         num_microbatches,
         custom,
-        *_zb_options(name, chunks, costs, max_in_flight),
+        *_zb_options(name, chunks, costs, max_in_flight, w_memory),
     )
     rows, split = builder(request)
     stage_to_row = stage_rows(name, num_stages, rows_count)
@@ -221,9 +228,10 @@ def stage_rows(name: str, num_stages: int, num_submeshes: int) -> tuple[int, ...
 
 
 def _zb_options(
-    name: str, chunks: int, costs: object, max_in_flight: int | None
-) -> tuple[CostFn, int | None]:
-    """Checks ``costs`` and ``max_in_flight`` against ``name``; returns them for a builder."""
+    name: str, chunks: int, costs: object, max_in_flight: int | None, w_memory: object
+) -> tuple[CostFn, int | None, float]:
+    """Checks ``costs``, ``max_in_flight`` and ``w_memory`` against ``name``; returns them for
+    a builder."""
     if costs is not None and name not in ("zero-bubble-auto", *_V_SHAPED):
         raise errors.InvalidScheduleError(
             f"`costs` shapes only 'zero-bubble-auto' and 'zero-bubble-v' (the others are "
@@ -241,7 +249,25 @@ def _zb_options(
                 f"Expected `max_in_flight` >= {chunks} (the stages per submesh: a microbatch "
                 f"holds one activation set on each), got {max_in_flight}."
             )
-    return make_cost_fn(costs), max_in_flight
+    return make_cost_fn(costs), max_in_flight, _w_share(name, w_memory)
+
+
+def _w_share(name: str, w_memory: object) -> float:
+    """``w_memory`` checked: a number in [0, 1] for the cost-driven schedules; default 1."""
+    if w_memory is None:
+        return 1.0
+    if name not in ("zero-bubble-auto", *_V_SHAPED):
+        raise errors.InvalidScheduleError(
+            f"`w_memory` applies to 'zero-bubble-auto' and 'zero-bubble-v', got `name`="
+            f"{name!r}. Drop it, or use one of those schedules."
+        )
+    number = isinstance(w_memory, (int, float)) and not isinstance(w_memory, bool)
+    if not number or not 0.0 <= w_memory <= 1.0:
+        raise errors.InvalidScheduleError(
+            f"Expected `w_memory` to be a number in [0, 1] (the share of an activation set "
+            f"kept from B to W), got {w_memory!r}."
+        )
+    return float(w_memory)
 
 
 def _check_positive(**values: object) -> None:
@@ -313,6 +339,7 @@ class _Request(NamedTuple):
     custom: Any = None
     cost: CostFn = unit_cost
     limit: int | None = None
+    w_share: float = 1.0
 
 
 def _gpipe_rows(req: _Request) -> tuple[_Rows, bool]:
@@ -391,12 +418,12 @@ def _zb_h2_rows(req: _Request) -> tuple[_Rows, bool]:
 
 def _zb_auto_rows(req: _Request) -> tuple[_Rows, bool]:
     limit = req.rows if req.limit is None else req.limit
-    return _zero_bubble.auto_rows(req.rows, req.m, req.cost, limit), True
+    return _zero_bubble.auto_rows(req.rows, req.m, req.cost, limit, req.w_share), True
 
 
 def _zb_v_rows(req: _Request) -> tuple[_Rows, bool]:
     limit = 2 * req.rows if req.limit is None else req.limit
-    return _zero_bubble.v_rows(req.rows, req.m, req.cost, limit), True
+    return _zero_bubble.v_rows(req.rows, req.m, req.cost, limit, req.w_share), True
 
 
 def _custom_rows(req: _Request) -> tuple[_Rows, bool]:

@@ -13,21 +13,19 @@ bubbles. This module builds the orders; ``_schedules.make_schedule`` wraps them.
   that is free runs its next ready ``B``; else its next ready ``F`` while it holds fewer
   than ``limit`` activation sets; else a pending ``W`` to fill the gap. A :class:`Policy`
   fixes the choices the heuristic leaves open. ZB-H2 is this with unit costs and
-  ``2 R - 1`` sets; ZB-V is this on the V layout (stage ``s`` and ``2 R - 1 - s`` on row
-  ``s``) with ``2 R`` half-size sets, 1F1B's memory, for the given costs.
-* :func:`auto_rows`: the automatic schedule for given costs and memory limit: every policy
-  and, where the limit allows them, ZB-H1 and ZB-H2, timed with the costs; the order whose
-  longest row is shortest wins (then the shortest makespan). :func:`v_rows` does the same
-  on the V.
+  ``2 R - 1`` sets; on the V layout (stage ``s`` and ``2 R - 1 - s`` on row ``s``) its
+  variants are ZB-V's alternatives for uneven costs.
+* :func:`auto_rows`: the automatic schedule for given costs and memory limit: the paper's
+  round-by-round heuristic (``_zb_rounds``, its grid of options), the list scheduler's
+  policies and, where the limit allows them, ZB-H1 and ZB-H2, timed with the costs; the
+  order whose longest row is shortest wins (then the shortest makespan). With the paper's
+  profiled costs and memory accounting it gives its Table 5's ZB-1p and ZB-2p bubbles.
+  :func:`v_rows` does the same on the V, with the paper's ZB-V (``_zb_v``) first: no
+  bubble with equal costs and ``m >= 2 R``, at 1F1B's activation memory.
 
-Known limit: the published ZB-V has no bubble with equal costs at 1F1B's memory; our heuristic
-on the V leaves a few idle op-times on the longest row (in our runs ``R - 1`` for ``R`` = 2
-and 4, 10 for ``R = 8``, whatever ``m``), below interleaved 1F1B and ZB-H1 but not zero. An
-exhaustive search finds zero-bubble V orders for ``R = 2``, so the heuristic, not the layout,
-falls short. ``max_in_flight = 3 R`` narrows the gap (none left for ``R <= 4``).
-
-An activation set lives from its ``F`` to its ``W``. A row's *span* runs from its first
-op's start to its last op's end; when steps overlap (the paper updates each stage's
+An activation set lives from its ``F`` to its ``W``; with ``w_share`` < 1 (the paper's
+``M_W / M_B``) it counts as that share of a set from its ``B`` on. A row's *span* runs
+from its first op's start to its last op's end; when steps overlap (the paper updates each stage's
 weights without waiting for the others, section 4), the longest span is the step time, and
 that is the bubble the paper's Table 2 gives.
 """
@@ -39,6 +37,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
+from multimesh_flax.core.declare import _zb_rounds, _zb_v
 from multimesh_flax.core.declare._costs import CostFn
 from multimesh_flax.core.declare._schedule_ops import ScheduleOp, op_deps
 
@@ -129,7 +128,12 @@ class _State:
 
 
 def list_schedule(
-    stage_to_row: Sequence[int], m: int, cost: CostFn, limit: int, policy: Policy
+    stage_to_row: Sequence[int],
+    m: int,
+    cost: CostFn,
+    limit: float,
+    policy: Policy,
+    w_share: float = 1.0,
 ) -> Rows:
     """Builds every row's order by simulating the heuristic with ``cost``.
 
@@ -141,7 +145,8 @@ def list_schedule(
     state = _State(tuple(stage_to_row), m, cost)
     num_rows = max(stage_to_row) + 1
     stages = [[s for s, r in enumerate(stage_to_row) if r == row] for row in range(num_rows)]
-    free, live = [0.0] * num_rows, [0] * num_rows
+    free, live = [0.0] * num_rows, [0.0] * num_rows
+    change = {"F": 1.0, "B": w_share - 1.0, "W": -w_share}
     out: Rows = [[] for _ in range(num_rows)]
     picks: list[tuple[float, ScheduleOp] | None] = [None] * num_rows
     stale = set(range(num_rows))
@@ -152,7 +157,7 @@ def list_schedule(
         start, op = picks[row]  # type: ignore[misc]
         state.end[op] = free[row] = start + cost(op.stage, op.phase)
         state.done[(op.stage, op.phase)] = op.microbatch + 1
-        live[row] += {"F": 1, "B": 0, "W": -1}[op.phase]
+        live[row] += change[op.phase]
         out[row].append(op)
         near = (s for s in (op.stage - 1, op.stage + 1) if 0 <= s < len(stage_to_row))
         stale = {row, *(stage_to_row[s] for s in near)}
@@ -160,7 +165,7 @@ def list_schedule(
 
 
 def _pick(
-    state: _State, row: int, stages: list[int], free: float, room: int, policy: Policy
+    state: _State, row: int, stages: list[int], free: float, room: float, policy: Policy
 ) -> tuple[float, ScheduleOp] | None:
     """The op ``row`` runs next and its start, or ``None`` if it must wait for others.
 
@@ -172,7 +177,7 @@ def _pick(
     timed: dict[str, list[tuple[float, ScheduleOp]]] = {"B": [], "F": []}
     for phase in ("B", "F"):
         for s in order:
-            if phase == "F" and sum(t >= s for t in stages) > room:
+            if phase == "F" and sum(t >= s for t in stages) > room + 1e-9:
                 continue
             op = state.next_op(s, phase)
             ready = None if op is None else state.ready_at(op, row)
@@ -231,10 +236,17 @@ def row_spans(rows: Rows, stage_to_row: Sequence[int], cost: CostFn) -> tuple[li
     return spans, max(free, default=0.0)
 
 
-def auto_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
-    """The best order for ``cost`` within ``limit`` activation sets per row (one stage each)."""
+def auto_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0) -> Rows:
+    """The best order for ``cost`` within ``limit`` activation sets per row (one stage each):
+    the paper's round-by-round heuristic (``_zb_rounds``), the list scheduler's policies, and
+    ZB-H1 and ZB-H2 where they fit, each timed with ``cost``."""
     layout = tuple(range(rows))
-    candidates = [list_schedule(layout, m, cost, limit, policy) for policy in POLICIES]
+    candidates = _zb_rounds.round_variants(rows, m, cost, limit, w_share)
+    ideal = next((c for c in candidates if no_idle(c, layout, cost)), None)
+    if ideal is not None:
+        return ideal
+    one_stage = [pol for pol in POLICIES if pol.deep_first]  # the same orders either way
+    candidates += [list_schedule(layout, m, cost, limit, pol, w_share) for pol in one_stage]
     if limit >= rows:
         candidates.append(zb_h1_rows(rows, m))
     if limit >= 2 * rows - 1:
@@ -242,11 +254,35 @@ def auto_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
     return best_of(candidates, layout, cost)
 
 
-def v_rows(rows: int, m: int, cost: CostFn, limit: int) -> Rows:
-    """The best order of the heuristic on the V for ``cost`` within ``limit`` sets per row."""
+def v_rows(rows: int, m: int, cost: CostFn, limit: int, w_share: float = 1.0) -> Rows:
+    """The best V order for ``cost`` within ``limit`` half-size sets per row: the paper's
+    ZB-V (``_zb_v``) where it fits, and the list scheduler's policies."""
     layout = v_layout(rows)
-    candidates = [list_schedule(layout, m, cost, limit, policy) for policy in POLICIES]
-    return best_of(candidates, layout, cost)
+    paper = _zb_v.zb_v_rows(rows, m, cost)
+    fits = paper is not None and max(peak_sets(r, w_share) for r in paper) <= limit + 1e-9
+    if fits and no_idle(paper, layout, cost):  # type: ignore[arg-type]
+        return paper  # type: ignore[return-value]
+    candidates = [list_schedule(layout, m, cost, limit, pol, w_share) for pol in POLICIES]
+    return best_of([paper, *candidates] if fits else candidates, layout, cost)  # type: ignore[list-item]
+
+
+def no_idle(rows: Rows, layout: Sequence[int], cost: CostFn) -> bool:
+    """Whether every row of ``rows`` is busy from its first op to its last (no order can
+    have a shorter longest row)."""
+    spans, _ = row_spans(rows, layout, cost)
+    busy = [sum(cost(op.stage, op.phase) for op in row) for row in rows]
+    return all(span <= b * (1 + 1e-12) + 1e-12 for span, b in zip(spans, busy, strict=True))
+
+
+def peak_sets(row: Sequence[ScheduleOp], w_share: float = 1.0) -> float:
+    """The most activation sets ``row`` holds at once: an ``F`` takes one, its ``B`` frees
+    all but ``w_share`` of it and its ``W`` the rest."""
+    change = {"F": 1.0, "B": w_share - 1.0, "W": -w_share}
+    live = peak = 0.0
+    for op in row:
+        live += change[op.phase]
+        peak = max(peak, live)
+    return peak
 
 
 def best_of(candidates: list[Rows], layout: Sequence[int], cost: CostFn) -> Rows:

@@ -344,6 +344,7 @@ def _region_schedule(region: Region) -> Schedule:
         custom=custom,
         costs=options.costs,
         max_in_flight=options.max_in_flight,
+        w_memory=options.w_memory,
     )
 
 

@@ -53,7 +53,8 @@ class SimulationResult:
         to ``bubble_fraction`` when the first row runs from the start to the end (GPipe,
         1F1B).
       peak_bytes: Per row, the largest activation bytes alive at once, when ``simulate``
-        is given ``activation_bytes``; else ``None``.
+        is given ``activation_bytes``; else ``None``. A split backward's set counts
+        ``w_memory`` of its bytes from its ``B`` to its ``W``.
 
     Example:
       >>> from multimesh_flax.core import make_schedule, simulate
@@ -80,6 +81,7 @@ def simulate(
     *,
     costs: Mapping[str, float] | CostFn | None = None,
     activation_bytes: float | Sequence[float] | None = None,
+    w_memory: float = 1.0,
 ) -> SimulationResult:
     """Predicts when every op of ``schedule`` runs, given per-op costs.
 
@@ -93,6 +95,8 @@ def simulate(
         When the backward is not split, a ``B`` op costs ``B + W``.
       activation_bytes: The bytes one activation set holds: one number for every stage,
         or one per stage. Gives ``peak_bytes``.
+      w_memory: The share of a set's bytes still held between its ``B`` and its ``W``
+        when the backward is split (the Zero Bubble paper's ``M_W / M_B``); default 1.
 
     Returns:
       A :class:`SimulationResult`.
@@ -100,7 +104,8 @@ def simulate(
     Raises:
       InvalidScheduleError: If the schedule is invalid (see ``validate_schedule``), or a
         cost is negative, not finite, or keyed by an unknown phase, or
-        ``activation_bytes`` is not one non-negative number or one per stage.
+        ``activation_bytes`` is not one non-negative number or one per stage, or
+        ``w_memory`` is not in [0, 1].
 
     Example:
       >>> from multimesh_flax.core import make_schedule, simulate
@@ -125,7 +130,16 @@ def simulate(
     order = validated_order(schedule)
     cost = make_cost_fn(costs)
     sizes = _activation_bytes(activation_bytes, schedule.num_stages)
-    return _simulate(schedule, order, cost, sizes)
+    if (
+        isinstance(w_memory, bool)
+        or not isinstance(w_memory, (int, float))
+        or not (0.0 <= w_memory <= 1.0)
+    ):
+        raise errors.InvalidScheduleError(
+            f"Expected `w_memory` to be a number in [0, 1] (the share of an activation set "
+            f"kept from B to W), got {w_memory!r}."
+        )
+    return _simulate(schedule, order, cost, sizes, float(w_memory))
 
 
 def _activation_bytes(value: object, num_stages: int) -> tuple[float, ...] | None:
@@ -151,6 +165,7 @@ def _simulate(
     order: list[tuple[int, ScheduleOp]],
     cost: CostFn,
     sizes: tuple[float, ...] | None,
+    w_share: float = 1.0,
 ) -> SimulationResult:
     """Times ``order`` (a dependency-respecting order of all ops) as early as possible."""
     rows = schedule.num_submeshes
@@ -182,7 +197,7 @@ def _simulate(
         steady_bubble_fraction=_idle_fraction(busy, max(spans, default=0.0)),
         peak_bytes=None
         if sizes is None
-        else tuple(float(_peak_live(schedule, ops, sizes)) for ops in schedule.rows),
+        else tuple(float(_peak_live(schedule, ops, sizes, w_share)) for ops in schedule.rows),
     )
 
 
@@ -198,17 +213,24 @@ def _duration(schedule: Schedule, op: ScheduleOp, cost: CostFn) -> float:
 
 
 def _peak_live(
-    schedule: Schedule, ops: tuple[ScheduleOp, ...], sizes: tuple[float, ...] | None
+    schedule: Schedule,
+    ops: tuple[ScheduleOp, ...],
+    sizes: tuple[float, ...] | None,
+    w_share: float = 1.0,
 ) -> float:
     """The most activation sets (``sizes=None``) or bytes alive along one row at once; its
-    ops run one after another, a set alive from its ``F`` to its last backward op."""
+    ops run one after another, a set alive from its ``F`` to its last backward op (with
+    bytes, only ``w_share`` of it from a split ``B`` to its ``W``)."""
     last = schedule.phases[-1]
     live = peak = 0
     for op in ops:
         size = 1 if sizes is None else sizes[op.stage]
+        kept = w_share if sizes is not None and schedule.split_backward else 1
         if op.phase == "F":
             live += size
             peak = max(peak, live)
         elif op.phase == last:
-            live -= size
+            live -= size * kept
+        elif op.phase == "B":
+            live -= size * (1 - kept)
     return peak

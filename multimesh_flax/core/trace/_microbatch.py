@@ -114,12 +114,11 @@ def _make_options(options: PipelineOptions) -> PipelineOptions:
             f"{'given' if custom_schedule is not None else 'missing'}."
         )
     shaped = ("zero-bubble-auto", "zero-bubble-v")
-    if (options.costs is not None or options.max_in_flight is not None) and (
-        schedule not in shaped
-    ):
+    tuning = (options.costs, options.max_in_flight, options.w_memory)
+    if any(value is not None for value in tuning) and schedule not in shaped:
         raise errors.MicrobatchArgumentError(
-            f"`costs` and `max_in_flight` shape the orders of {list(shaped)} only, got "
-            f"`schedule`={schedule!r}. Drop them, or choose one of those schedules."
+            f"`costs`, `max_in_flight` and `w_memory` shape the orders of {list(shaped)} "
+            f"only, got `schedule`={schedule!r}. Drop them, or choose one of those schedules."
         )
     _check_positive(
         microbatches=options.microbatches,
