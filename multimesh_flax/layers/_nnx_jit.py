@@ -72,6 +72,18 @@ def pin(state: Any) -> Any:
     return state
 
 
+def placed_unowned(variable: nnx.Variable, sharding: Any) -> nnx.Variable:
+    """``variable`` moved to ``sharding`` when no task owns it (a task's variables stay
+    where they were born); the same variable when it is there already, owned, or not a
+    concrete array (abstract state, a tracer)."""
+    value = variable.get_value()
+    owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
+    concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+    if owned or not concrete or sharding is None or value.sharding == sharding:
+        return variable
+    return variable.replace(jax.device_put(value, sharding))
+
+
 class GraphJit:
     """What the front door's :func:`jit` returns: the core ``MpmdJit`` for plain calls, the
     split / run / update wrapper for calls with NNX graph objects."""
@@ -145,16 +157,11 @@ class GraphJit:
         it (its first reader's submesh, as ``tabulate`` reports): the update may compute
         it elsewhere (a tied embedding's last use), and the next step would move it back."""
         (wanted, _), _ = self.graph.input_shardings(static, state, others)
-
-        def keep(variable: Any, where: Any) -> Any:
-            value, sharding = variable.get_value(), where.get_value()
-            owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
-            if owned or not isinstance(value, jax.Array) or value.sharding == sharding:
-                return variable
-            return variable.replace(jax.device_put(value, sharding))
-
         return jax.tree_util.tree_map(
-            keep, new_state, wanted, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            lambda variable, where: placed_unowned(variable, where.get_value()),
+            new_state,
+            wanted,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
 
     def executable(self, *args: Any, **kwargs: Any) -> Any:
