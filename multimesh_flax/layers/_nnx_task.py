@@ -55,6 +55,7 @@ from multimesh_flax.core.front import (
     call_on_submesh,
     call_task,
     eager_mesh,
+    move_array,
     run_as,
 )
 from multimesh_flax.core.trace import (
@@ -263,16 +264,13 @@ def _unstaged_runner(module: nnx.Module, spec: Task, fun: Any, transform: Any) -
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         resolved = resolve(module, spec)
         replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-        moved = jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
-            (args, kwargs),
-        )
+        home = get_device_list()[0]  # a device, not a sharding: jax.jit keeps its own
+        # Staged (``jax.checkpoint``), an argument's device is unknown: it comes from the
+        # unplaced computation on ``home``, where its cotangent must go back.
+        moved = jax.tree_util.tree_map(lambda x: move_array(x, replicated, home), (args, kwargs))
         with eager_mesh(resolved):
             out = call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
-        home = get_device_list()[0]
-        return jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, home) if isinstance(x, jax.Array) else x, out
-        )
+        return jax.tree_util.tree_map(lambda x: move_array(x, home, replicated), out)
 
     return run
 

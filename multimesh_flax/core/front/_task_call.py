@@ -20,10 +20,12 @@ order:
    ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
    ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
    is taken as a shape-only trace and not warned. Then as 4, except for a module whose
-   variables live on its submesh (NNX: ``TaskCall.unstaged``), which runs op by op there as
-   an eager call does and hands its results back on device 0, so that modules born on
-   different submeshes never meet in one operation (``jax.grad``, ``jax.vmap``,
-   ``jax.checkpoint`` applied outside every jit);
+   variables live on its submesh (``TaskCall.unstaged``), which runs op by op there as an
+   eager call does (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied outside every
+   jit): its arguments move there and their gradients back (:func:`move_array`); NNX hands
+   its results back on device 0, where an NNX model's unowned variables are born; Linen
+   (only where JAX computes as it goes, not under ``jax.checkpoint``) leaves them next to
+   its variables, where a ``parallelize_step`` state keeps the next stage's parameters;
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
@@ -170,12 +172,37 @@ def call_on_submesh(
     """``call(*args, **kwargs)`` eagerly on ``resolved``'s submesh: array arguments replicated
     there, its mesh ambient (:func:`eager_mesh`), no placement transforms inside."""
     replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-    args, kwargs = jax.tree_util.tree_map(
-        lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
-        (args, kwargs),
-    )
+    args, kwargs = jax.tree_util.tree_map(lambda x: move_array(x, replicated), (args, kwargs))
     with ignore_transforms(), eager_mesh(resolved):
         return call(*args, **kwargs)
+
+
+def concrete_array(x: Any) -> jax.Array | None:
+    """The array holding ``x``'s value: ``x`` itself, or beneath a tracer of a transformation
+    that computes as it goes (an eager ``jax.grad``/``jax.jvp``) its primal; ``None`` for a
+    tracer with no value yet (``jax.jit``, ``jax.checkpoint``, ``jax.vmap``) or a non-array."""
+    if isinstance(x, jax.core.Tracer):
+        from jax._src import core  # a tracer's concrete value has no public accessor (jax 0.10)
+
+        x = core.to_concrete_value(x)
+    return x if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+
+
+def move_array(x: Any, target: jax.sharding.Sharding | jax.Device, src: Any = None) -> Any:
+    """``x`` put on ``target`` unless it is there already or not an array, differentiably:
+    under ``jax.grad`` its cotangent moves back to where ``x`` was (where its value is, when
+    known, else ``src``), so that the backward of an eager task call meets the arrays of
+    the surrounding computation on their own devices."""
+    if not isinstance(x, jax.Array):
+        return x
+    value = concrete_array(x)
+    if value is not None:
+        if isinstance(target, jax.Device):
+            target = jax.sharding.SingleDeviceSharding(target)
+        if value.sharding.is_equivalent_to(target, value.ndim):
+            return x
+        src = value.sharding
+    return jax.device_put(x, target, src=src)
 
 
 def _jax_is_tracing() -> bool:
