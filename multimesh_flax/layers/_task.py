@@ -59,7 +59,7 @@ from multimesh_flax.core.front import (
     TaskCall,
     call_on_submesh,
     call_task,
-    concrete_array,
+    committed_place,
     move_array,
 )
 from multimesh_flax.core.trace import ResolvedTask, current_session, resolve_task
@@ -180,13 +180,9 @@ def _explicit_task(spec: Task) -> ResolvedTask | None:
 def _eager_target(module: nn.Module, spec: Task) -> jax.sharding.Sharding | None:
     """Where an eager call computes: next to the module's (committed) variables, else on the
     task's submesh; ``None`` when neither is known (no variables, no resolvable mesh)."""
-    for leaf in jax.tree_util.tree_leaves(module.variables):
-        value = concrete_array(leaf)  # beneath an eager jax.grad's tracer too
-        if value is not None and value.committed:
-            sharding = value.sharding
-            if isinstance(sharding, NamedSharding):
-                return NamedSharding(sharding.mesh, PartitionSpec())
-            return sharding if len(sharding.device_set) == 1 else None
+    committed = committed_place(module.variables)  # beneath an eager jax.grad's tracers too
+    if committed is not None:
+        return committed
     try:
         mesh = resolve_task(spec, spec.name or "task").mesh
     except errors.MultiMeshError:  # a mesh_slice with no MultiMesh, positions beyond devices

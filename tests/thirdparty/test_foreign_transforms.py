@@ -58,10 +58,16 @@ def test_jax_transforms_outside_mm_jit_run_unplaced():
         model = TiedNet(16, D, rngs=nnx.Rngs(0))
         with pytest.warns(PlacementWarning, match="not placed on its submesh"):
             got = [transform(*nnx.split(model)) for transform in TRANSFORMS]
+        # Placed (the table moves the tied embedding to devices 0-3): a task hands its
+        # results back where its arguments came from, next to the embedding.
+        mm.layers.get_placement(model, IDS)
+        placed = _value_and_grad(*nnx.split(model))
     plain = TiedNet(16, D, rngs=nnx.Rngs(0), wrap=False)
     for result, transform in zip(got, TRANSFORMS, strict=True):
         expected = transform(*nnx.split(plain))
         assert_trees_close(jax.tree.map(np.asarray, result), expected, TOL)
+    assert {d.id for d in model.embed.embedding.get_value().devices()} == {0, 1, 2, 3}
+    assert_trees_close(jax.tree.map(np.asarray, placed), _value_and_grad(*nnx.split(plain)), TOL)
 
 
 def _linen_value_and_grad(model, variables, data):

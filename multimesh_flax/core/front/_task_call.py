@@ -23,7 +23,8 @@ order:
    variables live on its submesh (``TaskCall.unstaged``), which runs op by op there as an
    eager call does (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied outside every
    jit): its arguments move there and their gradients back (:func:`move_array`); NNX hands
-   its results back on device 0, where an NNX model's unowned variables are born; Linen
+   its results back where its arguments came from (:func:`committed_place`), else on device
+   0, where an NNX model's unowned variables are born; Linen
    (only where JAX computes as it goes, not under ``jax.checkpoint``) leaves them next to
    its variables, where a ``parallelize_step`` state keeps the next stage's parameters;
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
@@ -186,6 +187,20 @@ def concrete_array(x: Any) -> jax.Array | None:
 
         x = core.to_concrete_value(x)
     return x if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+
+
+def committed_place(tree: Any) -> jax.sharding.Sharding | None:
+    """Where the first committed array of ``tree`` lives (beneath tracers too, see
+    :func:`concrete_array`), replicated there; ``None`` when no array is committed, or
+    the first one spans devices without a mesh."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        value = concrete_array(leaf)
+        if value is not None and value.committed:
+            sharding = value.sharding
+            if isinstance(sharding, NamedSharding):
+                return NamedSharding(sharding.mesh, PartitionSpec())
+            return sharding if len(sharding.device_set) == 1 else None
+    return None
 
 
 def move_array(x: Any, target: jax.sharding.Sharding | jax.Device, src: Any = None) -> Any:

@@ -270,11 +270,11 @@ def warn_foreign_trace(name: str) -> None:
         "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), the task "
         "runs op by op on the submesh its variables live on, its arguments moved there and "
         "their gradients moved back; a Linen task leaves its results there (next to the next "
-        "stage of a `parallelize_step` state), an NNX task hands them back on device 0 "
-        "(where an NNX model's variables that no task owns are born). Two arrays placed on "
-        "different submeshes outside every task (an NNX tied embedding after `mm.jit` steps "
-        "meeting the last stage's output) cannot meet in one operation: `jax.device_put` "
-        "them onto one device first.",
+        "stage of a `parallelize_step` state), an NNX task hands them back where its "
+        "arguments came from (else on device 0, where an NNX model's variables that no task "
+        "owns are born). Where two arrays on different submeshes still meet outside every "
+        "task (under jax.checkpoint, where devices are unknown), JAX refuses: "
+        "`jax.device_put` the state onto one device first.",
     )
 
 
