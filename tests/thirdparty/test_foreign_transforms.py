@@ -51,7 +51,7 @@ TRANSFORMS = (_value_and_grad, _checkpointed, _vmapped, _grad_of_checkpointed)
 
 
 def test_jax_transforms_outside_mm_jit_run_unplaced():
-    """One model, three transforms (one test: eager op-by-op runs compile each operation
+    """One model, four transforms (one test: eager op-by-op runs compile each operation
     once, and the transforms share them)."""
     forget_warnings()  # once per cause: another test may have warned for this task name
     with auto_multi_mesh(), mm.context(strict=False):
@@ -61,13 +61,15 @@ def test_jax_transforms_outside_mm_jit_run_unplaced():
         # Placed (the table moves the tied embedding to devices 0-3): a task hands its
         # results back where its arguments came from, next to the embedding.
         mm.layers.get_placement(model, IDS)
-        placed = _value_and_grad(*nnx.split(model))
+        placed = [transform(*nnx.split(model)) for transform in (_value_and_grad, _vmapped)]
     plain = TiedNet(16, D, rngs=nnx.Rngs(0), wrap=False)
     for result, transform in zip(got, TRANSFORMS, strict=True):
         expected = transform(*nnx.split(plain))
         assert_trees_close(jax.tree.map(np.asarray, result), expected, TOL)
     assert {d.id for d in model.embed.embedding.get_value().devices()} == {0, 1, 2, 3}
-    assert_trees_close(jax.tree.map(np.asarray, placed), _value_and_grad(*nnx.split(plain)), TOL)
+    for result, transform in zip(placed, (_value_and_grad, _vmapped), strict=True):
+        expected = transform(*nnx.split(plain))
+        assert_trees_close(jax.tree.map(np.asarray, result), expected, TOL)
 
 
 def _linen_value_and_grad(model, variables, data):

@@ -194,13 +194,23 @@ def committed_place(tree: Any) -> jax.sharding.Sharding | None:
     :func:`concrete_array`), replicated there; ``None`` when no array is committed, or
     the first one spans devices without a mesh."""
     for leaf in jax.tree_util.tree_leaves(tree):
-        value = concrete_array(leaf)
+        value = _batched_array(leaf)
         if value is not None and value.committed:
             sharding = value.sharding
             if isinstance(sharding, NamedSharding):
                 return NamedSharding(sharding.mesh, PartitionSpec())
             return sharding if len(sharding.device_set) == 1 else None
     return None
+
+
+def _batched_array(x: Any) -> jax.Array | None:
+    """:func:`concrete_array`, and under an eager ``jax.vmap`` the batched array that ``x``
+    is a slice of (same devices): where ``x`` is computed, not its value."""
+    from jax._src.interpreters import batching  # no public name for vmap's tracer (jax 0.10)
+
+    while isinstance(x, batching.BatchTracer):
+        x = x.val
+    return concrete_array(x)
 
 
 def move_array(x: Any, target: jax.sharding.Sharding | jax.Device, src: Any = None) -> Any:

@@ -272,8 +272,8 @@ def warn_foreign_trace(name: str) -> None:
         "their gradients moved back; a Linen task leaves its results there (next to the next "
         "stage of a `parallelize_step` state), an NNX task hands them back where its "
         "arguments came from (else on device 0, where an NNX model's variables that no task "
-        "owns are born). Where two arrays on different submeshes still meet outside every "
-        "task (under jax.checkpoint, where devices are unknown), JAX refuses: "
+        "owns are born). Under jax.checkpoint, which traces first, where arrays live is "
+        "unknown: if two on different submeshes meet outside every task there, JAX refuses; "
         "`jax.device_put` the state onto one device first.",
     )
 
