@@ -85,7 +85,7 @@ def _linen_value_and_grad(model, variables, data):
 
 def test_linen_eager_value_and_grad_of_a_placed_state():
     """A ``parallelize_step`` state spread over two submeshes (stem and stage 0 on devices
-    0-3, stage 1 and head on 4-7) under an eager ``jax.value_and_grad``."""
+    0-3, stage 1 and head on 4-7) under an eager ``jax.value_and_grad`` and ``jax.vmap``."""
     data, model = batch(), NormNet()
     forget_warnings()
     with auto_multi_mesh(), mm.context(strict=False):
@@ -95,8 +95,17 @@ def test_linen_eager_value_and_grad_of_a_placed_state():
         variables = {"params": state.params, **state.model_state}
         with pytest.warns(PlacementWarning, match="gradients moved back"):
             got = _linen_value_and_grad(model, variables, data)
+        per_row = _linen_vmapped(variables, data)
     assert {d.id for d in state.params["head"]["kernel"].devices()} == {4, 5, 6, 7}
     one_device = jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), variables)
     with mm.ignore_transforms():
         expected = jax.jit(_linen_value_and_grad, static_argnums=0)(model, one_device, data)
+        expected_per_row = jax.jit(_linen_vmapped)(one_device, data)
     assert_trees_close(jax.tree.map(np.asarray, got), expected, TOL)
+    assert_trees_close(np.asarray(per_row), expected_per_row, TOL)
+
+
+def _linen_vmapped(variables, data):
+    """Per-example losses of the model in eval mode, by ``jax.vmap`` over the batch."""
+    model = NormNet(train=False)
+    return jax.vmap(lambda x, y: model.apply(variables, x[None], y[None]))(*data)
