@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import get_flag
@@ -78,7 +79,7 @@ def placed_unowned(variable: nnx.Variable, sharding: Any) -> nnx.Variable:
     concrete array (abstract state, a tracer)."""
     value = variable.get_value()
     owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
-    concrete = isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+    concrete = isinstance(value, jax.Array) and not isinstance(value, Tracer)
     if owned or not concrete or sharding is None or value.sharding == sharding:
         return variable
     return variable.replace(jax.device_put(value, sharding))

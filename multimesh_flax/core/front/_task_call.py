@@ -48,6 +48,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
@@ -182,11 +183,11 @@ def concrete_array(x: Any) -> jax.Array | None:
     """The array holding ``x``'s value: ``x`` itself, or beneath a tracer of a transformation
     that computes as it goes (an eager ``jax.grad``/``jax.jvp``) its primal; ``None`` for a
     tracer with no value yet (``jax.jit``, ``jax.checkpoint``, ``jax.vmap``) or a non-array."""
-    if isinstance(x, jax.core.Tracer):
+    if isinstance(x, Tracer):
         from jax._src import core  # a tracer's concrete value has no public accessor (jax 0.10)
 
         x = core.to_concrete_value(x)
-    return x if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) else None
+    return x if isinstance(x, jax.Array) and not isinstance(x, Tracer) else None
 
 
 def committed_place(tree: Any) -> jax.sharding.Sharding | None:
@@ -213,16 +214,16 @@ def _batched_array(x: Any) -> jax.Array | None:
     return concrete_array(x)
 
 
-def move_array(x: Any, target: jax.sharding.Sharding | jax.Device, src: Any = None) -> Any:
-    """``x`` put on ``target`` unless it is there already or not an array, differentiably:
-    under ``jax.grad`` its cotangent moves back to where ``x`` was (where its value is, when
-    known, else ``src``), so that the backward of an eager task call meets the arrays of
-    the surrounding computation on their own devices."""
+def move_array(x: Any, target: Any, src: Any = None) -> Any:
+    """``x`` put on ``target`` (a sharding or a device) unless it is there already or not an
+    array, differentiably: under ``jax.grad`` its cotangent moves back to where ``x`` was
+    (where its value is, when known, else ``src``), so that the backward of an eager task
+    call meets the arrays of the surrounding computation on their own devices."""
     if not isinstance(x, jax.Array):
         return x
     value = concrete_array(x)
     if value is not None:
-        if isinstance(target, jax.Device):
+        if not isinstance(target, jax.sharding.Sharding):  # a device
             target = jax.sharding.SingleDeviceSharding(target)
         if value.sharding.is_equivalent_to(target, value.ndim):
             return x
