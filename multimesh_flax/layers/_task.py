@@ -148,7 +148,8 @@ def call_as_task(
         transform=transform,
         key=("flax", tuple(module.path)),
         state=module.variables,
-        unstaged=None if _nnx_task.is_tracing() else eager,
+        unstaged=eager,  # under an eager jax.grad/jax.vmap: as an eager call
+        unstaged_in_staging=False,
     )
     return call_task(task_call, positional, keywords)
 

@@ -105,6 +105,10 @@ class TaskCall:
             ``None`` to run it as under a staging one. A module whose variables live on its
             submesh runs op by op there (its ``eager`` runner), so that modules on other
             submeshes do not meet in one operation.
+        unstaged_in_staging: whether ``unstaged`` also runs where JAX stages the call
+            outside every jit of ours (``jax.checkpoint``, ``jax.jit``: where arrays live is
+            unknown there), else only where JAX computes as it goes (an eager ``jax.grad``
+            or ``jax.vmap``).
     """
 
     spec: Task
@@ -115,6 +119,7 @@ class TaskCall:
     state: Any = ()
     place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
     unstaged: EagerRunner | None = None
+    unstaged_in_staging: bool = True
 
     @property
     def name(self) -> str:
@@ -138,9 +143,15 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
         return task_call.eager(args, kwargs)
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
-        if task_call.unstaged is not None and not is_shape_only():
+        if _runs_unstaged(task_call):
             return task_call.unstaged(args, kwargs)
     return run_as(resolve(task_call), task_call, args, kwargs)
+
+
+def _runs_unstaged(task_call: TaskCall) -> bool:
+    if task_call.unstaged is None or is_shape_only():
+        return False
+    return task_call.unstaged_in_staging or not _jax_is_tracing()
 
 
 def _explicit_ambient_while_tracing(task_call: TaskCall) -> AbstractContextManager[Any]:
