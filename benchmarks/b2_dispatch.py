@@ -131,13 +131,43 @@ def run(quick: bool) -> dict[str, Any]:
     results = [measure(s, m, sched, rounds, base) for s, m, sched in configs]
     rows = [row for r in results for row in _rows(r)]
     _common.release(base)
+    ambient = ambient_mesh_cost(rounds)
+    rows += [
+        _common.row(
+            SECTION, f"setting aside the ambient mesh per mm.jit call, {case}", us, unit="us"
+        )
+        for case, us in ambient.items()
+    ]
     return {
         "description": __doc__.splitlines()[0],
         "workload": WORKLOAD.describe(),
         "rounds": rounds,
         "configs": results,
+        "ambient_mesh_us": ambient,
         "rows": rows,
     }
+
+
+def ambient_mesh_cost(rounds: int, calls: int = 500) -> dict[str, float]:
+    """CPU time of ``no_ambient_mesh`` (entered once per ``mm.jit`` call), median over
+    ``rounds`` of ``calls`` entries: with no mesh set (skipped after a check) and under
+    ``jax.set_mesh`` (``jax.set_mesh(None)``)."""
+    from multimesh_flax.core.declare import no_ambient_mesh
+
+    def per_entry() -> float:
+        start = time.thread_time()
+        for _ in range(calls):
+            with no_ambient_mesh():
+                pass
+        return 1e6 * (time.thread_time() - start) / calls
+
+    def median() -> float:
+        return round(sorted(per_entry() for _ in range(rounds))[rounds // 2], 2)
+
+    unset = median()
+    with jax.set_mesh(jax.make_mesh((len(jax.devices()),), ("all",))):
+        under = median()
+    return {"no mesh set": unset, "under jax.set_mesh": under}
 
 
 def _rows(r: dict[str, Any]) -> list[dict[str, Any]]:

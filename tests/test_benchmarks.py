@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SECTION_FILES = {
     "b0_calibration": ["concurrency", "effective_parallel_devices"],
     "b1_step_time": ["workloads"],
-    "b2_dispatch": ["configs"],
+    "b2_dispatch": ["configs", "ambient_mesh_us"],
     "b3_compile": ["cold", "recompiles"],
     "b4_memory": ["configs"],
     "b5_transfers": ["configs"],

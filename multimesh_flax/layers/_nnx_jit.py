@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.core import Tracer
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import get_flag
@@ -70,6 +71,18 @@ def pin(state: Any) -> Any:
         if sharding is not None and hasattr(variable.get_value(), "shape"):
             variable.set_value(jax.lax.with_sharding_constraint(variable.get_value(), sharding))
     return state
+
+
+def placed_unowned(variable: nnx.Variable, sharding: Any) -> nnx.Variable:
+    """``variable`` moved to ``sharding`` when no task owns it (a task's variables stay
+    where they were born); the same variable when it is there already, owned, or not a
+    concrete array (abstract state, a tracer)."""
+    value = variable.get_value()
+    owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
+    concrete = isinstance(value, jax.Array) and not isinstance(value, Tracer)
+    if owned or not concrete or sharding is None or value.sharding == sharding:
+        return variable
+    return variable.replace(jax.device_put(value, sharding))
 
 
 class GraphJit:
@@ -145,16 +158,11 @@ class GraphJit:
         it (its first reader's submesh, as ``tabulate`` reports): the update may compute
         it elsewhere (a tied embedding's last use), and the next step would move it back."""
         (wanted, _), _ = self.graph.input_shardings(static, state, others)
-
-        def keep(variable: Any, where: Any) -> Any:
-            value, sharding = variable.get_value(), where.get_value()
-            owned = variable.get_metadata().get(_nnx_task.TASK_SHARDING) is not None
-            if owned or not isinstance(value, jax.Array) or value.sharding == sharding:
-                return variable
-            return variable.replace(jax.device_put(value, sharding))
-
         return jax.tree_util.tree_map(
-            keep, new_state, wanted, is_leaf=lambda x: isinstance(x, nnx.Variable)
+            lambda variable, where: placed_unowned(variable, where.get_value()),
+            new_state,
+            wanted,
+            is_leaf=lambda x: isinstance(x, nnx.Variable),
         )
 
     def executable(self, *args: Any, **kwargs: Any) -> Any:

@@ -6,8 +6,10 @@ partitioner (abstractly: nothing is compiled or allocated) exactly as ``multimes
 would run it, and reports for every array variable its logical spec (``out_sharding``), its
 mesh-axis spec, its task and devices, and its bytes per device. Variables of a ``Task[Block]``
 sit on the task's submesh (where they were born); variables outside every task sit where the
-program first uses them. The report is the Linen :class:`~multimesh_flax.layers.Placement`,
-so the tables and per-task / per-device totals read the same.
+program first uses them, and ``get_placement`` moves them there (NNX models have no init
+step: making the table places the model, so the table is true before the first step too).
+The report is the Linen :class:`~multimesh_flax.layers.Placement`, so the tables and
+per-task / per-device totals read the same.
 """
 
 from __future__ import annotations
@@ -74,6 +76,10 @@ def _is_array_variable(variable: Any) -> bool:
 def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_report.Placement:
     """Traces ``model(*args, **kwargs)`` and reports where each variable lives.
 
+    A ``Task[Block]``'s variables were born on its submesh; a variable no task owns is
+    moved here to where the program first reads it (as the first ``mm.jit`` call would),
+    so the report is the live placement from now on, before and after steps.
+
     Args:
         model: an NNX module instance.
         *args: example inputs (arrays or ``jax.ShapeDtypeStruct``s).
@@ -100,10 +106,11 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_re
         _nnx_task.enter_registered_tasks([merged])
         return merged(*inputs, **kwargs)
 
-    derived = derive_shardings(forward, (abstract, abstract_args), None)
+    derived = derive_shardings(forward, (abstract, abstract_args), None)[: len(flat)]
+    _place_unowned(model, flat, derived)
     tasks = _task_names(model)
     rows = []
-    for (path, variable), sharding in zip(flat, derived[: len(flat)], strict=True):
+    for (path, variable), sharding in zip(flat, derived, strict=True):
         if not _is_array_variable(variable):
             continue
         names = variable.get_metadata().get("out_sharding")
@@ -119,6 +126,18 @@ def get_placement(model: nnx.Module, *args: Any, **kwargs: Any) -> _placement_re
             )
         )
     return _placement_report.Placement(params=tuple(rows))
+
+
+def _place_unowned(model: nnx.Module, flat: list[Any], shardings: list[Any]) -> None:
+    """Moves every variable no task owns to where the program reads it, as ``mm.jit``
+    would on its first call: NNX has no init step, so a model is placed when its table
+    is made, and what the table says is where the variables live from then on."""
+    placed = [
+        (path, _nnx_jit.placed_unowned(variable, sharding))
+        for (path, variable), sharding in zip(flat, shardings, strict=True)
+    ]
+    if any(new is not old for (_, new), (_, old) in zip(placed, flat, strict=True)):
+        nnx.update(model, nnx.from_flat_state(placed))
 
 
 def tabulate(model: nnx.Module, *args: Any, **kwargs: Any) -> str:

@@ -54,7 +54,9 @@ from multimesh_flax.core.front import (
     TaskCall,
     call_on_submesh,
     call_task,
+    committed_place,
     eager_mesh,
+    move_array,
     run_as,
 )
 from multimesh_flax.core.trace import (
@@ -257,22 +259,21 @@ def _unstaged_runner(module: nnx.Module, spec: Task, fun: Any, transform: Any) -
     """Under a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
     ``jax.checkpoint`` outside every jit): the module's body on its submesh (where its
     variables live; its array arguments moved there), recomputed as its policy says, its
-    results handed back on the first device -- where the rest of the unplaced computation
-    runs, as the ``PlacementWarning`` says."""
+    results handed back where its arguments came from, else on the first device -- where
+    the rest of the unplaced computation runs, as the ``PlacementWarning`` says."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         resolved = resolve(module, spec)
         replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-        moved = jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
-            (args, kwargs),
-        )
+        # Results go back where the arguments came from (a committed argument's devices:
+        # next to a placed model's unowned variables); else, and when staged
+        # (``jax.checkpoint``: devices unknown), to the first device, where the unplaced
+        # computation runs -- a device, not a sharding: jax.jit keeps its own.
+        home = committed_place((args, kwargs)) or get_device_list()[0]
+        moved = jax.tree_util.tree_map(lambda x: move_array(x, replicated, home), (args, kwargs))
         with eager_mesh(resolved):
             out = call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
-        home = get_device_list()[0]
-        return jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, home) if isinstance(x, jax.Array) else x, out
-        )
+        return jax.tree_util.tree_map(lambda x: move_array(x, home, replicated), out)
 
     return run
 

@@ -22,7 +22,10 @@ this module is the Linen adapter):
   variables (else onto its submesh, when that resolves), so a pipelined model applied
   eagerly to its placed parameters works (no mesh or ``MultiMesh`` is needed);
 * traced by a JAX transformation that is not ours (``jax.jit``): as the task, but not placed,
-  with a ``PlacementWarning`` naming ``multimesh_flax.jit``;
+  with a ``PlacementWarning`` naming ``multimesh_flax.jit``; under one that computes as it
+  goes (``jax.grad``/``jax.value_and_grad``/``jax.vmap`` applied eagerly, outside every
+  jit), as an eager call, with the same warning: a ``parallelize_step`` state spread over
+  submeshes gives the unplaced model's values and gradients;
 * under ``ignore_transforms``: exactly the wrapped module.
 
 While a task-wrapped module runs, it records its module path, so that tools that trace a
@@ -51,7 +54,14 @@ from multimesh_flax.core.declare import (
     linen_transform,
     make_task,
 )
-from multimesh_flax.core.front import EagerRunner, TaskCall, call_on_submesh, call_task
+from multimesh_flax.core.front import (
+    EagerRunner,
+    TaskCall,
+    call_on_submesh,
+    call_task,
+    committed_place,
+    move_array,
+)
 from multimesh_flax.core.trace import ResolvedTask, current_session, resolve_task
 from multimesh_flax.layers import _nnx_task  # NNX classes get ``Task[Block]``
 
@@ -130,13 +140,16 @@ def call_as_task(
     if not get_flag("ignore_transforms"):
         _record(tuple(module.path), spec)
     fun, transform = linen_transform(module, method)
+    eager = _eager_runner(module, spec, method)
     task_call = TaskCall(
         spec=spec,
         body=fun,
-        eager=_eager_runner(module, spec, method),
+        eager=eager,
         transform=transform,
         key=("flax", tuple(module.path)),
         state=module.variables,
+        unstaged=eager,  # under an eager jax.grad/jax.vmap: as an eager call
+        unstaged_in_staging=False,
     )
     return call_task(task_call, positional, keywords)
 
@@ -168,12 +181,9 @@ def _explicit_task(spec: Task) -> ResolvedTask | None:
 def _eager_target(module: nn.Module, spec: Task) -> jax.sharding.Sharding | None:
     """Where an eager call computes: next to the module's (committed) variables, else on the
     task's submesh; ``None`` when neither is known (no variables, no resolvable mesh)."""
-    for leaf in jax.tree_util.tree_leaves(module.variables):
-        if isinstance(leaf, jax.Array) and leaf.committed:
-            sharding = leaf.sharding
-            if isinstance(sharding, NamedSharding):
-                return NamedSharding(sharding.mesh, PartitionSpec())
-            return sharding if len(sharding.device_set) == 1 else None
+    committed = committed_place(module.variables)  # beneath an eager jax.grad's tracers too
+    if committed is not None:
+        return committed
     try:
         mesh = resolve_task(spec, spec.name or "task").mesh
     except errors.MultiMeshError:  # a mesh_slice with no MultiMesh, positions beyond devices
@@ -192,13 +202,7 @@ def _eager_inputs(module: nn.Module, spec: Task, args: Any) -> Any:
     target = _eager_target(module, spec)
     if target is None:
         return args
-
-    def move(x: Any) -> Any:
-        if isinstance(x, jax.Array) and x.sharding.device_set != target.device_set:
-            return jax.device_put(x, target)
-        return x
-
-    return jax.tree_util.tree_map(move, args)
+    return jax.tree_util.tree_map(lambda x: move_array(x, target), args)
 
 
 # --- the Task[Module] class ----------------------------------------------------------------

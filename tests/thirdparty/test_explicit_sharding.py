@@ -74,9 +74,9 @@ def test_nnx_explicit_sharding_pipelined_matches_one_device(stages, step):
     assert last.sharding.spec == jax.sharding.PartitionSpec(*model_axis)
 
 
-def _linen_reference(data):
+def _linen_reference(data, stages):
     x, y = data
-    model = ExplicitLinenNet(stages=2, wrap=False)
+    model = ExplicitLinenNet(stages=stages, wrap=False)
     with jax.set_mesh(one_device_mesh()):
         params_key = jax.random.split(jax.random.key(0))[0]
         params = nn.unbox(model.init(params_key, x, y))["params"]
@@ -90,31 +90,35 @@ def _linen_reference(data):
     return losses, params
 
 
-def test_linen_explicit_sharding_pipelined_matches_one_device():
+@pytest.mark.parametrize(
+    ("stages", "pipeline"),
+    [(2, dict(microbatches=2, schedule="1f1b")), (4, {})],
+    ids=["2-stages-1f1b", "4-stages"],
+)
+def test_linen_explicit_sharding_pipelined_matches_one_device(stages, pipeline):
     data = batch()
-    with explicit_multi_mesh(2):
+    with explicit_multi_mesh(stages):
         step, state, _ = mm.parallelize_step(
-            ExplicitLinenNet(stages=2),
+            ExplicitLinenNet(stages=stages),
             sgd(),
             global_batch=data,
-            microbatches=2,
-            schedule="1f1b",
             rng=jax.random.key(0),
+            **pipeline,
         )
         losses = []
         for _ in range(STEPS):
             loss, state = step(state, data)
             losses.append(float(loss))
         # called eagerly, each task runs under jax.set_mesh of its submesh
-        eager = ExplicitLinenNet(stages=2).apply({"params": state.params}, *data)
-    ref_losses, ref_params = _linen_reference(data)
+        eager = ExplicitLinenNet(stages=stages).apply({"params": state.params}, *data)
+    ref_losses, ref_params = _linen_reference(data, stages)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     assert_trees_close(nn.unbox(state.params), ref_params)
     with jax.set_mesh(one_device_mesh()):
-        after = ExplicitLinenNet(stages=2, wrap=False).apply({"params": ref_params}, *data)
+        after = ExplicitLinenNet(stages=stages, wrap=False).apply({"params": ref_params}, *data)
     np.testing.assert_allclose(float(eager), float(after), **TOL)
-    kernel = nn.unbox(state.params)["block_1"]["up"]
-    assert {d.id for d in kernel.devices()} == {4, 5, 6, 7}
+    kernel = nn.unbox(state.params)[f"block_{stages - 1}"]["up"]
+    assert {d.id for d in kernel.devices()} == set(range(8 - 8 // stages, 8))
 
 
 def test_variables_with_out_sharding_no_task_owns_build_inside_a_multimesh():

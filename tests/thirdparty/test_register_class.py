@@ -20,8 +20,10 @@ from tests.thirdparty._idioms import (
     assert_trees_close,
     auto_multi_mesh,
     batch,
+    live_placement,
     nnx_loss,
     nnx_params,
+    table_placement,
 )
 
 
@@ -42,11 +44,14 @@ def test_register_by_class_places_every_instance_and_matches_one_device():
     with multi:
         model = PlainNet(D, 4, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        table = table_placement(mm.layers.get_placement(model, data[0]))
+        assert live_placement(nnx_params(model)) == table  # placed when tabulated
         step = mm.jit(_step)
         with warnings.catch_warnings(record=True) as caught:  # the suite ignores Flax's
             warnings.simplefilter("always", DeprecationWarning)
             losses = [float(step(model, optimizer, data)) for _ in range(2)]
     assert not [w for w in caught if issubclass(w.category, DeprecationWarning)]
+    assert live_placement(nnx_params(model)) == table  # and kept there by the steps
     layers = model.transformer_blocks["layers"]
     for i, devices in enumerate(([0, 1, 2, 3],) * 2 + ([4, 5, 6, 7],) * 2):
         assert sorted(d.id for d in layers[i].proj.kernel.get_value().devices()) == devices

@@ -94,6 +94,7 @@ def test_nnx_tied_embedding_stays_where_the_table_says():
         model = TiedNet(16, D, rngs=nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
         table = table_placement(mm.layers.get_placement(model, ids))
+        assert live_placement(nnx.state(model, nnx.Param).to_pure_dict()) == table  # before
         jitted = mm.jit(tied_step)
         losses = [float(jitted(model, optimizer, ids)) for _ in range(STEPS)]
     params = nnx.state(model, nnx.Param).to_pure_dict()

@@ -178,25 +178,26 @@ def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterat
         _thread.STATE.device_lists.pop()
 
 
-@contextlib.contextmanager
-def no_ambient_mesh() -> Iterator[None]:
+def no_ambient_mesh() -> contextlib.AbstractContextManager[Any]:
     """Clears the mesh that ``jax.set_mesh`` made ambient, for the span of an MPMD program.
 
     ``multimesh_flax.jit`` places every value itself: outside tasks a ``jax.set_mesh`` mesh
     would give the traced arrays that mesh's type (and make each fragment's ``jax.jit``
     insist its arguments live on all of it), inside a task the task's submesh is the ambient
     mesh instead. Outside every trace this is ``jax.set_mesh(None)``; inside one (where
-    ``jax.set_mesh`` is refused) only the abstract mesh is cleared.
+    ``jax.set_mesh`` is refused) only the abstract mesh is cleared. With no mesh set it does
+    nothing: the check costs less than ``jax.set_mesh(None)`` (benchmark B2 times both).
     """
+    if jax.sharding.get_abstract_mesh().empty and jax.sharding.get_mesh().empty:
+        return _NOTHING_TO_CLEAR
     try:
-        cleared: Any = jax.set_mesh(None)  # refused inside a trace: a ValueError
+        return jax.set_mesh(None)  # refused inside a trace: a ValueError
     except ValueError:
-        cleared = jax.sharding.use_abstract_mesh(_EMPTY_ABSTRACT_MESH)
-    with cleared:
-        yield
+        return jax.sharding.use_abstract_mesh(_EMPTY_ABSTRACT_MESH)
 
 
 _EMPTY_ABSTRACT_MESH = AbstractMesh((), ())
+_NOTHING_TO_CLEAR = contextlib.nullcontext()
 
 
 def get_device_list() -> tuple[jax.Device, ...]:

@@ -21,6 +21,8 @@ from multimesh_flax.core.front._task_call import EagerRunner as EagerRunner
 from multimesh_flax.core.front._task_call import TaskCall as TaskCall
 from multimesh_flax.core.front._task_call import call_on_submesh as call_on_submesh
 from multimesh_flax.core.front._task_call import call_task as call_task
+from multimesh_flax.core.front._task_call import committed_place as committed_place
 from multimesh_flax.core.front._task_call import eager_mesh as eager_mesh
+from multimesh_flax.core.front._task_call import move_array as move_array
 from multimesh_flax.core.front._task_call import run_as as run_as
 from multimesh_flax.core.front._task_function import task as task

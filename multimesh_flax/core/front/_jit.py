@@ -283,7 +283,7 @@ class MpmdJit:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        entry, leaves = self._entry(args, kwargs)
+        entry, leaves = self._entry_here(args, kwargs)  # the ambient mesh is set aside
         donation = entry.donation
         if donation is None:
             with use_device_list(self.devices):

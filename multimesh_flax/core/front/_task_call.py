@@ -18,10 +18,13 @@ order:
    ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
    ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
    is taken as a shape-only trace and not warned. Then as 4, except for a module whose
-   variables live on its submesh (NNX: ``TaskCall.unstaged``), which runs op by op there as
-   an eager call does and hands its results back on device 0, so that modules born on
-   different submeshes never meet in one operation (``jax.grad``, ``jax.vmap``,
-   ``jax.checkpoint`` applied outside every jit);
+   variables live on its submesh (``TaskCall.unstaged``), which runs op by op there as an
+   eager call does (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied outside every
+   jit): its arguments move there and their gradients back (:func:`move_array`); NNX hands
+   its results back where its arguments came from (:func:`committed_place`), else on device
+   0, where an NNX model's unowned variables are born; Linen
+   (only where JAX computes as it goes, not under ``jax.checkpoint``) leaves them next to
+   its variables, where a ``parallelize_step`` state keeps the next stage's parameters;
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
@@ -43,6 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
@@ -97,6 +101,10 @@ class TaskCall:
             ``None`` to run it as under a staging one. A module whose variables live on its
             submesh runs op by op there (its ``eager`` runner), so that modules on other
             submeshes do not meet in one operation.
+        unstaged_in_staging: whether ``unstaged`` also runs where JAX stages the call
+            outside every jit of ours (``jax.checkpoint``, ``jax.jit``: where arrays live is
+            unknown there), else only where JAX computes as it goes (an eager ``jax.grad``
+            or ``jax.vmap``).
     """
 
     spec: Task
@@ -107,6 +115,7 @@ class TaskCall:
     state: Any = ()
     place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
     unstaged: EagerRunner | None = None
+    unstaged_in_staging: bool = True
 
     @property
     def name(self) -> str:
@@ -130,9 +139,15 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
         return task_call.eager(args, kwargs)
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
-        if task_call.unstaged is not None and not is_shape_only():
+        if _runs_unstaged(task_call):
             return task_call.unstaged(args, kwargs)
     return run_as(resolve(task_call), task_call, args, kwargs)
+
+
+def _runs_unstaged(task_call: TaskCall) -> bool:
+    if task_call.unstaged is None or is_shape_only():
+        return False
+    return task_call.unstaged_in_staging or not _jax_is_tracing()
 
 
 def _explicit_ambient_while_tracing(task_call: TaskCall) -> AbstractContextManager[Any]:
@@ -166,12 +181,61 @@ def call_on_submesh(
     """``call(*args, **kwargs)`` eagerly on ``resolved``'s submesh: array arguments replicated
     there, its mesh ambient (:func:`eager_mesh`), no placement transforms inside."""
     replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-    args, kwargs = jax.tree_util.tree_map(
-        lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x,
-        (args, kwargs),
-    )
+    args, kwargs = jax.tree_util.tree_map(lambda x: move_array(x, replicated), (args, kwargs))
     with ignore_transforms(), eager_mesh(resolved):
         return call(*args, **kwargs)
+
+
+def concrete_array(x: Any) -> jax.Array | None:
+    """The array holding ``x``'s value: ``x`` itself, or beneath a tracer of a transformation
+    that computes as it goes (an eager ``jax.grad``/``jax.jvp``) its primal; ``None`` for a
+    tracer with no value yet (``jax.jit``, ``jax.checkpoint``, ``jax.vmap``) or a non-array."""
+    if isinstance(x, Tracer):
+        from jax._src import core  # a tracer's concrete value has no public accessor (jax 0.10)
+
+        x = core.to_concrete_value(x)
+    return x if isinstance(x, jax.Array) and not isinstance(x, Tracer) else None
+
+
+def committed_place(tree: Any) -> jax.sharding.Sharding | None:
+    """Where the first committed array of ``tree`` lives (beneath tracers too, see
+    :func:`concrete_array`), replicated there; ``None`` when no array is committed, or
+    the first one spans devices without a mesh."""
+    for leaf in jax.tree_util.tree_leaves(tree):
+        value = _batched_array(leaf)
+        if value is not None and value.committed:
+            sharding = value.sharding
+            if isinstance(sharding, NamedSharding):
+                return NamedSharding(sharding.mesh, PartitionSpec())
+            return sharding if len(sharding.device_set) == 1 else None
+    return None
+
+
+def _batched_array(x: Any) -> jax.Array | None:
+    """:func:`concrete_array`, and under an eager ``jax.vmap`` the batched array that ``x``
+    is a slice of (same devices): where ``x`` is computed, not its value."""
+    from jax._src.interpreters import batching  # no public name for vmap's tracer (jax 0.10)
+
+    while isinstance(x, batching.BatchTracer):
+        x = x.val
+    return concrete_array(x)
+
+
+def move_array(x: Any, target: Any, src: Any = None) -> Any:
+    """``x`` put on ``target`` (a sharding or a device) unless it is there already or not an
+    array, differentiably: under ``jax.grad`` its cotangent moves back to where ``x`` was
+    (where its value is, when known, else ``src``), so that the backward of an eager task
+    call meets the arrays of the surrounding computation on their own devices."""
+    if not isinstance(x, jax.Array):
+        return x
+    value = concrete_array(x)
+    if value is not None:
+        if not isinstance(target, jax.sharding.Sharding):  # a device
+            target = jax.sharding.SingleDeviceSharding(target)
+        if value.sharding.is_equivalent_to(target, value.ndim):
+            return x
+        src = value.sharding
+    return jax.device_put(x, target, src=src)
 
 
 def _jax_is_tracing() -> bool:

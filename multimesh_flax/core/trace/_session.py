@@ -267,10 +267,14 @@ def warn_foreign_trace(name: str) -> None:
         "on its submesh: it runs wherever that transformation runs (usually device 0). "
         "Compile the function with `multimesh_flax.jit`, `multimesh_flax.parallelize` or "
         "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless). "
-        "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), an NNX task "
-        "runs op by op on the submesh its variables live on and hands its results back on "
-        "device 0; arrays placed on several submeshes (a `parallelize_step` state) cannot "
-        "meet in one operation there: `jax.device_put` them onto one device first.",
+        "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), the task "
+        "runs op by op on the submesh its variables live on, its arguments moved there and "
+        "their gradients moved back; a Linen task leaves its results there (next to the next "
+        "stage of a `parallelize_step` state), an NNX task hands them back where its "
+        "arguments came from (else on device 0, where an NNX model's variables that no task "
+        "owns are born). Under jax.checkpoint, which traces first, where arrays live is "
+        "unknown: if two on different submeshes meet outside every task there, JAX refuses; "
+        "`jax.device_put` the state onto one device first.",
     )
 
 
