@@ -11,7 +11,8 @@ runtime takes it:
   (`configure` returns the model split so);
 * for any other model, a ``register_task`` placement per unit, by module path: the unit's
   stage as ``mesh_slice={"stage": s}``, the profile's logical rules, the stage's
-  recomputation (`tasks`; `register` registers them in the active ``Context``).
+  recomputation (`tasks`; `register` registers them on the ``MultiMesh`` or the active
+  ``Context``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 from flax import linen as nn
 
 from multimesh_flax import errors
-from multimesh_flax.core import MultiMesh, Task, register_task
+from multimesh_flax.core import Context, MultiMesh, Task, register_task
 
 STAGE_AXIS = "stage"
 
@@ -63,7 +64,7 @@ class AppliedPlan:
     def from_prediction(cls, prediction: Any) -> AppliedPlan:
         """The `AppliedPlan` of a `Prediction` (from `predict` or `plan`)."""
         plan = prediction.plan
-        meshes = plan.stage_meshes()
+        meshes = prediction.stage_meshes or plan.stage_meshes()
         if any(m != meshes[0] for m in meshes) or not meshes[0]:
             raise errors.PlanMismatchError(
                 f"Expected one submesh shape for every stage to build a MultiMesh, got "
@@ -143,8 +144,10 @@ class AppliedPlan:
             recompute=policy,
         )
 
-    def register(self) -> None:
-        """Registers every unit's task by module path in the innermost active ``Context``
-        (``register_task(re.escape(path), task=...)``); use it inside ``with multi:``."""
+    def register(self, registry: Context | None = None) -> None:
+        """Registers every unit's task by module path: ``register_task(re.escape(path),
+        task=...)`` on ``registry`` (a ``Context``, e.g. the ``MultiMesh`` of `make_mesh`)
+        or, with ``None``, in the innermost active ``Context``."""
+        add = register_task if registry is None else registry.register_task
         for path, stage, policy in self.tasks:
-            register_task(re.escape(path), task=self.task_of(stage, policy))
+            add(re.escape(path), task=self.task_of(stage, policy))

@@ -156,6 +156,8 @@ class Prediction:
             ``"peak_bytes"``, always derived).
         stage_paths: Per stage, the module paths of its units (stems, blocks, heads).
         rules: The logical rules of the profile (what `apply` gives every task).
+        stage_meshes: Per stage, its submesh shape (the profiled one where the plan gives
+            none).
     """
 
     plan: Plan
@@ -171,6 +173,7 @@ class Prediction:
     sources: Mapping[str, Source]
     stage_paths: tuple[tuple[str, ...], ...] = ()
     rules: tuple = ()
+    stage_meshes: tuple[dict, ...] = ()
 
     @property
     def max_peak_bytes(self) -> int:
@@ -432,7 +435,9 @@ def predict(
     schedule = _schedule(plan)
     prediction = _predict(plan, profile, schedule, costs, link)
     paths = _stage_instances(plan, profile, key=lambda i: i.path)
-    return dataclasses.replace(prediction, stage_paths=paths, rules=tuple(profile.rules))
+    return dataclasses.replace(
+        prediction, stage_paths=paths, rules=tuple(profile.rules), stage_meshes=meshes
+    )
 
 
 def _schedule(plan: Plan) -> Schedule:

@@ -75,7 +75,7 @@ def prediction_table(prediction: Any, *, console: Any = None) -> Any:
         table.add_column(name)
     for name in ("F+B+W ms", "state MiB", "act. MiB", "in flight", "temp MiB", "peak MiB"):
         table.add_column(name, justify="right")
-    meshes, policies = plan.stage_meshes(), plan.policies()
+    meshes, policies = prediction.stage_meshes or plan.stage_meshes(), plan.policies()
     for s, stage in enumerate(prediction.stages):
         row = min(s, len(prediction.peak_bytes) - 1)
         paths = prediction.stage_paths[s] if prediction.stage_paths else ()
