@@ -20,8 +20,16 @@ def _loss(model_fn, batch):
 
 
 def test_a_users_model_trains_where_the_plan_says(mlp_profile):
-    plans = mm.plan(MLP(), optax.sgd(0.1), jnp.ones((8, 16)), devices=4, profile=mlp_profile,
-                    schedules="1f1b", microbatches=2, recompute=None)
+    plans = mm.plan(
+        MLP(),
+        optax.sgd(0.1),
+        jnp.ones((8, 16)),
+        devices=4,
+        profile=mlp_profile,
+        schedules="1f1b",
+        microbatches=2,
+        recompute=None,
+    )
     applied = plans.best.apply()
     assert applied.mesh_axes == (("stage", 4), ("data", 1))
     assert [(path, stage) for path, stage, _ in applied.tasks] == [
@@ -31,8 +39,9 @@ def test_a_users_model_trains_where_the_plan_says(mlp_profile):
     applied.register(multi)
     x = jax.random.normal(jax.random.key(1), (8, 16))
     with multi:
-        built = mm.parallelize_step(MLP(), optax.sgd(0.1), multi, x, loss_fn=_loss,
-                                    **applied.step_kwargs)
+        built = mm.parallelize_step(
+            MLP(), optax.sgd(0.1), multi, x, loss_fn=_loss, **applied.step_kwargs
+        )
     params = built.state.params
     for i in range(4):  # layer i on stage i's device
         assert {d.id for d in params[f"layer_{i}"]["kernel"].devices()} == {i}
@@ -43,8 +52,17 @@ def test_a_users_model_trains_where_the_plan_says(mlp_profile):
 
 
 def test_a_reference_model_gets_its_split_mesh_and_step_arguments(gpt_profile):
-    plans = mm.plan(None, None, tokens(16), devices=8, profile=gpt_profile, stages=(2, 4),
-                    schedules=("1f1b", "gpipe"), microbatches=4, per_stage_recompute=False)
+    plans = mm.plan(
+        None,
+        None,
+        tokens(16),
+        devices=8,
+        profile=gpt_profile,
+        stages=(2, 4),
+        schedules=("1f1b", "gpipe"),
+        microbatches=4,
+        per_stage_recompute=False,
+    )
     for prediction in plans[:3]:
         applied = prediction.apply()
         plan = prediction.plan
@@ -53,7 +71,9 @@ def test_a_reference_model_gets_its_split_mesh_and_step_arguments(gpt_profile):
         mesh = applied.make_mesh()
         assert dict(mesh.shape) == {"stage": plan.num_stages, **plan.stage_meshes()[0]}
         assert applied.step_kwargs == {
-            "microbatches": 4, "schedule": plan.schedule, "recompute": plan.policies()[0]
+            "microbatches": 4,
+            "schedule": plan.schedule,
+            "recompute": plan.policies()[0],
         }
 
 
