@@ -748,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv
         if args.command is None:
             raise _ArgumentError(
-                "choose a command: demo, train, plan, sample, export or launch (see `mmflax --help`)"
+                "choose a command: demo, train, plan, sample, export or launch "
+                "(see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
     except (NonFiniteTrainingError, errors.CheckpointSaveError) as e:  # the arguments were fine
