@@ -90,6 +90,23 @@ class Plans(tuple):
         return plans_table(self, top=top, console=console)
 
 
+DEFAULT_RECOMPUTE = (None, "full")
+"""`plan`'s policies by default (with a ``profile``: the policies it costed)."""
+
+
+def _profiled_policies(profile: UnitProfile, recompute: Any) -> Any:
+    costed = tuple(dict.fromkeys(c.recompute for c in profile.costs))
+    if recompute is DEFAULT_RECOMPUTE:
+        return costed
+    missing = [p for p in _policies(recompute) if p not in costed]
+    if missing:
+        raise errors.PlanArgumentError(
+            f"Expected `recompute` among the policies the profile costed {costed}, got "
+            f"{recompute!r}. Profile {missing} too, or leave `recompute` out."
+        )
+    return recompute
+
+
 def _ints(value: Any, name: str, default: Sequence[int]) -> tuple[int, ...]:
     values = default if value is None else (value,) if isinstance(value, int) else tuple(value)
     if not values or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in values):
@@ -174,7 +191,7 @@ def plan(
     memory_per_device: int | float | str | None = None,
     schedules: str | Sequence[str] | None = None,
     microbatches: int | Sequence[int] | None = None,
-    recompute: str | None | Sequence[str | None] = (None, "full"),
+    recompute: str | None | Sequence[str | None] = DEFAULT_RECOMPUTE,
     stages: int | Sequence[int] | None = None,
     tensor: int | Sequence[int] | None = None,
     per_stage_recompute: bool = True,
@@ -207,7 +224,8 @@ def plan(
         schedules: Among ``"gpipe"``, ``"1f1b"``, ``"zero-bubble-h1"``,
             ``"zero-bubble-h2"`` (default: all four).
         microbatches: Counts to try (default: the powers of two up to 64 dividing the batch).
-        recompute: The policies a stage may use (``None``, ``"full"``, ``"dots"``).
+        recompute: The policies a stage may use (``None``, ``"full"``, ``"dots"``; default
+            ``None`` and ``"full"``, or those ``profile`` costed).
         stages: Stage counts to try (default 1 to 8, dividing ``devices``).
         tensor: Tensor-parallel sizes to try (default 1, 2, 4, 8; only along a mesh axis the
             rules shard parameters over).
@@ -239,6 +257,8 @@ def plan(
         (4, True)
     """
     rows = _batch_rows(batch)
+    if profile is not None:
+        recompute = _profiled_policies(profile, recompute)
     space = make_space(
         rows,
         devices=devices,

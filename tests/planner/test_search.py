@@ -178,3 +178,11 @@ def test_bytes_parse():
     assert mm.planner.parse_bytes("2GiB") == 2 * 2**30
     assert mm.planner.parse_bytes("512 MB") == 512e6
     assert mm.planner.parse_bytes(None) == np.inf
+
+
+def test_a_given_profile_bounds_the_policies(mlp_profile):
+    x = np.ones((8, 16))
+    plans = mm.plan(None, None, x, devices=2, profile=mlp_profile, microbatches=2)
+    assert {p.plan.policies() for p in plans} == {(None, None)}
+    with pytest.raises(errors.PlanArgumentError, match="'full'"):
+        mm.plan(None, None, x, devices=2, profile=mlp_profile, recompute="full")
