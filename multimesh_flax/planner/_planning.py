@@ -245,16 +245,15 @@ def plan(
             device a plan needs, and that plan.
 
     Example:
-        >>> import optax
+        >>> import numpy as np
         >>> import multimesh_flax as mm
-        >>> from models import GPT, get_config
-        >>> from models.pipeline import LOGICAL_RULES
-        >>> plans = mm.plan(GPT(get_config("gpt-tiny", num_layers=4)), optax.adamw(1e-3),
-        ...                 jnp.zeros((16, 32), jnp.int32), devices=4, rules=LOGICAL_RULES,
-        ...                 memory_per_device="64MiB", schedules="1f1b", microbatches=4)
-        >>> best = plans[0]
-        >>> sum(best.plan.layers_per_stage), best.max_peak_bytes <= 64 * 2**20
-        (4, True)
+        >>> from multimesh_flax.planner import CostSpec, profile_from_costs
+        >>> profile = profile_from_costs(  # 6 equal blocks and a head as slow as 3 of them
+        ...     [CostSpec("layer", 1.0, params=100)] * 6 + [CostSpec("head", 3.0)])
+        >>> plans = mm.plan(None, None, np.zeros((8, 1)), devices=3, stages=3,
+        ...                 schedules="1f1b", microbatches=8, profile=profile)
+        >>> plans[0].plan.layers_per_stage  # not (2, 2, 2): the head's stage gets fewer
+        (3, 3, 0)
     """
     rows = _batch_rows(batch)
     if profile is not None:
