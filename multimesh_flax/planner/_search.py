@@ -37,8 +37,9 @@ from multimesh_flax.planner._split import (
     Split,
     StageTables,
     best_split,
+    compose,
+    interval_arrays,
     min_peak_split,
-    tables_from_arrays,
 )
 
 SEARCH_SCHEDULES = ("gpipe", "1f1b", "zero-bubble-h1", "zero-bubble-h2")
@@ -188,17 +189,21 @@ class Tables:
         flight = in_flight(config.schedule, config.stages, config.microbatches)
         if flight is None:
             return None
-        arrays = self._unit(dict(config.mesh), batch_size // config.microbatches)
-        t, a, x, s, shared = arrays
-        layers = self.layers
-        return tables_from_arrays(
-            t[:, layers],
-            a[:, layers],
-            s[layers],
-            temp=x[:, layers],
+        rows = batch_size // config.microbatches
+        arrays = self._unit(dict(config.mesh), rows)
+        key = ("intervals", config.mesh, rows)
+        if key not in self._cache:
+            t, a, x, s, shared = arrays
+            layers = self.layers
+            state = s[layers].copy()
+            if not self.stems:  # the optimizer's counters go with the first block then
+                state[0] += shared
+            self._cache[key] = interval_arrays(t[:, layers], a[:, layers], state, x[:, layers])
+        return compose(
+            self._cache[key],
             num_stages=config.stages,
             in_flight=flight,
-            stem=self._end(self.stems, arrays, shared),
+            stem=self._end(self.stems, arrays, arrays[4] if self.stems else 0.0),
             head=self._end(self.heads, arrays, 0.0),
             policies=self.policies,
         )

@@ -184,6 +184,64 @@ def _interval_max(values: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Intervals:
+    """Per policy, the summed time and activation bytes and the largest temporary of every
+    block interval ``[i, j)``, and its state bytes (`interval_arrays`)."""
+
+    time: np.ndarray
+    activation: np.ndarray
+    temp: np.ndarray
+    state: np.ndarray
+
+
+def interval_arrays(
+    time: np.ndarray, activation: np.ndarray, state: np.ndarray, temp: np.ndarray
+) -> Intervals:
+    """`Intervals` of per-block arrays (``[policy, block]``; ``state``: ``[block]``)."""
+    return Intervals(
+        np.stack([_interval_sums(t) for t in time]),
+        np.stack([_interval_sums(a) for a in activation]),
+        np.stack([_interval_max(x) for x in temp]),
+        _interval_sums(state),
+    )
+
+
+def compose(
+    intervals: Intervals,
+    *,
+    num_stages: int,
+    in_flight: Sequence[int],
+    stem: Sequence[np.ndarray] | None,
+    head: Sequence[np.ndarray] | None,
+    policies: Sequence[str | None],
+) -> StageTables:
+    """`StageTables` for ``num_stages`` stages: the stem's costs added on the first stage,
+    the head's on the last, the activations times each stage's ``in_flight`` sets."""
+    size = intervals.state.shape[-1]
+    upper = np.triu(np.ones((size, size), dtype=bool))
+    nonempty = np.triu(np.ones((size, size), dtype=bool), k=1)
+    variants: dict[tuple[bool, bool], tuple[np.ndarray, ...]] = {}
+    times = np.empty((num_stages, len(policies), size, size))
+    peaks = np.empty_like(times)
+    for s in range(num_stages):
+        key = (s == 0 and stem is not None, s == num_stages - 1 and head is not None)
+        if key not in variants:
+            ends = [e for e, here in zip((stem, head), key, strict=True) if here]
+            allowed = upper if ends else nonempty
+            tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends)
+            aa = intervals.activation + sum(np.asarray(e[1])[:, None, None] for e in ends)
+            xx = intervals.temp
+            for e in ends:
+                xx = np.maximum(xx, np.asarray(e[2])[:, None, None])
+            ss = intervals.state + sum(e[3] for e in ends)
+            variants[key] = (np.where(allowed, tt, INF), aa, xx + ss, allowed)
+        tt, aa, base, allowed = variants[key]
+        times[s] = tt
+        peaks[s] = np.where(allowed, base + in_flight[s] * aa, INF)
+    return StageTables(times, peaks, tuple(policies))
+
+
 def tables_from_arrays(
     time: np.ndarray,
     activation: np.ndarray,
@@ -205,29 +263,16 @@ def tables_from_arrays(
         num_stages: ``S``.
         in_flight: Activation sets alive at once per stage position (default 1 each).
         stem, head: ``(time[policy], activation[policy], temp[policy], state)`` of what the
-            first / last stage always holds (default nothing).
+            first / last stage always holds (``None``: nothing; a stage without blocks is
+            then not allowed there).
         policies: The policy of each row of ``time``.
     """
     temp = np.zeros_like(time) if temp is None else temp
-    in_flight = [1] * num_stages if in_flight is None else list(in_flight)
-    zero = (np.zeros(len(policies)), np.zeros(len(policies)), np.zeros(len(policies)), 0.0)
-    stem = zero if stem is None else stem
-    head = zero if head is None else head
-    size = time.shape[1] + 1
-    upper = np.triu(np.ones((size, size), dtype=bool))
-    nonempty = np.triu(np.ones((size, size), dtype=bool), k=1)
-    state_sum = _interval_sums(state)
-    times = np.empty((num_stages, len(policies), size, size))
-    peaks = np.empty_like(times)
-    for p in range(len(policies)):
-        t, a, x = _interval_sums(time[p]), _interval_sums(activation[p]), _interval_max(temp[p])
-        for s in range(num_stages):
-            ends = [e for e, here in ((stem, s == 0), (head, s == num_stages - 1)) if here]
-            allowed = upper if ends else nonempty
-            tt = t + sum(e[0][p] for e in ends)
-            aa = a + sum(e[1][p] for e in ends)
-            xx = np.maximum(x, max((e[2][p] for e in ends), default=0.0))
-            ss = state_sum + sum(e[3] for e in ends)
-            times[s, p] = np.where(allowed, tt, INF)
-            peaks[s, p] = np.where(allowed, ss + in_flight[s] * aa + xx, INF)
-    return StageTables(times, peaks, tuple(policies))
+    return compose(
+        interval_arrays(time, activation, state, temp),
+        num_stages=num_stages,
+        in_flight=[1] * num_stages if in_flight is None else list(in_flight),
+        stem=stem,
+        head=head,
+        policies=policies,
+    )
