@@ -16,6 +16,8 @@ Sections (one module each, each writing ``<out>/<section>.json``):
 * ``B8`` (``b8_processes``) -- the same pipelined step in 1 process x 8 devices and 2 processes
   x 4 devices (``jax.distributed``): step time and cold start ratios, bytes across processes
   per step vs the analytic count, one transfer in-process vs cross-process;
+* ``B9`` (``b9_planner``) -- the planner's predicted peak bytes, op durations and makespan
+  against measured ones on 8 pipelines, and its search time (smoke: the search only);
 * ``GPU`` (``gpu``) -- tokens/s and model FLOPs utilisation of gpt-small on a GPU (skipped
   without one).
 
@@ -51,6 +53,7 @@ SECTIONS = {
     "B6": "b6_schedules",
     "B7": "b7_spmd_peer",
     "B8": "b8_processes",
+    "B9": "b9_planner",
 }
 
 

@@ -45,9 +45,11 @@ from multimesh_flax.layers import parallelize_step, shard_axes, tabulate
 from multimesh_flax.planner import (
     DeviceSpec,
     Plan,
+    Plans,
     Prediction,
     UnitProfile,
     measure_transfer,
+    plan,
     predict,
     profile_units,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "MultiMesh",
     "PipelineOptions",
     "Plan",
+    "Plans",
     "Prediction",
     "Schedule",
     "ScheduleOp",
@@ -85,6 +88,7 @@ __all__ = [
     "microbatch",
     "parallelize",
     "parallelize_step",
+    "plan",
     "planner",
     "plot_timeline",
     "predict",

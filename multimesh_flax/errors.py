@@ -622,3 +622,29 @@ class PlanMismatchError(MultiMeshError, ValueError):
     without the profile's axes, a recomputation policy the profile did not cost, or a
     schedule the plan's sizes cannot build. Change the plan, or profile what it needs.
     """
+
+
+class PlanArgumentError(MultiMeshError, ValueError):
+    """``plan`` got a search space it cannot use.
+
+    A ``devices`` count below 1, a ``memory_per_device`` that is not a byte count or a size
+    such as ``"2GiB"``, a schedule the search cannot price stage by stage (interleaved ones
+    put several stages on one submesh; search among ``"gpipe"``, ``"1f1b"``,
+    ``"zero-bubble-h1"``, ``"zero-bubble-h2"``), microbatch counts that divide no batch, or
+    no stage count whose submeshes divide the devices. Widen the search or fix the value.
+    """
+
+
+class PlanMemoryError(MultiMeshError, ValueError):
+    """No plan in ``plan``'s search space fits ``memory_per_device``.
+
+    The message names the smallest memory per device that any plan of the space needs and
+    that plan (also in ``error.required_bytes`` and ``error.prediction``). Give more memory
+    per device, more devices, more recomputation (``recompute=(None, "full")``), more
+    microbatches, or a smaller batch.
+    """
+
+    def __init__(self, message: str, required_bytes: int | None = None, prediction=None):
+        super().__init__(message)
+        self.required_bytes = required_bytes
+        self.prediction = prediction

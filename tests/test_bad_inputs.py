@@ -1166,6 +1166,16 @@ CATALOGUE: list[Mistake] = [
       lambda env: mm.predict(mm.Plan((1, 2)), _stack_profile(env)),
       E.PlanMismatchError, ("2 blocks", "(1, 2)", "Change the counts"),
       "change the counts, or profile the model the plan is for"),
+    M("plan-nothing-fits", "planning", "`mm.plan` with 100 bytes per device",
+      lambda env: mm.plan(None, None, env.x, devices=2, memory_per_device=100,
+                          profile=_stack_profile(env)),
+      E.PlanMemoryError, ("(100 B)", "least memory per device", "Give at least that"),
+      "give at least the memory named, or widen the search"),
+    M("plan-interleaved", "planning", "`mm.plan` searching `'interleaved-1f1b'`",
+      lambda env: mm.plan(None, None, env.x, devices=2, schedules="interleaved-1f1b",
+                          profile=_stack_profile(env)),
+      E.PlanArgumentError, ("'interleaved-1f1b'", "one stage per submesh"),
+      "search a schedule with one stage per submesh; price an interleaved one with `predict`"),
 ]
 
 

@@ -27,6 +27,7 @@ SECTION_FILES = {
     "b6_schedules": ["schedules"],
     "b7_spmd_peer": ["configs"],
     "b8_processes": ["one_process", "two_processes", "analytic_bytes"],
+    "b9_planner": ["search", "configs"],
 }
 
 

@@ -170,6 +170,15 @@ def _planning(r: Ran) -> None:
     assert str(ns["wide"].sources["unit times"]) == "derived"
 
 
+def _searching(r: Ran) -> None:
+    # ranked, fitting plans; the best one's arguments add up to the model and the devices
+    plans, applied = r.namespace["plans"], r.namespace["applied"]
+    times = [p.step_time for p in plans]
+    assert times == sorted(times) and all(p.max_peak_bytes <= 24 * 2**20 for p in plans)
+    assert sum(applied.layers_per_stage) == 4 and applied.device_count == 8
+    assert r.namespace["figure"].axes
+
+
 # A snippet that identifies the block -> the check of what that block promises.
 PROMISES = {
     "mm.task(lambda x: x * 2": _first_program,
@@ -180,6 +189,7 @@ PROMISES = {
     "def train_step(model, optimizer, x, y)": _nnx_step,
     "class TypedBlock(nnx.Module)": _explicit_sharding,
     "mm.profile_units(": _planning,
+    "plans = mm.plan(": _searching,
 }
 
 

@@ -16,6 +16,9 @@
 * ``mmflax train --processes N`` runs the same training as N local processes of one
   ``jax.distributed`` job (``--devices`` split between them); ``mmflax launch -n N
   [--devices-per-process K] -- COMMAND...`` runs any such script (`multimesh_flax.distributed`).
+* ``mmflax plan --model gpt-small --devices 8 --memory 2GiB`` ranks layouts by predicted
+  step time (`_plan`, `multimesh_flax.plan`); ``mmflax train --plan auto`` trains the best
+  one and puts its predictions beside what the run measured (metrics.json ``plan``).
 * ``mmflax sample --checkpoint RUN_DIR`` generates text from a run's latest checkpoint.
 * ``mmflax export --checkpoint RUN_DIR --to HF_DIR`` writes it as a Hugging Face folder.
 * ``mmflax demo`` (also plain ``mmflax``) runs the placement demo: a two-layer function on
@@ -104,6 +107,15 @@ def _add_train(sub: Any) -> None:
         "split instead of --stages (its length is the stage count); only the first stage "
         "(with the embedding) and the last (with the head) may hold 0 (default: even)",
     )
+    add(
+        "--plan",
+        choices=("auto",),
+        help="choose the layout with the planner (`mmflax plan`): blocks per stage, data, "
+        "tensor, microbatches, schedule and recomputation of the fastest predicted plan that "
+        "fits --memory; after training, predicted and measured step time and memory are "
+        "printed and stored in metrics.json under 'plan'",
+    )
+    add("--memory", metavar="SIZE", help="with --plan auto: memory per device, e.g. 2GiB")
     add("--data", type=int, help=f"data-parallel replicas per stage ({d.data})")
     add("--tensor", type=int, help=f"tensor-parallel devices per replica ({d.tensor})")
     add("--microbatches", type=int, help=f"microbatches per step ({d.microbatches})")
@@ -185,6 +197,69 @@ def _add_train(sub: Any) -> None:
         "evenly between them (default: one process)",
     )
     _add_compile_cache(add)
+
+
+def _add_plan(sub: Any) -> None:
+    from models import PRESETS
+
+    plan = sub.add_parser(
+        "plan",
+        help="plan a pipeline for a reference model: rank layouts by predicted step time",
+        description="Profile a reference model's stem, block and head once (XLA's cost and "
+        "memory analysis; nothing runs in the default analytic mode) and rank the layouts of "
+        "--devices devices by predicted step time: blocks per stage, data x tensor per stage, "
+        "schedule, microbatches, recomputation. Only plans that fit --memory are shown.",
+    )
+    add = plan.add_argument
+    add("--model", default="gpt-tiny", help=f"model preset: {', '.join(PRESETS)} (gpt-tiny)")
+    add("--layers", type=int, help="transformer blocks (default: the preset's)")
+    add("--devices", type=int, default=_DEFAULT_DEVICES, help="devices to plan for (8)")
+    add("--memory", metavar="SIZE", help="memory per device, e.g. 2GiB (default: no limit)")
+    add("--batch-size", type=int, default=32, help="sequences per step (32)")
+    add("--seq-len", type=int, default=64, help="tokens per sequence (64)")
+    add(
+        "--schedules",
+        type=_names,
+        help="comma-separated schedules (default: gpipe, 1f1b, zero-bubble-h1, zero-bubble-h2)",
+    )
+    add("--microbatches", type=_counts, help="comma-separated counts (default: 1, 2, 4, .. 64)")
+    add(
+        "--recompute",
+        type=_names,
+        default=("none", "full"),
+        help="comma-separated policies a stage may use: none, full, dots (none,full)",
+    )
+    add(
+        "--per-stage-recompute",
+        action="store_true",
+        help="let stages recompute differently (`mmflax train` applies one policy to all)",
+    )
+    add(
+        "--mode",
+        choices=("analytic", "measured"),
+        default="analytic",
+        help="analytic: XLA's analysis only; measured: also time each unit here (analytic)",
+    )
+    add(
+        "--device",
+        choices=("cpu", "h100", "h200"),
+        default="cpu",
+        help="the device whose data sheet prices analytic times and transfers (cpu)",
+    )
+    add("--top", type=int, default=10, help="plans to show (10)")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected counts separated by commas, e.g. 4,8, got {text!r}"
+        ) from None
 
 
 def _layers_per_stage(text: str) -> tuple[int, ...]:
@@ -335,6 +410,7 @@ def _parser() -> argparse.ArgumentParser:
         "--devices", type=int, default=_DEFAULT_DEVICES, help="simulated CPU devices (even)"
     )
     _add_train(sub)
+    _add_plan(sub)
     _add_sample(sub)
     _add_export(sub)
     _add_launch(sub)
@@ -364,8 +440,13 @@ def _run_train(args: argparse.Namespace) -> int:
     _enable_cache(args)
     from multimesh_flax.cli import _run_options, _train
 
-    skip = ("command", "devices", "compile_cache", "processes", "argv")
+    skip = ("command", "devices", "compile_cache", "processes", "argv", "plan", "memory")
     given = {k: v for k, v in vars(args).items() if k not in skip}
+    planned = None
+    if args.plan == "auto":
+        planned, given = _auto_plan(given, args.memory)
+    elif args.memory is not None:
+        raise _ArgumentError("`--memory` goes with `--plan auto`")
     options = _run_options.resolve_options({**given, "resume": args.resume or None})
     _run_options.check_options(options, _device_count())  # fail before any tracing
     model = options.init_from or options.model
@@ -378,7 +459,95 @@ def _run_train(args: argparse.Namespace) -> int:
         f"{options.microbatches} microbatches, {options.schedule}; run folder {options.out}"
     )
     result = _train.train(options, report=print)
-    return _print_result(result)
+    status = _print_result(result)
+    if planned is not None and result.stopped_by is None:
+        _report_plan(planned, result, options)
+    return status
+
+
+def _auto_plan(given: dict[str, Any], memory: str | None) -> tuple[Any, dict[str, Any]]:
+    """The best plan for the run's model and batch on this host's devices, and the
+    settings with its layout."""
+    from multimesh_flax.cli import _plan
+    from multimesh_flax.cli._run_options import TrainOptions
+
+    fixed = ("stages", "layers_per_stage", "data", "tensor", "microbatches", "schedule")
+    chosen = [k for k in (*fixed, "recompute") if given.get(k) is not None]
+    if chosen or given.get("resume"):
+        raise _ArgumentError(
+            f"`--plan auto` chooses the layout itself; drop {', '.join(chosen) or '--resume'}"
+        )
+    d = TrainOptions()
+    plans = _plan.plan_model(
+        given.get("model") or d.model,
+        given.get("layers"),
+        devices=_device_count(),
+        memory=memory,
+        batch_size=given.get("batch_size") or d.batch_size,
+        seq_len=given.get("seq_len") or d.seq_len,
+        top=5,
+    )
+    plans.table()
+    return plans.best, {**given, **_plan.planned_options(plans.best)}
+
+
+def _report_plan(planned: Any, result: Any, options: Any) -> None:
+    """Prints the plan's predictions beside the run's measurements; adds them to
+    metrics.json as ``plan``."""
+    from multimesh_flax.cli import _plan, _run_files
+
+    tokens = options.rows_per_step * options.seq_len
+    comparison = _plan.compare(planned, result.metrics, tokens)
+    result.metrics["plan"] = comparison
+    _run_files.write_metrics(result.run_dir, result.metrics)
+    for line in _plan.describe_comparison(comparison):
+        print(line)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from multimesh_flax.cli import _plan
+
+    if args.devices < 1 or args.top < 1:
+        raise _ArgumentError(
+            f"`--devices` and `--top` must be >= 1, got {args.devices}, {args.top}"
+        )
+    plans = _plan.plan_model(
+        args.model,
+        args.layers,
+        devices=args.devices,
+        memory=args.memory,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        schedules=args.schedules,
+        microbatches=args.microbatches,
+        recompute=args.recompute,
+        per_stage_recompute=args.per_stage_recompute,
+        mode=args.mode,
+        device=args.device,
+        top=args.top,
+    )
+    plans.table()
+    best = plans.best
+    print(
+        f"best: {mm_describe(best.plan)}; predicted step {best.step_time * 1e3:.3f} ms, "
+        f"peak {best.max_peak_bytes:,} B per device ({best.sources['unit times']} unit times)"
+    )
+    print(
+        f"train it: mmflax train --model {args.model} --plan auto"
+        + (f" --memory {args.memory}" if args.memory else "")
+        + f" (or --layers-per-stage {','.join(map(str, best.plan.layers_per_stage))})"
+    )
+    print(
+        f"searched {plans.configurations} configurations in {plans.search_seconds:.2f} s "
+        "after profiling"
+    )
+    return 0
+
+
+def mm_describe(plan: Any) -> str:
+    from multimesh_flax.planner._search import describe
+
+    return describe(plan)
 
 
 def _print_stop(result: Any) -> int:
@@ -561,6 +730,7 @@ def _run_export(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "demo": _run_demo,
     "train": _run_train,
+    "plan": _run_plan,
     "launch": _run_launch,
     "sample": _run_sample,
     "export": _run_export,
@@ -578,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
         args.argv = argv
         if args.command is None:
             raise _ArgumentError(
-                "choose a command: demo, train, sample, export or launch (see `mmflax --help`)"
+                "choose a command: demo, train, plan, sample, export or launch "
+                "(see `mmflax --help`)"
             )
         return _COMMANDS[args.command](args)
     except (NonFiniteTrainingError, errors.CheckpointSaveError) as e:  # the arguments were fine

@@ -10,15 +10,25 @@
   microbatches, recomputation per stage) turned into a `Prediction`: step time and bubble
   from the simulator over the unit costs, peak bytes per device, each number tagged with
   its `Source`.
+* `plan` (``_planning``, over ``_search`` and the dynamic program of ``_split``): the
+  plans of a search space, ranked by predicted step time (`Plans`); `PlanMemoryError` when
+  none fits.
+* `AppliedPlan` (``_apply``): a plan as the runtime takes it (``Prediction.apply()``).
+* ``_report``: ``Plans.table()``, ``Prediction.table()`` and ``Prediction.plot()``.
+* `profile_from_costs` (``_synthetic``): a profile from numbers you know (`CostSpec`).
 * ``_costs``: the records: `Source`, `DeviceSpec`, `PhaseCost`, `TransferCost`.
 """
 
+from multimesh_flax.planner._apply import AppliedPlan as AppliedPlan
 from multimesh_flax.planner._costs import DEVICE_SPECS as DEVICE_SPECS
 from multimesh_flax.planner._costs import DeviceSpec as DeviceSpec
 from multimesh_flax.planner._costs import PhaseCost as PhaseCost
 from multimesh_flax.planner._costs import Source as Source
 from multimesh_flax.planner._costs import StateLeaf as StateLeaf
 from multimesh_flax.planner._costs import TransferCost as TransferCost
+from multimesh_flax.planner._planning import Plans as Plans
+from multimesh_flax.planner._planning import parse_bytes as parse_bytes
+from multimesh_flax.planner._planning import plan as plan
 from multimesh_flax.planner._predict import Plan as Plan
 from multimesh_flax.planner._predict import Prediction as Prediction
 from multimesh_flax.planner._predict import StageCost as StageCost
@@ -28,6 +38,8 @@ from multimesh_flax.planner._profile import UnitCost as UnitCost
 from multimesh_flax.planner._profile import UnitProfile as UnitProfile
 from multimesh_flax.planner._profile import measure_transfer as measure_transfer
 from multimesh_flax.planner._profile import profile_units as profile_units
+from multimesh_flax.planner._synthetic import CostSpec as CostSpec
+from multimesh_flax.planner._synthetic import profile_from_costs as profile_from_costs
 from multimesh_flax.planner._units import Instance as Instance
 from multimesh_flax.planner._units import Unit as Unit
 from multimesh_flax.planner._units import UnitSet as UnitSet

@@ -30,7 +30,12 @@ devices, ``d0`` along the batch axes: times and FLOPs scale by ``(r / r0) * (n0 
 (work divides ideally over the devices; the collectives of a larger submesh are not added);
 activation, output and temporary bytes by ``(r / r0) * (d0 / d)`` (tensor parallelism is
 assumed not to shrink them: an upper bound); optimizer updates by the ratio of parameter
-bytes per device. Training-state bytes are never scaled: they are recomputed exactly.
+bytes per device. A submesh larger than the profiled one also pays all-reduces over the
+link of the transfer cost (ring: ``2 (n - 1) / n`` bytes moved per byte, beyond what the
+profiled shape's ``n0`` already paid): along the tensor axes one of every unit's output in
+its forward and one in its backward (units with parameters), along the data axes one of
+the stage's gradients before its update. Training-state bytes are never scaled: they are
+recomputed exactly.
 Profile on the plan's own shape and microbatch size to get unscaled numbers.
 """
 
@@ -39,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import Schedule, make_schedule
@@ -148,6 +154,10 @@ class Prediction:
             times"``, ``"flops"``, ``"transfer"``, ``"state_bytes"``, ``"activation_bytes"``,
             ``"temp_bytes"``) and the outputs (``"step_time"``, ``"bubble"``,
             ``"peak_bytes"``, always derived).
+        stage_paths: Per stage, the module paths of its units (stems, blocks, heads).
+        rules: The logical rules of the profile (what `apply` gives every task).
+        stage_meshes: Per stage, its submesh shape (the profiled one where the plan gives
+            none).
     """
 
     plan: Plan
@@ -161,11 +171,33 @@ class Prediction:
     stages: tuple[StageCost, ...]
     simulation: SimulationResult
     sources: Mapping[str, Source]
+    stage_paths: tuple[tuple[str, ...], ...] = ()
+    rules: tuple = ()
+    stage_meshes: tuple[dict, ...] = ()
 
     @property
     def max_peak_bytes(self) -> int:
         """The largest ``peak_bytes`` of any device."""
         return max(self.peak_bytes)
+
+    def apply(self) -> Any:
+        """What to train this plan with: an `AppliedPlan` (``layers_per_stage``, the
+        ``MultiMesh``, ``parallelize_step`` arguments, ``register_task`` placements)."""
+        from multimesh_flax.planner._apply import AppliedPlan
+
+        return AppliedPlan.from_prediction(self)
+
+    def table(self, *, console: Any = None) -> Any:
+        """Prints this plan's stages as a `rich` table; returns the table."""
+        from multimesh_flax.planner._report import prediction_table
+
+        return prediction_table(self, console=console)
+
+    def plot(self, path: str | None = None, *, memory_per_device: float | None = None) -> Any:
+        """The predicted timeline beside per-device memory bars (a matplotlib figure)."""
+        from multimesh_flax.planner._report import plot_prediction
+
+        return plot_prediction(self, path, memory_per_device=memory_per_device)
 
     def __str__(self) -> str:
         lines = [
@@ -181,10 +213,11 @@ class Prediction:
         return "\n".join(lines)
 
 
-def _stage_instances(plan: Plan, profile: UnitProfile) -> list[list[int]]:
-    """The distinct-unit index of every instance on each stage."""
+def _stage_instances(plan: Plan, profile: UnitProfile, key: Any = None) -> Any:
+    """The distinct-unit index (or ``key(instance)``) of every instance on each stage."""
+    get = key or (lambda i: i.unit)
     instances = profile.units.instances
-    layers = [i.unit for i in instances if i.role == "layer"]
+    layers = [get(i) for i in instances if i.role == "layer"]
     split = tuple(plan.layers_per_stage)
     if (
         not split
@@ -196,14 +229,14 @@ def _stage_instances(plan: Plan, profile: UnitProfile) -> list[list[int]]:
             f"blocks (non-negative counts adding up to {len(layers)}), got {split!r}. "
             f"Change the counts, or profile the model the plan is for."
         )
-    stages: list[list[int]] = [[] for _ in split]
-    stages[0] += [i.unit for i in instances if i.role == "stem"]
+    stages: list[list[Any]] = [[] for _ in split]
+    stages[0] += [get(i) for i in instances if i.role == "stem"]
     start = 0
     for s, n in enumerate(split):
         stages[s] += layers[start : start + n]
         start += n
-    stages[-1] += [i.unit for i in instances if i.role == "head"]
-    return stages
+    stages[-1] += [get(i) for i in instances if i.role == "head"]
+    return stages if key is None else tuple(tuple(s) for s in stages)
 
 
 def _scales(profile: UnitProfile, mesh: dict, rows: int) -> tuple[float, float]:
@@ -221,6 +254,32 @@ def _scales(profile: UnitProfile, mesh: dict, rows: int) -> tuple[float, float]:
     return r * n0 / n, r * d0 / d
 
 
+def _ring(n: int) -> float:
+    """Bytes a ring all-reduce moves per byte reduced, per device: ``2 (n - 1) / n``."""
+    return 2 * (n - 1) / n
+
+
+def collective_per_byte(
+    profile: UnitProfile, mesh: Mapping[str, int], link: TransferCost
+) -> tuple[float, float]:
+    """Seconds per byte of the all-reduces a submesh adds beyond the profiled one's:
+    (over the tensor axes, over the data axes). Zero on the profiled shape or a smaller one.
+    """
+    shape = dict(profile.mesh_shape)
+    data = profile.data_axes
+
+    def size(m: Mapping[str, int], on_data: bool) -> int:
+        return math.prod(v for a, v in m.items() if (a in data) == on_data)
+
+    tensor = max(_ring(size(mesh, False)) - _ring(size(shape, False)), 0.0)
+    replica = max(_ring(size(mesh, True)) - _ring(size(shape, True)), 0.0)
+    return tensor * link.seconds_per_byte, replica * link.seconds_per_byte
+
+
+def _derived(seconds: float) -> PhaseCost:
+    return PhaseCost(seconds, source=Source.DERIVED)
+
+
 def _stage_cost(
     costs: Sequence[UnitCost],
     profile: UnitProfile,
@@ -233,6 +292,7 @@ def _stage_cost(
     shape = dict(profile.mesh_shape)
     total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u")}
     params, opt = 0, 0
+    tensor, replica = collective_per_byte(profile, mesh, transfer)
     for c in costs:
         params_here = state_bytes(c.params, mesh, profile.rules)
         params_there = state_bytes(c.params, shape, profile.rules)
@@ -241,6 +301,11 @@ def _stage_cost(
         total["b"] += c.backward_input.scaled(time, memory)
         total["w"] += c.backward_weight.scaled(time, memory)
         total["u"] += c.update.scaled(update_scale, update_scale)
+        if tensor and c.params:  # one all-reduce of the output in the forward, one back
+            total["f"] += _derived(tensor * c.output_bytes * memory)
+            total["b"] += _derived(tensor * c.output_bytes * memory)
+        if replica and params_here:  # the gradients' all-reduce over the replicas
+            total["u"] += _derived(replica * params_here)
         params += params_here
         opt += state_bytes([x for x in c.opt_state if not x.shared], mesh, profile.rules)
     if first:  # the optimizer's own counters: once per model, with the first stage
@@ -368,7 +433,11 @@ def predict(
         for s, (units, mesh, policy) in enumerate(zip(stages, meshes, policies, strict=True))
     )
     schedule = _schedule(plan)
-    return _predict(plan, profile, schedule, costs, link)
+    prediction = _predict(plan, profile, schedule, costs, link)
+    paths = _stage_instances(plan, profile, key=lambda i: i.path)
+    return dataclasses.replace(
+        prediction, stage_paths=paths, rules=tuple(profile.rules), stage_meshes=meshes
+    )
 
 
 def _schedule(plan: Plan) -> Schedule:

@@ -31,6 +31,7 @@ follow from the shapes and the logical rules on the mesh shape, exactly, which i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import statistics
@@ -211,9 +212,21 @@ def mesh_spec(leaf: StateLeaf, mesh: Mapping[str, int], rules: Sequence) -> P:
 
 def state_bytes(leaves: Sequence[StateLeaf], mesh: Mapping[str, int], rules: Sequence) -> int:
     """Bytes per device of ``leaves`` on a mesh of shape ``mesh`` (no devices needed)."""
-    return sum(
-        bytes_per_device(x.shape, x.dtype, mesh_spec(x, mesh, rules), dict(mesh)) for x in leaves
-    )
+    shape, rules = tuple(dict(mesh).items()), tuple(rules)
+    try:
+        return sum(_leaf_bytes(x, shape, rules) for x in leaves)
+    except TypeError:  # rules that do not hash: compute without the cache
+        return sum(
+            bytes_per_device(x.shape, x.dtype, mesh_spec(x, mesh, rules), dict(mesh))
+            for x in leaves
+        )
+
+
+@functools.lru_cache(maxsize=65536)
+def _leaf_bytes(leaf: StateLeaf, shape: tuple, rules: tuple) -> int:
+    """One leaf's bytes per device (cached: the planner asks for the same ones often)."""
+    mesh = dict(shape)
+    return bytes_per_device(leaf.shape, leaf.dtype, mesh_spec(leaf, mesh, rules), mesh)
 
 
 def _mirror(opt_state: Any, params: Any, param_leaves: list[StateLeaf]) -> list[StateLeaf]:
