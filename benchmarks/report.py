@@ -302,7 +302,8 @@ def _b7(data: dict[str, Any]) -> list[dict]:
         for c in data["configs"]:
             source = c["cold"] if cold else c
             text = " / ".join(f"{source[f'{s}_{key}']:.2f}" for s in schedules)
-            parts.append(f"S={c['stages']} m={c['microbatches']}: {text}")
+            layers = f" ({c['layers']} layers)" if c.get("workload", "tiny") != "tiny" else ""
+            parts.append(f"S={c['stages']} m={c['microbatches']}{layers}: {text}")
         return "; ".join(parts)
 
     rows = [
@@ -310,12 +311,14 @@ def _b7(data: dict[str, Any]) -> list[dict]:
         _row("B7", f"peak bytes per device / SPMD peer's ({label})", by_config("peak_ratio")),
     ]
     if all("cold" in c for c in data["configs"]):
-        reps = len(data["configs"][0]["cold"]["repetitions"]["peer"])
+        counts = sorted({len(c["cold"]["repetitions"]["peer"]) for c in data["configs"]})
+        reps = counts[-1]
+        fewer = f"; {counts[0]} for the 16-layer points" if len(counts) > 1 else ""
         rows.append(
             _row(
                 "B7",
                 f"cold build + first step / SPMD peer's ({label}, wall, "
-                + (f"medians of {reps} processes)" if reps > 1 else "single samples)"),
+                + (f"medians of {reps} processes{fewer})" if reps > 1 else "single samples)"),
                 by_config("ratio", cold=True),
             )
         )
