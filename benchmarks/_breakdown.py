@@ -72,6 +72,111 @@ class JaxClock:
             self.exe.state.fns[i] = fn
 
 
+class StubbedJax:
+    """JAX's calls of a step stubbed out: inside ``with stubs:``, every fragment call of the
+    executable returns what it returned in one recorded step (``record``), and
+    ``jax.device_put`` returns the recorded transfers' results in order.
+
+    What is left of a step is the host's own work -- the runtime's argument checks, slots and
+    op loop, or a hand replay's -- with no XLA work on the host's cores and no buffers
+    freed, so it can be repeated hundreds of times back to back and timed in CPU time to a
+    few percent, where the same difference inside real steps (milliseconds of XLA work
+    between the host's microseconds) swung by 2x between runs. The state is not donated
+    while stubbed: the same state can be passed every call.
+    """
+
+    def __init__(self, exe: Any) -> None:
+        self.exe = exe
+        self.runs: dict[int, Any] = {}  # RUN op index -> its recorded outputs
+        self.puts: list[Any] = []  # device_put results, in dispatch order
+        self._next = 0
+
+    def record(self, call: Callable[[], Any]) -> Any:
+        """Runs ``call`` (one real step of the executable) and keeps what its ops returned."""
+        fns = self.exe.state.fns
+        real = {i: fns[i] for i, op in enumerate(self.exe.ops) if op.kind == 0}
+
+        def keeping(i: int, fn: Any) -> Any:
+            def kept(*args: Any) -> Any:
+                self.runs[i] = fn(*args)
+                return self.runs[i]
+
+            return kept
+
+        put = jax.device_put
+
+        def kept_put(*args: Any, **kwargs: Any) -> Any:
+            self.puts.append(put(*args, **kwargs))
+            return self.puts[-1]
+
+        for i, fn in real.items():
+            fns[i] = keeping(i, fn)
+        jax.device_put = kept_put
+        try:
+            return call()
+        finally:
+            jax.device_put = put
+            for i, fn in real.items():
+                fns[i] = fn
+
+    def _put(self, *_: Any, **__: Any) -> Any:
+        out = self.puts[self._next % len(self.puts)]
+        self._next += 1
+        return out
+
+    def __enter__(self) -> StubbedJax:
+        fns = self.exe.state.fns
+        self._saved = {i: fns[i] for i in self.runs}
+        for i, outs in self.runs.items():
+            fns[i] = lambda *_, outs=outs: outs
+        self._device_put, self._next = jax.device_put, 0
+        if self.puts:
+            jax.device_put = self._put
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        jax.device_put = self._device_put
+        for i, fn in self._saved.items():
+            self.exe.state.fns[i] = fn
+
+
+def stubbed_host_seconds(
+    runner: _common.MpmdRunner, calls: int, blocks: int = 7
+) -> dict[str, float]:
+    """This thread's CPU seconds per step with JAX's calls stubbed (:class:`StubbedJax`):
+    ``"call"`` for the step function, ``"replay"`` for the hand replay of the same ops
+    (``_common.replay`` with the state flattened and the outputs unflattened, as a program
+    juggling these arrays must). Each is the least, over ``blocks`` blocks of ``calls``
+    calls, of a block's mean (the two alternate block by block): load on a shared host only
+    ever adds time. Runs one real step first (the runner's state advances by it)."""
+    exe = runner.executable
+    stubs = StubbedJax(exe)
+    loss, state = stubs.record(lambda: runner.step_fn(runner.state, runner.batch))
+    jax.block_until_ready((loss, state))
+    runner.state, batch = state, runner.batch
+    tree = jax.tree_util.tree_structure(state)
+    batch_leaves = jax.tree_util.tree_leaves(batch)
+
+    def replay() -> Any:
+        leaves = [*jax.tree_util.tree_leaves(state), *batch_leaves]
+        return jax.tree_util.tree_unflatten(tree, _common.replay(exe, leaves)[1:])
+
+    def mean(fn: Callable[[], Any]) -> float:
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        return (time.thread_time() - start) / calls
+
+    step_fn = runner.step_fn
+    fns = {"call": lambda: step_fn(state, batch), "replay": replay}
+    means: dict[str, list[float]] = {name: [] for name in fns}
+    with stubs:
+        for _ in range(blocks):  # the two alternate, block by block
+            for name, fn in fns.items():
+                means[name].append(mean(fn))
+    return {name: min(m) for name, m in means.items()}
+
+
 def host_cpu_seconds(step: Callable[[], Any], rounds: int) -> float:
     """The median CPU time of this thread across ``rounds`` calls of ``step``."""
     samples = []

@@ -23,6 +23,11 @@ per program; the quick suite stays within a minute of extra time):
   of its one program, arguments + outputs - donated aliases + temp. Max over devices,
   ours / peer.
 
+**Scale** (full runs only): S=8 stages of one device each, 16 blocks (2 a stage), batch
+64 x 64, m=32 and m=64 (``SCALE``): steps of a thousand ops and more, so what many ops per
+step cost is measured, not guessed. Step time, breakdown, peak bytes and cold start as
+above (the cold start from ``SCALE_COLD_REPETITIONS`` fresh processes per program).
+
 No targets: the section says where the two approaches stand on this host.
 """
 
@@ -45,13 +50,22 @@ SECTION = "B7"
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ("gpipe", "1f1b")
 COLD_REPETITIONS = 3  # fresh processes per program and configuration (their median)
+# Many ops per step: 8 one-device stages of 2 blocks each, a microbatch of one sequence at m=64.
+SCALE = _common.Workload("gpt-tiny", batch=64, length=64, overrides=(("num_layers", 16),))
+SCALE_GRID = [(8, 32), (8, 64)]
+SCALE_COLD_REPETITIONS = 1  # each cold process builds and compiles a program of 1,000+ ops
+WORKLOADS = {"tiny": _common.TINY, "scale": SCALE}  # by name, for the cold-start children
 
 
-def grid(quick: bool) -> list[tuple[int, int]]:
-    """``(stages, microbatches)`` measured."""
+def grid(quick: bool) -> list[tuple[str, int, int]]:
+    """``(workload name, stages, microbatches)`` measured (the scale points in full runs
+    only)."""
     if _common.SMOKE:
-        return [_common.SMOKE_CONFIG[:2]]
-    return [(2, 4)] if quick else [(2, 4), (2, 8), (4, 4), (4, 8)]
+        return [("tiny", *_common.SMOKE_CONFIG[:2])]
+    if quick:
+        return [("tiny", 2, 4)]
+    tiny = [("tiny", s, m) for s, m in [(2, 4), (2, 8), (4, 4), (4, 8)]]
+    return tiny + [("scale", s, m) for s, m in SCALE_GRID]
 
 
 def step_times(ours: dict[str, Any], peer: Any, rounds: int) -> dict[str, Any]:
@@ -99,16 +113,23 @@ def ours_peak_bytes(runner: _common.MpmdRunner) -> dict[str, Any]:
 
 
 def measure(
-    stages: int, m: int, rounds: int, schedules: tuple[str, ...] = SCHEDULES
+    stages: int,
+    m: int,
+    rounds: int,
+    schedules: tuple[str, ...] = SCHEDULES,
+    workload: str = "tiny",
 ) -> dict[str, Any]:
     """Step time and peak bytes of ours (each schedule) and the peer at ``(stages, m)``."""
     from benchmarks import b1_step_time
 
-    built = {s: b1_step_time.kept_or_built(_common.TINY, stages, m, s) for s in schedules}
+    load = WORKLOADS[workload]
+    built = {s: b1_step_time.kept_or_built(load, stages, m, s) for s in schedules}
     ours = {s: runner for s, (runner, _) in built.items()}
-    peer = spmd.build_peer(_common.TINY, stages, m)
+    peer = spmd.build_peer(load, stages, m)
     _common.warm(peer)
     result = {
+        "workload": workload,
+        "layers": load.config().num_layers,
         "stages": stages,
         "microbatches": m,
         "schedules": list(schedules),
@@ -133,15 +154,16 @@ def measure(
 # --- cold first step, one fresh process per program -----------------------------------------
 
 
-def child(kind: str, stages: int, m: int) -> dict[str, Any]:
+def child(kind: str, stages: int, m: int, workload: str = "tiny") -> dict[str, Any]:
     """Build + first step of one program (``kind``: a schedule or ``"peer"``), cold."""
     jax.config.update("jax_enable_compilation_cache", False)
+    load = WORKLOADS[workload]
     wall, cpu = time.perf_counter(), time.process_time()
     with _common.count_compiles() as compiles:
         if kind == "peer":
-            runner = spmd.build_peer(_common.TINY, stages, m)
+            runner = spmd.build_peer(load, stages, m)
         else:
-            runner = _common.build_mpmd(_common.TINY, stages, m, kind)
+            runner = _common.build_mpmd(load, stages, m, kind)
         runner.step()
     return {
         "wall_s": time.perf_counter() - wall,
@@ -151,11 +173,11 @@ def child(kind: str, stages: int, m: int) -> dict[str, Any]:
     }
 
 
-def _child_process(kind: str, stages: int, m: int) -> dict[str, Any]:
+def _child_process(kind: str, stages: int, m: int, workload: str) -> dict[str, Any]:
     code = (
         "import json; from benchmarks import configure_devices; configure_devices(); "
         "from benchmarks import b7_spmd_peer as b; "
-        f"print('RESULT' + json.dumps(b.child({kind!r}, {stages}, {m})))"
+        f"print('RESULT' + json.dumps(b.child({kind!r}, {stages}, {m}, {workload!r})))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=ROOT
@@ -166,14 +188,14 @@ def _child_process(kind: str, stages: int, m: int) -> dict[str, Any]:
     return json.loads(line[len("RESULT") :])
 
 
-def cold(stages: int, m: int, reps: int) -> dict[str, Any]:
+def cold(stages: int, m: int, reps: int, workload: str = "tiny") -> dict[str, Any]:
     """Cold build + first step of each program, ``reps`` times each (order rotated)."""
     kinds = [*SCHEDULES, "peer"]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
     for rep in range(reps):
         for i in range(len(kinds)):
             kind = kinds[(i + rep) % len(kinds)]
-            runs[kind].append(_child_process(kind, stages, m))
+            runs[kind].append(_child_process(kind, stages, m, workload))
     out: dict[str, Any] = {"repetitions": runs}
     for kind in kinds:
         for key in ("wall_s", "cpu_s"):
@@ -197,7 +219,8 @@ def ratios(data: dict[str, Any], key: str, schedules: list[str]) -> tuple[str, s
 
 
 def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
-    label = f"gpt-tiny S={c['stages']} m={c['microbatches']}"
+    layers = "" if c.get("workload", "tiny") == "tiny" else f" {c['layers']} layers"
+    label = f"gpt-tiny{layers} S={c['stages']} m={c['microbatches']}"
     names, steps = ratios(c, "ratio", c["schedules"])
     _, peaks = ratios(c, "peak_ratio", c["schedules"])
     peer_mib = c["peer_bytes"]["peak"] / 2**20
@@ -271,15 +294,17 @@ def run(quick: bool) -> dict[str, Any]:
     if _common.SMOKE:
         rounds = 2
     configs, rows = [], []
-    for stages, m in grid(quick):
-        result = measure(stages, m, rounds, schedules)
+    for workload, stages, m in grid(quick):
+        result = measure(stages, m, rounds, schedules, workload)
         if not quick:
-            result["cold"] = cold(stages, m, COLD_REPETITIONS)
+            reps = COLD_REPETITIONS if workload == "tiny" else SCALE_COLD_REPETITIONS
+            result["cold"] = cold(stages, m, reps, workload)
         configs.append(result)
         rows += _rows(result)
     return {
         "description": __doc__.splitlines()[0],
         "workload": _common.TINY.describe(),
+        "scale_workload": SCALE.describe(),
         "rounds": rounds,
         "configs": configs,
         "rows": rows,

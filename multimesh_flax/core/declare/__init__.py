@@ -16,6 +16,7 @@ from multimesh_flax.core.declare._config import get_flag as get_flag
 from multimesh_flax.core.declare._config import ignore_transforms as ignore_transforms
 from multimesh_flax.core.declare._costs import CostFn as CostFn
 from multimesh_flax.core.declare._costs import make_cost_fn as make_cost_fn
+from multimesh_flax.core.declare._devices import DeviceListScope as DeviceListScope
 from multimesh_flax.core.declare._devices import Place as Place
 from multimesh_flax.core.declare._devices import TaskMesh as TaskMesh
 from multimesh_flax.core.declare._devices import as_device_array as as_device_array

@@ -165,17 +165,45 @@ def place_of(mesh: Any) -> Place:
 
 @contextlib.contextmanager
 def use_device_list(devices: Sequence[jax.Device] | np.ndarray | None) -> Iterator[None]:
-    """Makes ``devices`` the list that ``TaskMesh`` positions index (``None``: no change)."""
-    if devices is None:
+    """Makes ``devices`` the list that ``TaskMesh`` positions index (``None``: no change).
+
+    Raises:
+        DuplicateDeviceError: a device is listed twice.
+    """
+    flat = None if devices is None else tuple(np.asarray(devices, dtype=object).reshape(-1))
+    if flat is not None:
+        check_unique(flat, "devices")
+    with DeviceListScope(flat):
         yield
-        return
-    flat = tuple(np.asarray(devices, dtype=object).reshape(-1))
-    check_unique(flat, "devices")
-    _thread.STATE.device_lists.append(flat)
-    try:
-        yield
-    finally:
-        _thread.STATE.device_lists.pop()
+
+
+class DeviceListScope:
+    """``with scope:`` makes ``devices``, a flat tuple of distinct devices checked by the
+    caller, the list that ``TaskMesh`` positions index (``None``: no change).
+
+    ``use_device_list`` for a list already checked: ``jit`` makes one per function and
+    enters it on every call. It holds no state of its own, so one scope may be entered by
+    several threads, or again inside itself.
+
+    Example:
+        >>> scope = DeviceListScope(tuple(jax.devices()[2:4]))
+        >>> with scope:
+        ...     [d.id for d in get_device_list()]
+        [2, 3]
+    """
+
+    __slots__ = ("devices",)
+
+    def __init__(self, devices: tuple[jax.Device, ...] | None) -> None:
+        self.devices = devices
+
+    def __enter__(self) -> None:
+        if self.devices is not None:
+            _thread.STATE.device_lists.append(self.devices)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.devices is not None:
+            _thread.STATE.device_lists.pop()
 
 
 def no_ambient_mesh() -> contextlib.AbstractContextManager[Any]:

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
+    DeviceListScope,
     as_device_array,
     check_unique,
     get_device_list,
@@ -30,7 +31,6 @@ from multimesh_flax.core.declare import (
     get_multi_mesh,
     no_ambient_mesh,
     registrations_fingerprint,
-    use_device_list,
 )
 from multimesh_flax.core.fragment import Partition, input_sharding
 from multimesh_flax.core.front import _donation
@@ -89,11 +89,51 @@ def _leaf_key(x: Any) -> Hashable:
     return (tuple(shape), x.dtype, bool(getattr(x, "weak_type", False)))
 
 
-_KEYS_BY_AVALS: dict[tuple[Any, ...], tuple[Hashable, ...]] = {}
+class _LeafKeys:
+    """The ``_leaf_key`` of every leaf of a call, hashed once.
+
+    A call signature is looked up by hashing its key, two or three times a call; hashing
+    hundreds of ``(shape, dtype, weak type)`` tuples costs more than the rest of the key.
+    ``_leaf_keys`` interns them (one object per content), so lookups hash a stored number and
+    compare by identity (by content only for keys made before the table was last cleared).
+
+    Example:
+        >>> a, b = _LeafKeys((((2,), "f4", False),)), _LeafKeys((((2,), "f4", False),))
+        >>> a == b, hash(a) == hash(b), a == _LeafKeys(())
+        (True, True, False)
+    """
+
+    __slots__ = ("keys", "_hash")
+
+    def __init__(self, keys: tuple[Hashable, ...]) -> None:
+        self.keys = keys
+        self._hash = hash(keys)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _LeafKeys):
+            return NotImplemented
+        return self._hash == other._hash and self.keys == other.keys
+
+
+_KEYS_BY_AVALS: dict[tuple[Any, ...], _LeafKeys] = {}
+_INTERNED: dict[_LeafKeys, _LeafKeys] = {}  # one object per content: equal means identical
 _MAX_REMEMBERED = 256
 
 
-def _leaf_keys(leaves: Sequence[Any]) -> tuple[Hashable, ...]:
+def _interned(keys: tuple[Hashable, ...]) -> _LeafKeys:
+    """The one ``_LeafKeys`` of this content (a new one once the table was cleared)."""
+    if len(_INTERNED) >= _MAX_REMEMBERED:
+        _INTERNED.clear()
+    made = _LeafKeys(keys)
+    return _INTERNED.setdefault(made, made)
+
+
+def _leaf_keys(leaves: Sequence[Any]) -> _LeafKeys:
     """``_leaf_key`` of every leaf, remembered per tuple of avals.
 
     A training step's state has hundreds of leaves; building their keys attribute by
@@ -105,12 +145,12 @@ def _leaf_keys(leaves: Sequence[Any]) -> tuple[Hashable, ...]:
     try:
         avals = tuple([x.aval for x in leaves])
     except AttributeError:  # numpy arrays, Python scalars
-        return tuple(map(_leaf_key, leaves))
+        return _interned(tuple(map(_leaf_key, leaves)))
     keys = _KEYS_BY_AVALS.get(avals)
     if keys is None:
         if len(_KEYS_BY_AVALS) >= _MAX_REMEMBERED:
             _KEYS_BY_AVALS.clear()
-        keys = _KEYS_BY_AVALS[avals] = tuple(map(_leaf_key, leaves))
+        keys = _KEYS_BY_AVALS[avals] = _interned(tuple(map(_leaf_key, leaves)))
     return keys
 
 
@@ -191,6 +231,9 @@ class MpmdJit:
         functools.update_wrapper(self, fun)
         self.fun = fun
         self.devices = None if devices is None else tuple(np.asarray(devices).reshape(-1))
+        # ``jit`` checked the devices: a call only pushes them (``use_device_list`` would
+        # convert and check them again, every call).
+        self._device_list = DeviceListScope(self.devices)
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self._cache = BoundedCache(capacity=PROGRAMS_PER_FUNCTION)
@@ -283,17 +326,17 @@ class MpmdJit:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        entry, leaves = self._entry_here(args, kwargs)  # the ambient mesh is set aside
+        entry, leaves = self._entry_here(args, kwargs)  # __call__ set the ambient mesh aside
         donation = entry.donation
         if donation is None:
-            with use_device_list(self.devices):
+            with self._device_list:
                 return entry(leaves)
         # Claimed before the deleted check: no other thread can consume them in between.
         claimed = donation.claim(leaves, lambda i: self._leaf_name(args, kwargs, i))
         try:
             if _any_deleted(leaves, donation.donated):
                 raise self._consumed_error(args, kwargs, donation.donated)
-            with use_device_list(self.devices):
+            with self._device_list:
                 return entry(leaves)
         finally:
             donation.release(claimed)

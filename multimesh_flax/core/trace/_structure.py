@@ -139,6 +139,9 @@ def structural_key(jaxpr: jex.Jaxpr, memo: dict[int, Any] | None = None) -> Stru
     return StructuralKey(tuple(parts))
 
 
+_ABSENT = object()  # what ``BoundedCache`` finds under a key it does not hold
+
+
 class BoundedCache:
     """A dict that forgets its least recently used entries beyond ``capacity``.
 
@@ -159,9 +162,10 @@ class BoundedCache:
 
     def get_or_make(self, key: Hashable, make: Callable[[Hashable], Any]) -> Any:
         """The value under ``key``, made with ``make(key)`` if absent."""
-        if key in self._items:
+        value = self._items.get(key, _ABSENT)  # a hit hashes the key twice, not three times
+        if value is not _ABSENT:
             self._items.move_to_end(key)
-            return self._items[key]
+            return value
         value = self._items[key] = make(key)
         if len(self._items) > self.capacity:
             self._items.popitem(last=False)
