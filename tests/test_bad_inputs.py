@@ -925,7 +925,7 @@ CATALOGUE: list[Mistake] = [
       CommandLineExit, ("'abc'", "mmflax demo --help"), "pass an integer"),
     M("cli-command", "CLI", "`mmflax fly`",
       lambda env: _cli(env, "fly"),
-      CommandLineExit, ("'fly'", "'demo', 'train', 'sample'"), "use a listed command"),
+      CommandLineExit, ("'fly'", "'demo', 'train', 'plan', 'sample'"), "use a listed command"),
     M("cli-stages", "CLI", "`mmflax train --stages 3` (2 layers)",
       lambda env: _cli(env, "train", "--stages", "3"),
       CommandLineExit, ("`--stages` 3", "[1, 2]", "--layers"), "pick a divisor of the layers"),
