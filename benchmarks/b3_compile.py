@@ -140,9 +140,13 @@ def recompiles(runner: _common.MpmdRunner, steps: int) -> dict[str, Any]:
 
 
 def _cold_workload(workload: _common.Workload, rep: int) -> _common.Workload:
-    """``workload`` at a batch size that nothing else compiles (so nothing is cached)."""
+    """``workload`` at a batch size that nothing else compiles (so nothing is cached); the
+    smoke run, which checks the code and not cold figures, keeps the workload (its programs are
+    in the smoke run's cache by then)."""
     import dataclasses
 
+    if _common.SMOKE:
+        return workload
     return dataclasses.replace(workload, batch=workload.batch + 16 * (rep + 1))
 
 
@@ -166,7 +170,7 @@ def cold_in_child(preset: str, stages: int, m: int, schedule: str, reps: int) ->
 
 def _child_process(preset: str, stages: int, m: int, schedule: str, rep: int) -> dict[str, Any]:
     if _common.SMOKE:  # the smoke run checks the code, not cold figures: no process to start
-        return child(preset, stages, m, schedule, rep)  # (its sweep point still starts one)
+        return child(preset, stages, m, schedule, rep)
     return _run_child(
         f"print('RESULT' + json.dumps(b.child({preset!r}, {stages}, {m}, {schedule!r}, {rep})))"
     )
@@ -285,7 +289,10 @@ def sweep(quick: bool) -> list[dict[str, Any]]:
 
 def sweep_point(layers: int, m: int, reps: int, first: int = 0) -> dict[str, Any]:
     """One sweep point from ``reps`` fresh processes, ``jax.jit``+scan measured first in
-    every other one (starting with it when ``first`` is odd); see :func:`median_point`."""
+    every other one (starting with it when ``first`` is odd); see :func:`median_point`.
+    The smoke run measures its one point in this process (no process to start)."""
+    if _common.SMOKE:
+        return median_point([sweep_child(layers, m, first % 2 == 1)])
     runs = [
         _run_child(
             f"print('RESULT' + json.dumps(b.sweep_child({layers}, {m}, {(first + r) % 2 == 1})))"
