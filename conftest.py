@@ -5,8 +5,8 @@ Every test (and every doctest) sees ``jax.devices()`` as 8 CPU devices, so meshe
 ``np`` and ``P`` in their namespace. Every test runs under ``context(strict=True)``: a
 ``PlacementWarning`` (a pattern matching nothing, a logical name without a rule, a task traced
 by ``jax.jit``) raises ``StrictModeError``; tests of those warnings open ``strict=False``.
-For speed, the suite compiles with LLVM at optimisation level 0 and shares one persistent
-compilation cache per run (see the comment below).
+For speed, the suite compiles with LLVM at optimisation level 0 and XLA's older fusion
+emitter, and shares one persistent compilation cache per run (see the comment below).
 """
 
 import atexit
@@ -26,15 +26,20 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # measured with jax.monitoring's compile events), and the suite compiles the same small
 # programs in many tests. Two settings, for every process the suite starts (the variables are
 # inherited: xdist workers, notebooks, the CLI, jax.distributed jobs):
-# * LLVM at optimisation level 0 compiles CPU programs in about half the time; tests run tiny
-#   models, so the slower code costs little. Parallel and reference programs are compiled
-#   alike. The benchmarks' smoke run uses it too; real runs (`dev.py run`) use XLA's defaults.
+# * LLVM at optimisation level 0 compiles CPU programs in about half the time, and XLA's
+#   older elemental emitter for fusions (`--xla_cpu_use_fusion_emitters=false`) saves about a
+#   third of what is left (gpt-tiny's 2-stage 1F1B step, 12 executables, fresh processes,
+#   loaded host: 8.6-9.9 s of CPU to build and run it once, 5.3-7.0 s with the flag). Tests
+#   run tiny models, so the slower code costs little. Parallel and reference programs are
+#   compiled alike. The benchmarks' smoke run uses them too; real runs (`dev.py run`) use
+#   XLA's defaults.
 # * One persistent compilation cache per suite run (a temporary directory, removed at the
 #   end; never ~/.cache), so a program another test already compiled is loaded instead.
 #   A caller's own MMFLAX_COMPILATION_CACHE (a directory, or "off") is kept.
-TEST_XLA_FLAG = "--xla_backend_optimization_level=0"
-if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAG}".strip()
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
+for _flag in TEST_XLA_FLAGS:
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 if "MMFLAX_COMPILATION_CACHE" not in os.environ:  # the first process of the run makes it
     _suite_cache = tempfile.mkdtemp(prefix="mmflax-suite-xla-")
     atexit.register(shutil.rmtree, _suite_cache, ignore_errors=True)

@@ -34,8 +34,9 @@ SECTION_FILES = {
 @pytest.fixture(scope="module")
 def smoke_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    # The suite's XLA flags (LLVM level 0: the smoke run is mostly compilation, its few steps
-    # are slower but its total is 196 s against 268 s with XLA's defaults). Not the suite's
+    # The suite's XLA flags (LLVM level 0 and the older fusion emitter: the smoke run is
+    # mostly compilation; with LLVM level 0 alone its total was 196 s against 268 s with XLA's
+    # defaults, its few steps slower). Not the suite's
     # compilation cache: a smoke run keeps one of its own (``benchmarks._smoke_cache``).
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MMFLAX_COMPILATION_CACHE": "off"}
     proc = subprocess.run(
