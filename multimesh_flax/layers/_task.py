@@ -19,8 +19,9 @@ this module is the Linen adapter):
   called (weight sharing, microbatches);
 * called eagerly on concrete arrays (``model.apply`` outside ``jit``): exactly the wrapped
   module's values; like an eager task function it first moves its array inputs next to its
-  variables (else onto its submesh, when that resolves), so a pipelined model applied
-  eagerly to its placed parameters works (no mesh or ``MultiMesh`` is needed);
+  variables (else onto its submesh, when that resolves) and hands its results back
+  uncommitted, so a pipelined model applied eagerly to its placed parameters works (no
+  mesh or ``MultiMesh`` is needed);
 * traced by a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
   ``jax.checkpoint``, ``jax.jit`` outside every jit of ours): with a ``PlacementWarning``
   naming ``multimesh_flax.jit``, as an eager call (recomputed as its policy says): its
