@@ -42,7 +42,6 @@ from multimesh_flax.core.declare import (
     Task,
     call_recomputed,
     check_rules_have_mesh,
-    get_device_list,
     get_flag,
     has_registrations,
     logical_to_mesh_spec,
@@ -54,7 +53,6 @@ from multimesh_flax.core.front import (
     TaskCall,
     call_on_submesh,
     call_task,
-    committed_place,
     eager_mesh,
     move_array,
     run_as,
@@ -258,22 +256,15 @@ def _task_call_of(module: nnx.Module, spec: Task, method: Callable[..., Any]) ->
 def _unstaged_runner(module: nnx.Module, spec: Task, fun: Any, transform: Any) -> EagerRunner:
     """Under a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
     ``jax.checkpoint`` outside every jit): the module's body on its submesh (where its
-    variables live; its array arguments moved there), recomputed as its policy says, its
-    results handed back where its arguments came from, else on the first device -- where
-    the rest of the unplaced computation runs, as the ``PlacementWarning`` says."""
+    variables live; its array arguments moved there), recomputed as its policy says (its
+    results released by ``call_task``, as an eager call's are)."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         resolved = resolve(module, spec)
         replicated = NamedSharding(resolved.typed_mesh, PartitionSpec())
-        # Results go back where the arguments came from (a committed argument's devices:
-        # next to a placed model's unowned variables); else, and when staged
-        # (``jax.checkpoint``: devices unknown), to the first device, where the unplaced
-        # computation runs -- a device, not a sharding: jax.jit keeps its own.
-        home = committed_place((args, kwargs)) or get_device_list()[0]
-        moved = jax.tree_util.tree_map(lambda x: move_array(x, replicated, home), (args, kwargs))
+        moved = jax.tree_util.tree_map(lambda x: move_array(x, replicated), (args, kwargs))
         with eager_mesh(resolved):
-            out = call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
-        return jax.tree_util.tree_map(lambda x: move_array(x, home, replicated), out)
+            return call_recomputed(fun, moved[0], moved[1], spec.recompute, transform)
 
     return run
 

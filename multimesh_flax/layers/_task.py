@@ -19,13 +19,15 @@ this module is the Linen adapter):
   called (weight sharing, microbatches);
 * called eagerly on concrete arrays (``model.apply`` outside ``jit``): exactly the wrapped
   module's values; like an eager task function it first moves its array inputs next to its
-  variables (else onto its submesh, when that resolves), so a pipelined model applied
-  eagerly to its placed parameters works (no mesh or ``MultiMesh`` is needed);
-* traced by a JAX transformation that is not ours (``jax.jit``): as the task, but not placed,
-  with a ``PlacementWarning`` naming ``multimesh_flax.jit``; under one that computes as it
-  goes (``jax.grad``/``jax.value_and_grad``/``jax.vmap`` applied eagerly, outside every
-  jit), as an eager call, with the same warning: a ``parallelize_step`` state spread over
-  submeshes gives the unplaced model's values and gradients;
+  variables (else onto its submesh, when that resolves) and hands its results back
+  uncommitted, so a pipelined model applied eagerly to its placed parameters works (no
+  mesh or ``MultiMesh`` is needed);
+* traced by a JAX transformation that is not ours (``jax.grad``, ``jax.vmap``,
+  ``jax.checkpoint``, ``jax.jit`` outside every jit of ours): with a ``PlacementWarning``
+  naming ``multimesh_flax.jit``, as an eager call (recomputed as its policy says): its
+  inputs moved next to its variables, so a ``parallelize_step`` state spread over
+  submeshes gives the unplaced model's values and gradients (under ``jax.checkpoint``,
+  which stages the model and evaluates it op by op, by ``core/front/_handoff``);
 * under ``ignore_transforms``: exactly the wrapped module.
 
 While a task-wrapped module runs, it records its module path, so that tools that trace a
@@ -48,6 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
     Task,
+    call_recomputed,
     check_rules_have_mesh,
     get_flag,
     ignore_transforms,
@@ -140,31 +143,34 @@ def call_as_task(
     if not get_flag("ignore_transforms"):
         _record(tuple(module.path), spec)
     fun, transform = linen_transform(module, method)
-    eager = _eager_runner(module, spec, method)
+
+    def recomputed(*positional: Any, **keywords: Any) -> Any:
+        return call_recomputed(fun, positional, keywords, spec.recompute, transform)
+
     task_call = TaskCall(
         spec=spec,
         body=fun,
-        eager=eager,
+        eager=_eager_runner(module, spec, functools.partial(method, module)),
         transform=transform,
         key=("flax", tuple(module.path)),
         state=module.variables,
-        unstaged=eager,  # under an eager jax.grad/jax.vmap: as an eager call
-        unstaged_in_staging=False,
+        unstaged=_eager_runner(module, spec, recomputed),  # under jax.grad, jax.checkpoint
     )
     return call_task(task_call, positional, keywords)
 
 
-def _eager_runner(module: nn.Module, spec: Task, method: Callable[..., Any]) -> EagerRunner:
-    """An eager Linen call: the wrapped method op by op, transforms off, its array inputs
-    moved next to the module's variables (else onto the task's submesh)."""
+def _eager_runner(module: nn.Module, spec: Task, call: Callable[..., Any]) -> EagerRunner:
+    """An eager Linen call: ``call`` (the wrapped method on ``module``) op by op, transforms
+    off, its array inputs moved next to the module's variables (else onto the task's
+    submesh)."""
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         explicit = _explicit_task(spec)
         if explicit is not None:  # sharding in types: on its submesh, as ``jax.set_mesh``
-            return call_on_submesh(explicit, functools.partial(method, module), args, kwargs)
+            return call_on_submesh(explicit, call, args, kwargs)
         positional, keywords = _eager_inputs(module, spec, (args, kwargs))
         with ignore_transforms():
-            return method(module, *positional, **keywords)
+            return call(*positional, **keywords)
 
     return run
 

@@ -19,6 +19,12 @@ def _ids(array):
     return {d.id for d in array.devices()}
 
 
+def _computed_on(array, device_ids):
+    """Whether an eager task result came from the submesh ``device_ids``: handed back
+    released (uncommitted) on its first device."""
+    return not array.committed and _ids(array) == {min(device_ids)}
+
+
 def _body(a, b, *, scale):
     return jnp.sin(a) * b * scale
 
@@ -164,7 +170,7 @@ def test_eager_call_runs_on_the_task_submesh(kind):
     fun = mm.task(_body, **kwargs)
     a, b = _inputs()
     y = fun(a, b, scale=3.0)
-    assert _ids(y) == expected
+    assert _computed_on(y, expected)
     np.testing.assert_allclose(np.asarray(y), _reference(a, b, 3.0), rtol=RTOL, atol=ATOL)
 
 
@@ -174,7 +180,7 @@ def test_eager_call_with_mesh_slice(index, expected):
     a, b = _inputs()
     with mm.MultiMesh(axis_sizes=(2, 4), axis_names=("stage", "data")):
         y = fun(a, b, scale=0.5)
-    assert _ids(y) == expected
+    assert _computed_on(y, expected)
     np.testing.assert_allclose(np.asarray(y), _reference(a, b, 0.5), rtol=RTOL, atol=ATOL)
 
 
@@ -191,7 +197,7 @@ def test_task_without_mesh_uses_the_whole_multi_mesh():
     fun = mm.task(lambda x: x * 2)
     with mm.MultiMesh(axis_sizes=(2, 2), axis_names=("a", "b")):
         y = fun(jnp.ones(4))
-    assert _ids(y) == {0, 1, 2, 3}
+    assert _computed_on(y, {0, 1, 2, 3})
 
 
 def test_devices_without_device_axes_replicate_constraints():
@@ -199,8 +205,8 @@ def test_devices_without_device_axes_replicate_constraints():
         lambda x: mm.with_sharding_constraint(x, P("devices")), devices=jax.devices()[4:8]
     )
     y = fun(jnp.arange(8.0))
-    assert _ids(y) == {4, 5, 6, 7}
-    assert y.sharding.is_fully_replicated
+    assert _computed_on(y, {4, 5, 6, 7})
+    np.testing.assert_array_equal(np.asarray(y), np.arange(8.0))
 
 
 def test_name_and_task_attribute():

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import linen as nn
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
@@ -25,6 +26,7 @@ TOL = dict(rtol=1e-6, atol=1e-6)
 MESH = mm.TaskMesh(devices=[5])
 W = 0.5 * jnp.arange(9.0).reshape(3, 3) / 9.0
 X = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+DEVICES = np.array(jax.devices())
 
 
 def _layer(x, w):
@@ -123,20 +125,25 @@ def test_a_foreign_trace_warns_once_and_computes_the_values(kind):
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_eager_call_leaves_the_result_on_the_submesh(kind):
+def test_an_eager_call_hands_back_its_result_released_on_the_submesh(kind):
+    # Computed on the task's submesh, handed back uncommitted (as a ``jnp`` result), so
+    # that JAX moves it to wherever it is used next.
     _, call, _ = KINDS[kind](mesh=MESH)
     out = call(X)
-    assert _ids(out) == {5}
+    assert _ids(out) == {5} and not out.committed
     np.testing.assert_allclose(out, jnp.tanh(X @ W), **TOL)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_an_eager_call_runs_op_by_op_on_the_whole_submesh(kind):
-    # Eagerly a task runs with transforms off: its constraint does not shard the result.
+def test_an_eager_result_meets_arrays_committed_elsewhere(kind):
+    # Run on devices 4-5; the result meets an array committed to devices 0-1.
     _, call, _ = KINDS[kind](mesh=mm.TaskMesh(devices=[4, 5], axis_names=("batch",)))
     out = call(X)
-    assert _ids(out) == {4, 5} and out.sharding.is_fully_replicated
-    np.testing.assert_allclose(out, jnp.tanh(X @ W), **TOL)
+    assert _ids(out) == {4} and not out.committed  # the submesh's first device
+    elsewhere = jax.device_put(jnp.ones_like(X), NamedSharding(Mesh(DEVICES[:2], ("d",)), P()))
+    total = out + elsewhere
+    assert _ids(total) == {0, 1}
+    np.testing.assert_allclose(total, jnp.tanh(X @ W) + 1, **TOL)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))

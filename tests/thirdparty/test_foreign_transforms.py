@@ -1,7 +1,9 @@
 """JAX's own transformations applied outside ``mm.jit`` to a model whose tasks live on two
 submeshes (NNX tasks born there; a Linen ``parallelize_step`` state): they run the model
 unplaced, as the ``PlacementWarning`` says, and compute what the plain model computes on one
-device -- never a device error."""
+device -- never a device error. Also with the state placed (a tied embedding moved next to
+its first use by ``mm.tabulate``), under ``jax.checkpoint`` (which stages the model, then
+evaluates it op by op), and called plainly (no transformation)."""
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +49,11 @@ def _grad_of_checkpointed(graphdef, state):
     return nnx.to_pure_dict(jax.grad(jax.checkpoint(lambda s: _loss(graphdef, s, IDS)))(state))
 
 
-TRANSFORMS = (_value_and_grad, _checkpointed, _vmapped, _grad_of_checkpointed)
+def _eager(graphdef, state):
+    return _loss(graphdef, state, IDS)
+
+
+TRANSFORMS = (_value_and_grad, _checkpointed, _vmapped, _grad_of_checkpointed, _eager)
 
 
 def test_jax_transforms_outside_mm_jit_run_unplaced():
@@ -59,33 +65,37 @@ def test_jax_transforms_outside_mm_jit_run_unplaced():
         with pytest.warns(PlacementWarning, match="not placed on its submesh"):
             got = [transform(*nnx.split(model)) for transform in TRANSFORMS]
         # Placed (the table moves the tied embedding to devices 0-3): a task hands its
-        # results back where its arguments came from, next to the embedding.
+        # results back released (uncommitted), which JAX moves next to the embedding.
         mm.layers.get_placement(model, IDS)
-        placed = [transform(*nnx.split(model)) for transform in (_value_and_grad, _vmapped)]
+        placed = [transform(*nnx.split(model)) for transform in TRANSFORMS]
     plain = TiedNet(16, D, rngs=nnx.Rngs(0), wrap=False)
     for result, transform in zip(got, TRANSFORMS, strict=True):
         expected = transform(*nnx.split(plain))
         assert_trees_close(jax.tree.map(np.asarray, result), expected, TOL)
     assert {d.id for d in model.embed.embedding.get_value().devices()} == {0, 1, 2, 3}
-    for result, transform in zip(placed, (_value_and_grad, _vmapped), strict=True):
+    assert {d.id for d in model.blocks[1].kernel.get_value().devices()} == {4, 5, 6, 7}
+    for result, transform in zip(placed, TRANSFORMS, strict=True):
         expected = transform(*nnx.split(plain))
         assert_trees_close(jax.tree.map(np.asarray, result), expected, TOL)
 
 
-def _linen_value_and_grad(model, variables, data):
+def _linen_value_and_grad(model, variables, data, checkpoint=False):
     """A reference gradient as a user computes it next to training: eager, in train mode
-    (BatchNorm's ``batch_stats`` updated as an auxiliary output)."""
+    (BatchNorm's ``batch_stats`` updated as an auxiliary output); ``checkpoint``: of the
+    ``jax.checkpoint``-ed loss."""
     x, y = data
 
     def loss(params):
         return model.apply({**variables, "params": params}, x, y, mutable=["batch_stats"])
 
+    loss = jax.checkpoint(loss) if checkpoint else loss
     return jax.value_and_grad(loss, has_aux=True)(variables["params"])
 
 
 def test_linen_eager_value_and_grad_of_a_placed_state():
     """A ``parallelize_step`` state spread over two submeshes (stem and stage 0 on devices
-    0-3, stage 1 and head on 4-7) under an eager ``jax.value_and_grad`` and ``jax.vmap``."""
+    0-3, stage 1 and head on 4-7) under an eager ``jax.value_and_grad`` (of the loss and of
+    its ``jax.checkpoint``) and ``jax.vmap``."""
     data, model = batch(), NormNet()
     forget_warnings()
     with auto_multi_mesh(), mm.context(strict=False):
@@ -95,6 +105,7 @@ def test_linen_eager_value_and_grad_of_a_placed_state():
         variables = {"params": state.params, **state.model_state}
         with pytest.warns(PlacementWarning, match="gradients moved back"):
             got = _linen_value_and_grad(model, variables, data)
+        checkpointed = _linen_value_and_grad(model, variables, data, checkpoint=True)
         per_row = _linen_vmapped(variables, data)
     assert {d.id for d in state.params["head"]["kernel"].devices()} == {4, 5, 6, 7}
     one_device = jax.tree.map(lambda a: jax.device_put(np.asarray(a), jax.devices()[0]), variables)
@@ -102,6 +113,7 @@ def test_linen_eager_value_and_grad_of_a_placed_state():
         expected = jax.jit(_linen_value_and_grad, static_argnums=0)(model, one_device, data)
         expected_per_row = jax.jit(_linen_vmapped)(one_device, data)
     assert_trees_close(jax.tree.map(np.asarray, got), expected, TOL)
+    assert_trees_close(jax.tree.map(np.asarray, checkpointed), expected, TOL)
     assert_trees_close(np.asarray(per_row), expected_per_row, TOL)
 
 

@@ -97,6 +97,7 @@ def test_nnx_tied_embedding_stays_where_the_table_says():
         assert live_placement(nnx.state(model, nnx.Param).to_pure_dict()) == table  # before
         jitted = mm.jit(tied_step)
         losses = [float(jitted(model, optimizer, ids)) for _ in range(STEPS)]
+        eager = model(ids)  # a plain call after the steps: the embedding meets stage 1's output
     params = nnx.state(model, nnx.Param).to_pure_dict()
     assert live_placement(params) == table
     assert table["embed/embedding"][0] == (0, 1, 2, 3)
@@ -106,3 +107,5 @@ def test_nnx_tied_embedding_stays_where_the_table_says():
         ref_losses = [float(nnx.jit(tied_step)(reference, ref_optimizer, ids)) for _ in range(2)]
     np.testing.assert_allclose(losses, ref_losses, **TOL)
     assert_trees_close(params, nnx.state(reference, nnx.Param).to_pure_dict())
+    with mm.ignore_transforms():
+        np.testing.assert_allclose(np.asarray(eager), np.asarray(reference(ids)), **TOL)

@@ -11,20 +11,22 @@ order:
    Every kind runs the same way: op by op with transforms off, on the task's submesh, its
    array arguments moved there (:func:`call_on_submesh`; a Linen module's next to its
    committed variables, where those already are). The result is the plain computation's
-   values, replicated on the submesh: constraints inside the task do not shard it;
+   values, computed replicated on the submesh (constraints inside the task do not shard
+   it), handed back released (:func:`release_results`: uncommitted, on the submesh's first
+   device), so that JAX moves it to wherever it is used next -- a variable no task owns
+   may sit on any submesh (a tied embedding where its first use is);
 3. **traced by a transformation that is not ours** (``jax.jit``, ``jax.grad``, ``nnx.jit``
    outside ``multimesh_flax.jit``): when the call's arguments or the module's variables are
    tracers, a ``PlacementWarning`` naming ``multimesh_flax.jit`` (none inside
    ``shape_only_trace``); a foreign trace that hands the call constants only (Flax's own
    ``Module.tabulate`` traces ``init`` under ``jax.eval_shape``, closing over its inputs)
-   is taken as a shape-only trace and not warned. Then as 4, except for a module whose
-   variables live on its submesh (``TaskCall.unstaged``), which runs op by op there as an
-   eager call does (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied outside every
-   jit): its arguments move there and their gradients back (:func:`move_array`); NNX hands
-   its results back where its arguments came from (:func:`committed_place`), else on device
-   0, where an NNX model's unowned variables are born; Linen
-   (only where JAX computes as it goes, not under ``jax.checkpoint``) leaves them next to
-   its variables, where a ``parallelize_step`` state keeps the next stage's parameters;
+   is taken as a shape-only trace and not warned. Then as 4, except for a module task
+   (``TaskCall.unstaged``), which runs as its eager call does (``jax.grad``, ``jax.vmap``,
+   ``jax.checkpoint`` applied outside every jit): its arguments move to where it computes
+   (:func:`move_array`) and their cotangents back; its results are released as in 2. The
+   moves are one primitive (``_handoff``) that JAX's op-by-op evaluation of a staged
+   program (an eager ``jax.checkpoint`` stages the model, then evaluates it equation by
+   equation) carries out where the arrays then are, and that a compiled program ignores;
 4. **traced** (by ``jit``/``parallelize``): as the task -- the task resolved once per trace
    (per module instance, for modules), its marker scope, its rules for
    ``with_sharding_constraint`` and for Flax's logical API with the task's submesh as the
@@ -58,6 +60,7 @@ from multimesh_flax.core.declare import (
     ignore_transforms,
     jax_transform,
 )
+from multimesh_flax.core.front._handoff import RELEASED, handoff
 from multimesh_flax.core.trace import (
     ResolvedTask,
     abstract_mesh,
@@ -96,15 +99,11 @@ class TaskCall:
             module's variables).
         place: a context manager factory entered inside the task around the body (NNX reads
             its variables through constraints on the submesh there).
-        unstaged: how the call runs under a JAX transformation that is not ours and stages
-            nothing (``jax.grad``, ``jax.vmap``, ``jax.checkpoint`` applied eagerly), or
-            ``None`` to run it as under a staging one. A module whose variables live on its
-            submesh runs op by op there (its ``eager`` runner), so that modules on other
-            submeshes do not meet in one operation.
-        unstaged_in_staging: whether ``unstaged`` also runs where JAX stages the call
-            outside every jit of ours (``jax.checkpoint``, ``jax.jit``: where arrays live is
-            unknown there), else only where JAX computes as it goes (an eager ``jax.grad``
-            or ``jax.vmap``).
+        unstaged: how the call runs under a JAX transformation that is not ours (``jax.grad``,
+            ``jax.vmap``, ``jax.checkpoint`` applied outside every jit), or ``None`` to run it
+            as under ours, unplaced. A module whose variables live on its submesh runs op by
+            op there (as its ``eager`` runner), so that modules on other submeshes do not meet
+            in one operation.
     """
 
     spec: Task
@@ -115,7 +114,6 @@ class TaskCall:
     state: Any = ()
     place: Callable[[ResolvedTask], AbstractContextManager[Any]] = _no_place
     unstaged: EagerRunner | None = None
-    unstaged_in_staging: bool = True
 
     @property
     def name(self) -> str:
@@ -136,18 +134,16 @@ def call_task(task_call: TaskCall, args: tuple[Any, ...], kwargs: dict[str, Any]
     session = current_session()
     inputs_traced = contains_tracer((args, kwargs, task_call.state))
     if session is None and not inputs_traced and not _jax_is_tracing():
-        return task_call.eager(args, kwargs)
+        return release_results(task_call.eager(args, kwargs))
     if session is None and inputs_traced:
         warn_foreign_trace(task_call.name)
         if _runs_unstaged(task_call):
-            return task_call.unstaged(args, kwargs)
+            return release_results(task_call.unstaged(args, kwargs))
     return run_as(resolve(task_call), task_call, args, kwargs)
 
 
 def _runs_unstaged(task_call: TaskCall) -> bool:
-    if task_call.unstaged is None or is_shape_only():
-        return False
-    return task_call.unstaged_in_staging or not _jax_is_tracing()
+    return task_call.unstaged is not None and not is_shape_only()
 
 
 def _explicit_ambient_while_tracing(task_call: TaskCall) -> AbstractContextManager[Any]:
@@ -221,21 +217,33 @@ def _batched_array(x: Any) -> jax.Array | None:
     return concrete_array(x)
 
 
-def move_array(x: Any, target: Any, src: Any = None) -> Any:
+def move_array(x: Any, target: Any) -> Any:
     """``x`` put on ``target`` (a sharding or a device) unless it is there already or not an
-    array, differentiably: under ``jax.grad`` its cotangent moves back to where ``x`` was
-    (where its value is, when known, else ``src``), so that the backward of an eager task
-    call meets the arrays of the surrounding computation on their own devices."""
+    array, differentiably: under ``jax.grad`` its cotangent moves back to where ``x`` was,
+    so that the backward of an eager task call meets the arrays of the surrounding
+    computation on their own devices. Where ``x``'s place is unknown (staged by an eager
+    ``jax.checkpoint``) or uncommitted, the cotangent is released instead (a fresh
+    uncommitted array, which JAX moves to wherever it is added up; :mod:`._handoff`)."""
     if not isinstance(x, jax.Array):
         return x
+    if not isinstance(target, jax.sharding.Sharding):  # a device
+        target = jax.sharding.SingleDeviceSharding(target)
     value = concrete_array(x)
-    if value is not None:
-        if not isinstance(target, jax.sharding.Sharding):  # a device
-            target = jax.sharding.SingleDeviceSharding(target)
+    if value is not None and value.committed:
         if value.sharding.is_equivalent_to(target, value.ndim):
             return x
-        src = value.sharding
-    return jax.device_put(x, target, src=src)
+        return jax.device_put(x, target, src=value.sharding)
+    return handoff(x, target, RELEASED)
+
+
+def release_results(tree: Any) -> Any:
+    """The arrays of a task's results released (:func:`._handoff.release`): uncommitted
+    where they were computed, so that JAX moves them to wherever the next operation needs
+    them (next to a tied embedding on one submesh or a head on another); their cotangents
+    released likewise."""
+    return jax.tree_util.tree_map(
+        lambda x: handoff(x, RELEASED, RELEASED) if isinstance(x, jax.Array) else x, tree
+    )
 
 
 def _jax_is_tracing() -> bool:

@@ -26,7 +26,8 @@ def task(
 
     Inside ``jit``/``parallelize`` the task becomes its own units of the MPMD program. Called
     eagerly, it runs op by op on the task's submesh: inputs move there (replicated) and the
-    result stays there. Under ``ignore_transforms`` it is ``fun`` itself.
+    result comes back uncommitted on the submesh's first device (as a ``jnp`` result: JAX
+    moves it to wherever it is used next). Under ``ignore_transforms`` it is ``fun`` itself.
 
     Args:
         fun: the function to run as a task.

@@ -269,12 +269,10 @@ def warn_foreign_trace(name: str) -> None:
         "`parallelize_step` instead (under jax.eval_shape, for shapes only, this is harmless). "
         "Applied eagerly (jax.grad, jax.vmap, jax.checkpoint outside every jit), the task "
         "runs op by op on the submesh its variables live on, its arguments moved there and "
-        "their gradients moved back; a Linen task leaves its results there (next to the next "
-        "stage of a `parallelize_step` state), an NNX task hands them back where its "
-        "arguments came from (else on device 0, where an NNX model's variables that no task "
-        "owns are born). Under jax.checkpoint, which traces first, where arrays live is "
-        "unknown: if two on different submeshes meet outside every task there, JAX refuses; "
-        "`jax.device_put` the state onto one device first.",
+        "their gradients moved back, and hands its results back uncommitted (as jnp results "
+        "are), so that JAX moves them to wherever they are used next. jax.jit itself refuses "
+        "arguments committed to different submeshes (a placed state): use "
+        "`multimesh_flax.jit`, or `jax.device_put` the state onto one device first.",
     )
 
 
