@@ -34,10 +34,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.declare import Sentinel
 
-try:  # JAX's private PJRT module; without it every move goes through jax.device_put
+try:  # JAX's private modules: the PJRT client, result handlers (see Move)
+    from jax._src.interpreters import pxla as _pxla
     from jax._src.lib import xla_client as _xc
-except ImportError:  # pragma: no cover -- depends on the installed JAX
-    _xc = None
+except ImportError:  # pragma: no cover -- depends on the installed JAX: jax.device_put
+    _pxla = _xc = None
 
 
 class OpKind(enum.IntEnum):
@@ -144,18 +145,23 @@ class PutOp:
 # arrive every call in the same shardings (fragment outputs and placed inputs reuse their
 # sharding objects), and their target shardings are fixed. Where each value's target lays
 # its shards out as its source does -- a ``NamedSharding`` on an equally shaped mesh with the
-# same axes and the same partition spec, on other devices -- shard ``k`` of the source is
-# shard ``k`` of the target, and JAX's own ``device_put`` ends in exactly one call:
-# ``batched_copy_array_to_devices_with_sharding`` (``xla_client``: JAX's private module for
-# the PJRT client; ``_relocate`` uses it too). ``Move`` makes that call directly, and falls
-# back to ``jax.device_put`` for a transfer any of whose values does not fit the rule, for a
-# call whose values arrive in other sharding objects than the first call's, and whenever the
-# private call is missing.
+# same axes and the same partition spec, on other devices, or both on one device -- shard
+# ``k`` of the source is shard ``k`` of the target, and JAX's own ``device_put`` ends in
+# exactly one call: ``batched_copy_array_to_devices_with_sharding`` (``xla_client``: JAX's
+# private module for the PJRT client; ``_relocate`` uses it too). ``Move`` makes that call
+# directly, and falls back to ``jax.device_put`` for a transfer any of whose values does
+# not fit the rule, for a call whose values arrive in other sharding objects than the
+# first call's, and whenever JAX's private modules are missing.
 
 
-def _same_layout(source: Any, target: Any) -> bool:
-    """Whether ``target`` lays an array's shards out as ``source`` does, on other devices
-    (so the shards copy one to one, in mesh order)."""
+def _one_to_one(source: Any, target: Any) -> bool:
+    """Whether an array's shards under ``source`` copy one to one, in order, onto other
+    devices under ``target``: both on one device, or ``NamedSharding``s laying the shards out
+    alike (equally shaped meshes with the same axes, the same partition spec)."""
+    if source.memory_kind != target.memory_kind:
+        return False
+    if source.num_devices == 1 and target.num_devices == 1:
+        return source.device_set != target.device_set
     if not (isinstance(source, NamedSharding) and isinstance(target, NamedSharding)):
         return False
     a, b = source.mesh, target.mesh
@@ -164,52 +170,69 @@ def _same_layout(source: Any, target: Any) -> bool:
         and a.devices.shape == b.devices.shape
         and a.axis_types == b.axis_types
         and source.spec == target.spec
-        and source.memory_kind == target.memory_kind
         and not set(a.devices.flat) & set(b.devices.flat)
     )
 
 
 class Move:
-    """Moves values arriving like ``values`` into ``shardings``: ``move(values)`` returns the
-    moved arrays, in order.
+    """Moves values arriving like ``values`` into ``shardings``, as ``jax.device_put`` moved
+    them into ``moved`` at the first call: ``move(values)`` returns the moved arrays.
 
     ``direct``: whether calls whose values arrive in the first call's sharding objects make
     one C++ copy (see the comment above); otherwise, and for any other call,
-    ``jax.device_put``.
+    ``jax.device_put``. A copy keeps its source's abstract value and commitment, so where
+    ``device_put`` gave a value others (a one-device output typed on no mesh, or not
+    committed), JAX's result handler for ``device_put``'s abstract value and the target
+    re-labels the copy, committed.
 
     Example:
         >>> from jax.sharding import AxisType, NamedSharding
         >>> a, b = (jax.make_mesh((2,), ("x",), (AxisType.Auto,), devices=jax.devices()[i:i + 2])
         ...         for i in (0, 2))
         >>> x = jax.device_put(jnp.arange(4.0), NamedSharding(a, P("x")))
-        >>> move = Move([x], [NamedSharding(b, P("x"))])
+        >>> to_b = [NamedSharding(b, P("x"))]
+        >>> move = Move([x], to_b, jax.device_put([x], to_b))
         >>> move.direct, sorted(d.id for d in move([x])[0].devices())
         (True, [2, 3])
     """
 
-    __slots__ = ("devices", "direct", "semantics", "shardings", "sources")
+    __slots__ = ("devices", "direct", "handlers", "semantics", "shardings", "sources")
 
-    def __init__(self, values: Sequence[Any], shardings: Sequence[Any]) -> None:
+    def __init__(
+        self, values: Sequence[Any], shardings: Sequence[Any], moved: Sequence[Any]
+    ) -> None:
         self.shardings = list(shardings)
         self.sources = [getattr(x, "sharding", None) for x in values]
         self.direct = (
             _xc is not None
-            and hasattr(_xc, "batched_copy_array_to_devices_with_sharding")
+            and _pxla is not None
             and jax.process_count() == 1
-            and all(isinstance(x, jax.Array) and x.committed for x in values)
-            and all(map(_same_layout, self.sources, self.shardings))
+            and all(isinstance(x, jax.Array) for x in values)
+            and all(map(_one_to_one, self.sources, self.shardings))
         )
         self.devices: list[Any] = []
         self.semantics: list[Any] = []
+        self.handlers: list[Any] | None = None
         if self.direct:
             try:
-                self.devices = [
-                    s._internal_device_list.addressable_device_list  # noqa: SLF001
-                    for s in self.shardings
-                ]
-                self.semantics = [_xc.ArrayCopySemantics.REUSE_INPUT] * len(values)  # pyright: ignore[reportOptionalMemberAccess]
+                self._fix(values, moved)
             except AttributeError:  # JAX's internals moved: stay on jax.device_put
                 self.direct = False
+
+    def _fix(self, values: Sequence[Any], moved: Sequence[Any]) -> None:
+        self.devices = [
+            s._internal_device_list.addressable_device_list  # noqa: SLF001
+            for s in self.shardings
+        ]
+        self.semantics = [_xc.ArrayCopySemantics.REUSE_INPUT] * len(values)  # pyright: ignore[reportOptionalMemberAccess]
+        _xc.batched_copy_array_to_devices_with_sharding  # noqa: B018 -- present?  # pyright: ignore[reportOptionalMemberAccess]
+        relabel = _pxla.global_aval_to_result_handler  # pyright: ignore[reportOptionalMemberAccess]
+        handlers = [
+            None if x.aval == y.aval and x.committed == y.committed else relabel(y.aval, s, True)
+            for x, y, s in zip(values, moved, self.shardings, strict=True)
+        ]
+        if any(h is not None for h in handlers):
+            self.handlers = handlers
 
     def __call__(self, values: Sequence[Any]) -> Any:
         if self.direct:
@@ -218,9 +241,14 @@ class Move:
             except AttributeError:  # not an array
                 same = False
             if same:
-                return _xc.batched_copy_array_to_devices_with_sharding(  # pyright: ignore[reportOptionalMemberAccess]
+                copies = _xc.batched_copy_array_to_devices_with_sharding(  # pyright: ignore[reportOptionalMemberAccess]
                     values, self.devices, self.shardings, self.semantics
                 )
+                if self.handlers is None:
+                    return copies
+                return [
+                    y if h is None else h(y) for h, y in zip(self.handlers, copies, strict=True)
+                ]
         return jax.device_put(list(values), self.shardings)
 
 
@@ -261,8 +289,9 @@ class _FirstPut:
         values = list(values)
         shardings = self.op.targets(values)
         self.state.put_shardings[self.index] = shardings
-        self.state.fns[self.index] = Move(values, shardings)
-        return jax.device_put(values, shardings)
+        moved = jax.device_put(values, shardings)
+        self.state.fns[self.index] = Move(values, shardings, moved)
+        return moved
 
 
 class DispatchState:
