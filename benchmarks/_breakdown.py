@@ -33,33 +33,42 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax._src.lib import xla_client as _xc  # the C++ copy StubbedCpp stubs
 
 from benchmarks import _common
 
+PYTHON_CALLS = 3 if _common.SMOKE else 20  # stubbed steps per block of python_host_seconds
+
 
 class JaxClock:
-    """Adds up this thread's CPU time inside an executable's fragment calls and
-    ``jax.device_put`` while active (``with clock:``)."""
+    """Adds up this thread's CPU time inside an executable's fragment calls and transfers
+    (each op's ``state.fns`` entry) and ``jax.device_put`` while active (``with clock:``); a
+    ``device_put`` inside a timed op counts once."""
 
     def __init__(self, exe: Any) -> None:
         self.exe = exe
         self.inside = 0.0
         self._saved: list[tuple[int, Any]] = []
+        self._depth = 0
 
     def _timed(self, fn: Any) -> Any:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:
+                return fn(*args, **kwargs)
+            self._depth += 1
             start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.inside += time.thread_time() - start
+                self._depth -= 1
 
         return wrapped
 
     def __enter__(self) -> JaxClock:
         self.inside = 0.0
-        fns = self.exe.state.fns  # what each RUN op calls (see core/run/_ops.py)
-        self._saved = [(i, fns[i]) for i, op in enumerate(self.exe.ops) if op.kind == 0]
+        fns = self.exe.state.fns  # what each op calls (see core/run/_ops.py)
+        self._saved = list(enumerate(fns))
         for i, fn in self._saved:
             fns[i] = self._timed(fn)
         self._device_put = jax.device_put
@@ -73,9 +82,9 @@ class JaxClock:
 
 
 class StubbedJax:
-    """JAX's calls of a step stubbed out: inside ``with stubs:``, every fragment call of the
-    executable returns what it returned in one recorded step (``record``), and
-    ``jax.device_put`` returns the recorded transfers' results in order.
+    """JAX's calls of a step stubbed out: inside ``with stubs:``, every fragment call and
+    transfer of the executable returns what it returned in one recorded step (``record``),
+    and ``jax.device_put`` (placing inputs) returns the recorded results in order.
 
     What is left of a step is the host's own work -- the runtime's argument checks, slots and
     op loop, or a hand replay's -- with no XLA work on the host's cores and no buffers
@@ -87,18 +96,24 @@ class StubbedJax:
 
     def __init__(self, exe: Any) -> None:
         self.exe = exe
-        self.runs: dict[int, Any] = {}  # RUN op index -> its recorded outputs
+        self.runs: dict[int, Any] = {}  # op index -> its recorded outputs
         self.puts: list[Any] = []  # device_put results, in dispatch order
         self._next = 0
 
     def record(self, call: Callable[[], Any]) -> Any:
         """Runs ``call`` (one real step of the executable) and keeps what its ops returned."""
         fns = self.exe.state.fns
-        real = {i: fns[i] for i, op in enumerate(self.exe.ops) if op.kind == 0}
+        real = dict(enumerate(fns))
+
+        inside = [0]  # ops running: a device_put inside one is the op's own
 
         def keeping(i: int, fn: Any) -> Any:
             def kept(*args: Any) -> Any:
-                self.runs[i] = fn(*args)
+                inside[0] += 1
+                try:
+                    self.runs[i] = fn(*args)
+                finally:
+                    inside[0] -= 1
                 return self.runs[i]
 
             return kept
@@ -106,8 +121,10 @@ class StubbedJax:
         put = jax.device_put
 
         def kept_put(*args: Any, **kwargs: Any) -> Any:
-            self.puts.append(put(*args, **kwargs))
-            return self.puts[-1]
+            moved = put(*args, **kwargs)
+            if not inside[0]:
+                self.puts.append(moved)
+            return moved
 
         for i, fn in real.items():
             fns[i] = keeping(i, fn)
@@ -177,6 +194,88 @@ def stubbed_host_seconds(
     return {name: min(m) for name, m in means.items()}
 
 
+class StubbedCpp:
+    """Only JAX's C++ work of a step stubbed: inside ``with stubs:``, every fragment's
+    executable returns what it returned in one recorded step (``record``), and the C++ copy
+    a transfer ends in (``xla_client.batched_copy_array_to_devices_with_sharding``, reached
+    through ``jax.device_put`` or the runtime's ``Move``) returns the recorded copies in
+    order. Everything in Python runs: the runtime's op loop, and JAX's own Python around
+    the copies -- the host cost per op that decides whether a host keeps ahead of its
+    devices. As with :class:`StubbedJax`, the state is not donated while stubbed."""
+
+    def __init__(self, exe: Any) -> None:
+        self.exe = exe
+        self.runs: dict[int, Any] = {}  # RUN op index -> its recorded outputs
+        self.copies: list[Any] = []  # the C++ copies' results, in dispatch order
+        self._next = 0
+
+    def record(self, call: Callable[[], Any]) -> Any:
+        """Runs ``call`` (one real step of the executable) and keeps what it computed."""
+        fns = self.exe.state.fns
+        real = {i: fns[i] for i, op in enumerate(self.exe.ops) if op.kind == 0}
+
+        def keeping(i: int, fn: Any) -> Any:
+            def kept(*args: Any) -> Any:
+                self.runs[i] = fn(*args)
+                return self.runs[i]
+
+            return kept
+
+        copy = _xc.batched_copy_array_to_devices_with_sharding
+
+        def kept_copy(*args: Any) -> Any:
+            self.copies.append(copy(*args))
+            return self.copies[-1]
+
+        for i, fn in real.items():
+            fns[i] = keeping(i, fn)
+        _xc.batched_copy_array_to_devices_with_sharding = kept_copy
+        try:
+            return call()
+        finally:
+            _xc.batched_copy_array_to_devices_with_sharding = copy
+            for i, fn in real.items():
+                fns[i] = fn
+
+    def _copy(self, *_: Any) -> Any:
+        out = self.copies[self._next % len(self.copies)]
+        self._next += 1
+        return out
+
+    def __enter__(self) -> StubbedCpp:
+        fns = self.exe.state.fns
+        self._saved = {i: fns[i] for i in self.runs}
+        for i, outs in self.runs.items():
+            fns[i] = lambda *_, outs=outs: outs
+        self._real_copy, self._next = _xc.batched_copy_array_to_devices_with_sharding, 0
+        if self.copies:
+            _xc.batched_copy_array_to_devices_with_sharding = self._copy
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        _xc.batched_copy_array_to_devices_with_sharding = self._real_copy
+        for i, fn in self._saved.items():
+            self.exe.state.fns[i] = fn
+
+
+def python_host_seconds(runner: _common.MpmdRunner, calls: int, blocks: int = 5) -> float:
+    """This thread's CPU seconds per step with only JAX's C++ work stubbed
+    (:class:`StubbedCpp`): the median over ``blocks`` blocks of ``calls`` calls of a block's
+    mean. Runs one real step first (the runner's state advances by it)."""
+    stubs = StubbedCpp(runner.executable)
+    loss, state = stubs.record(lambda: runner.step_fn(runner.state, runner.batch))
+    jax.block_until_ready((loss, state))
+    runner.state, batch, step_fn = state, runner.batch, runner.step_fn
+    means = []
+    with stubs:
+        for _ in range(blocks):
+            start = time.thread_time()
+            for _ in range(calls):
+                step_fn(state, batch)
+            means.append((time.thread_time() - start) / calls)
+    return _common.median(means)
+
+
 def host_cpu_seconds(step: Callable[[], Any], rounds: int) -> float:
     """The median CPU time of this thread across ``rounds`` calls of ``step``."""
     samples = []
@@ -220,6 +319,7 @@ def runtime_cpu_seconds(runner: _common.MpmdRunner, rounds: int) -> tuple[float,
 def step_breakdown(runner: _common.MpmdRunner, step_s: float, rounds: int) -> dict[str, Any]:
     """The account of one pipelined step whose median wall time is ``step_s``."""
     ops = len(runner.executable.ops)
+    python = python_host_seconds(runner, PYTHON_CALLS)
     runtime, inside = runtime_cpu_seconds(runner, rounds)
     recorded = recorded_seconds(runner)
     busiest = max(recorded["compute_per_submesh_s"].values())
@@ -228,6 +328,8 @@ def step_breakdown(runner: _common.MpmdRunner, step_s: float, rounds: int) -> di
         "ops": ops,
         "runtime_cpu_s": runtime,
         "runtime_per_op_us": 1e6 * runtime / ops,
+        "python_host_cpu_s": python,
+        "python_host_per_op_us": 1e6 * python / ops,
         "inside_jax_calls_cpu_s": inside,
         **recorded,
         "busiest_compute_s": busiest,

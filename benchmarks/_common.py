@@ -457,7 +457,8 @@ def transfer_count(exe: Any) -> int:
 
 
 def replay(exe: Any, leaves: Sequence[Any]) -> list[Any]:
-    """The executable's fragments and transfers called by hand, in its order and with its
+    """The executable's fragments and transfers (their ``state.fns``: executables, and the
+    moves a transfer's first call fixed) called by hand, in its order and with its
     frees (dropping each value after its last reader, so buffers go back to XLA at the same
     points), but none of its checks or argument handling: what JAX alone costs for the same
     work. ``leaves`` must already sit in ``exe.input_shardings``."""
@@ -466,13 +467,10 @@ def replay(exe: Any, leaves: Sequence[Any]) -> list[Any]:
         env[slot] = value
     for slot, value in zip(exe.input_slots, leaves, strict=True):
         env[slot] = value
-    fns, put_shardings = exe.state.fns, exe.state.put_shardings
+    fns = exe.state.fns  # a fragment's executable, or a transfer's move (core/run/_ops.py)
     for index, op in enumerate(exe.ops):
         values = [env[s] for s in op.ins]
-        if op.kind == 0:
-            results = fns[index](*values)
-        else:
-            results = jax.device_put(values, put_shardings[index])
+        results = fns[index](*values) if op.kind == 0 else fns[index](values)
         for s, r in zip(op.outs, results, strict=True):
             env[s] = r
         for s in op.frees:

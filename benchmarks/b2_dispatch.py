@@ -4,11 +4,13 @@ A GPT so small that compute is small (4 blocks of width 32, batch 8, length 8), 
 wall time is mostly dispatch. Per configuration, three things are timed alternately:
 
 * ``call`` -- the ``parallelize_step`` step function, as a user calls it;
-* ``replay`` -- the same jitted fragments and ``device_put`` transfers called by hand in the
-  same order with no bookkeeping (JAX's own cost for the same work);
+* ``replay`` -- the same jitted fragments and transfers (each op's ``state.fns``: the
+  executables, and the moves the transfers' first calls fixed, one C++ copy each) called
+  by hand in the same order with no bookkeeping (JAX's own cost for the same work);
 * ``jit`` -- plain ``jax.jit`` of the same step, data parallel over the 8 devices.
 
-Every fragment's ``jax.jit`` and every ``jax.device_put`` is wrapped in a clock during
+Every fragment's executable, every transfer and every ``jax.device_put`` is wrapped in a
+clock during
 ``call`` and ``replay`` (``benchmarks._breakdown.JaxClock``); the CPU time of the calling
 thread *outside* those JAX calls is Python-side work (CPU time, not wall time: it does not
 count the time another process held the core, and XLA on CPU runs small programs inside

@@ -16,7 +16,11 @@ per program; the quick suite stays within a minute of extra time):
   and per op (the dispatching thread's CPU time outside JAX's calls, stable from run to
   run) and the thread's CPU time inside them, each submesh's compute and the transfers from
   one recorded step, and the wall time beyond the busiest submesh's compute; for the peer,
-  the thread's CPU time in its one call and the rest of its step.
+  the thread's CPU time in its one call and the rest of its step. And the host's CPU time
+  per op with only JAX's C++ work stubbed (``_breakdown.StubbedCpp``: executables and the
+  C++ copies return recorded results, all Python -- ours and JAX's around the copies --
+  runs): the stable figure for whether a host keeps ahead of its devices (issue 40's
+  target: 30 us per op).
 * **Peak bytes per device**, state included. Ours: the program walked op by op as the
   runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
   fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account
@@ -266,6 +270,13 @@ def _breakdown_rows(label: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{label} {NAMES[schedule]}: CPU time outside JAX's calls per op ({b['ops']} "
                 "ops; the runtime, tree work and buffer frees: B2 subtracts a hand replay's)",
                 round(b["runtime_per_op_us"], 1),
+                unit="us",
+            ),
+            _common.row(
+                SECTION,
+                f"{label} {NAMES[schedule]}: host CPU per op with only JAX's C++ work stubbed "
+                "(the runtime's Python and JAX's; B2's stable method, C++ calls left out)",
+                round(b["python_host_per_op_us"], 1),
                 unit="us",
             ),
             _common.row(

@@ -4,7 +4,7 @@ An ``MpmdExecutable`` turns a ``Partition`` into an immutable tuple of ops (``_o
 numbered value slots:
 
 * ``RunOp`` -- call a fragment's executable on its input slots, fill its output slots;
-* ``PutOp`` -- move a group of values to another submesh with one ``jax.device_put``.
+* ``PutOp`` -- move a group of values to another submesh (``_ops.Move``: one C++ copy).
 
 Slots whose last reader has been dispatched are cleared right away, so XLA frees their
 buffers as soon as the computations using them finish. Calling the executable dispatches
@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import jax
@@ -145,6 +145,16 @@ def _event(op: Op, index: int, call: int, start: float) -> TimelineEvent:
     )
 
 
+def _reader(slots: tuple[int, ...]) -> Callable[[list[Any]], tuple[Any, ...]]:
+    """``env -> tuple(env[s] for s in slots)``, in one C-level call where there are several."""
+    if len(slots) > 1:
+        return operator.itemgetter(*slots)
+    if slots:
+        slot = slots[0]
+        return lambda env: (env[slot],)
+    return lambda _: ()
+
+
 # --- the executable -------------------------------------------------------------------------
 
 
@@ -217,6 +227,11 @@ class MpmdExecutable:
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self.ops: tuple[Op, ...] = self._with_frees(ops)
         self.state = DispatchState(self.ops, len(self.input_shardings))
+        # Per op what the dispatch loop reads: (index, a RunOp?, its inputs' reader, outs, frees).
+        self._steps = tuple(
+            (i, isinstance(op, RunOp), _reader(op.ins), op.outs, op.frees)
+            for i, op in enumerate(self.ops)
+        )
         # In a multi-process job each process dispatches only its own ops (see
         # multimesh_flax.distributed._dispatch); None: this process runs every op.
         self.processes = None if processes is None else processes.dispatcher(self)
@@ -440,32 +455,52 @@ class MpmdExecutable:
         if self.processes is not None:
             return self.processes(args)
         env = self.make_env(args)
-        timeline = STATE.timeline
-        call = 0
-        if timeline is not None:
-            call, timeline.calls = timeline.calls, timeline.calls + 1
-        fns, put_shardings = self.state.fns, self.state.put_shardings
+        if STATE.timeline is not None:
+            self._dispatch_recorded(env, STATE.timeline)
+        else:
+            self._dispatch(env)
+        return [env[s] for s in self.output_slots]
+
+    def _dispatch(self, env: list[Any]) -> None:
+        """Every op in order, with as little Python per op as it takes: one C-level read of
+        its input slots, one call (``state.fns``: the fragment's executable, or the
+        transfer's ``Move``), its outputs stored and its last-read slots cleared."""
+        fns = self.state.fns
+        for index, run, read, outs, frees in self._steps:
+            values = read(env)
+            if run:
+                try:
+                    results = fns[index](*values)
+                except _debug_nans.InternalFloatingPointError as error:  # jax_debug_nans/_infs
+                    op = cast("RunOp", self.ops[index])
+                    raise self.floating_point_error(op, values, error) from None
+            else:
+                results = fns[index](values)
+            for s, r in zip(outs, results, strict=True):
+                env[s] = r
+            for s in frees:
+                env[s] = None
+
+    def _dispatch_recorded(self, env: list[Any], timeline: Timeline) -> None:
+        """``_dispatch``, waiting for each op and recording it into ``timeline``."""
+        call, timeline.calls = timeline.calls, timeline.calls + 1
+        fns = self.state.fns
         for index, op in enumerate(self.ops):
-            start = time.perf_counter() if timeline is not None else 0.0
+            start = time.perf_counter()
             values = [env[s] for s in op.ins]
             if isinstance(op, RunOp):
                 try:
-                    results = fns[index](*values)  # pyright: ignore[reportOptionalCall]
-                except _debug_nans.InternalFloatingPointError as error:  # jax_debug_nans/_infs
+                    results = fns[index](*values)
+                except _debug_nans.InternalFloatingPointError as error:
                     raise self.floating_point_error(op, values, error) from None
             else:
-                shardings = put_shardings[index]
-                if shardings is None:  # fixed by the first call
-                    shardings = put_shardings[index] = op.targets(values)
-                results = jax.device_put(values, shardings)
+                results = fns[index](values)
             for s, r in zip(op.outs, results, strict=True):
                 env[s] = r
             for s in op.frees:
                 env[s] = None
-            if timeline is not None:
-                jax.block_until_ready(results)
-                timeline.events.append(_event(op, index, call, start))
-        return [env[s] for s in self.output_slots]
+            jax.block_until_ready(results)
+            timeline.events.append(_event(op, index, call, start))
 
     def floating_point_error(
         self, op: RunOp, values: Sequence[Any], error: Exception
