@@ -17,8 +17,8 @@ pass (``multimesh_flax.distributed`` makes one; the build passes it when
 ``jax.process_count() > 1``), so the core never imports the multi-process dispatcher.
 
 This module imports nothing from ``multimesh_flax`` but a named marker (``Sentinel``, from the
-``declare`` stage) and its own stage's ``_transfer``, so both the core's runtime and
-``multimesh_flax.distributed`` import it without a cycle.
+``declare`` stage), so both the core's runtime and ``multimesh_flax.distributed`` import it
+without a cycle.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ class _FirstCall:
 class _FirstPut:
     """Op ``index``'s (a ``PutOp``'s) callable until its first call, which fixes the
     transfer's target shardings (``PutOp.targets``), moves the values with
-    ``jax.device_put`` and puts a ``_transfer.Move`` for later calls in ``state.fns``."""
+    ``jax.device_put`` and puts a :class:`Move` for later calls in ``state.fns``."""
 
     def __init__(self, state: DispatchState, index: int, op: PutOp) -> None:
         self.state = state
@@ -300,7 +300,7 @@ class DispatchState:
     Attributes:
         fns: per op index, what it calls: for a ``RunOp`` its program's executable once
             known (a dispatcher calls ``fns[i](*values)``), for a ``PutOp`` its
-            ``_transfer.Move`` once known (``fns[i](values)``, a list, returns the moved
+            :class:`Move` once known (``fns[i](values)``, a list, returns the moved
             values; the one-process dispatcher's; ``multimesh_flax.distributed`` moves
             values itself).
         put_shardings: per op index, a ``PutOp``'s target shardings once its first call
