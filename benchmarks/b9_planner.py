@@ -127,7 +127,7 @@ def _predicted_ops(prediction: Any, split_backward: bool) -> dict[str, float]:
             out[f"{s}B"] = stage.backward_input.seconds
             out[f"{s}W"] = stage.backward_weight.seconds
         else:
-            out[f"{s}B"] = stage.backward_input.seconds + stage.backward_weight.seconds
+            out[f"{s}B"] = stage.backward.seconds
     return out
 
 
