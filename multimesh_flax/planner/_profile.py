@@ -26,8 +26,11 @@ rules map ``"batch"`` to:
 
 ``mode="analytic"`` runs nothing: FLOPs and bytes from ``compiled.cost_analysis()``,
 temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec` roofline.
-``mode="measured"`` also runs every compiled program a few times on random inputs (after one
-warm-up run) and keeps the median wall time. Bytes of the training state per device
+``mode="measured"`` also runs every compiled program on random inputs: warm-up runs first
+(at least 3 and 20 ms), then ``repeats`` rounds in which every program of every unit runs
+once, and keeps each program's median wall time (round by round, so that a load coming and
+going on a shared host slows all programs alike; every program's inputs stay alive until
+the rounds end). Bytes of the training state per device
 (parameters, gradients as large as the parameters, optimizer state) are not measured: they
 follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
 `predict` gets them for any other submesh shape without its devices.
@@ -76,6 +79,16 @@ POLICIES = {
 """Recomputation policies a profile can cost, by name (``None``: no recomputation)."""
 
 MODES = ("analytic", "measured")
+WARMUP_RUNS, WARMUP_RUNS_MAX, WARMUP_SECONDS = 3, 50, 0.02
+"""Measured mode's warm-up of every program: at least 3 runs and 20 ms, at most 50 runs."""
+_PHASE_FIELDS = (
+    "forward",
+    "backward_input",
+    "backward_weight",
+    "backward",
+    "update",
+    "accumulate",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +300,8 @@ class _Profiler:
         self.mode, self.device, self.repeats = mode, device, repeats
         self.compiles = 0
         self.shape = dict(mesh.shape)
-        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
+        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost, PhaseCost]] = {}
+        self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -312,20 +326,47 @@ class _Profiler:
         flops = float(analysis.get("flops", 0.0))
         accessed = float(analysis.get("bytes accessed", 0.0))
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
-        if inputs is not None:  # measured mode
-            seconds, source = self._time(compiled, inputs), Source.MEASURED
-        else:
-            seconds, source = self.device.seconds(flops, accessed), Source.ANALYTIC
-        return PhaseCost(seconds, flops, accessed, temp, source)
+        if inputs is None:
+            seconds = self.device.seconds(flops, accessed)
+            return PhaseCost(seconds, flops, accessed, temp, Source.ANALYTIC)
+        self._warm(compiled, inputs)  # measured mode: timed later, with all the others
+        cost = PhaseCost(0.0, flops, accessed, temp, Source.MEASURED)
+        self.pending.append((cost, compiled, inputs))
+        return cost
 
-    def _time(self, compiled: Any, inputs: Sequence[Any]) -> float:
-        jax.block_until_ready(compiled(*inputs))  # warm-up
-        times = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
+    def _warm(self, compiled: Any, inputs: Sequence[Any]) -> None:
+        """Warm-up runs: at least ``WARMUP_RUNS`` and ``WARMUP_SECONDS`` (a process's first
+        runs of a program pay one-time costs, such as first touches of its buffers' memory,
+        that the runtime's repeated steps do not)."""
+        start = time.perf_counter()
+        for run in range(WARMUP_RUNS_MAX):
             jax.block_until_ready(compiled(*inputs))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            if run + 1 >= WARMUP_RUNS and time.perf_counter() - start >= WARMUP_SECONDS:
+                break
+
+    def timed(self, costs: Sequence[UnitCost]) -> tuple[UnitCost, ...]:
+        """``costs`` with the measured seconds: every program run once per round, for
+        ``repeats`` rounds, and its median kept. Round by round, a load that comes and goes
+        on a shared host slows every program alike, not the few timed while it lasted."""
+        times: list[list[float]] = [[] for _ in self.pending]
+        for _ in range(self.repeats):
+            for k, (_, compiled, inputs) in enumerate(self.pending):
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(*inputs))
+                times[k].append(time.perf_counter() - start)
+        seconds = {
+            id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
+        }
+        self.pending = []
+
+        def fill(phase: PhaseCost) -> PhaseCost:
+            if id(phase) not in seconds:
+                return phase
+            return dataclasses.replace(phase, seconds=seconds[id(phase)])
+
+        return tuple(
+            dataclasses.replace(c, **{f: fill(getattr(c, f)) for f in _PHASE_FIELDS}) for c in costs
+        )
 
     def _concrete(self, abstract: Any, seed: int) -> Any:
         """Random host arrays (normals of scale 0.02; integers 0) put in the shardings of
@@ -677,10 +718,12 @@ def profile_units(
     data_axes = _data_axes(rules, shape)
     profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
     last = found.instances[-1].unit
-    costs = tuple(
-        profiler.profile(i, unit, policy, i == last)
-        for i, unit in enumerate(found.units)
-        for policy in policies
+    costs = profiler.timed(
+        [
+            profiler.profile(i, unit, policy, i == last)
+            for i, unit in enumerate(found.units)
+            for policy in policies
+        ]
     )
     log.info("profiled %d units, %d compiles", len(found.units), profiler.compiles)
     return UnitProfile(
