@@ -16,12 +16,16 @@ parallel over ``8 / S``):
   durations); per (stage, phase) the median recorded duration of the unfused ops against the
   predicted F, B (B + W when the schedule does not split the backward) and W;
 * **makespan**: the recorded ops replayed with their real dependencies
-  (``replay_timeline``, B6's method), median over the calls, against ``step_time``.
+  (``replay_timeline``, B6's method) against ``step_time``: each op with its median
+  duration over the recorded calls (the same op of every call does the same work; a loaded
+  host's outliers land on different ops each call), then replayed once. The median over
+  the calls of each call's own replay is kept beside it (``replayed_per_call_s``).
 
 Without running anything: the search time of ``mm.plan`` after profiling, on a synthetic
 profile of 48 blocks (``profile_from_costs``) over 1 to 8 stages, tensor 1/2/4/8, 4 schedules
 and m up to 64 (840 devices: every stage count divides them). ``--smoke`` runs only a small
-search.
+search; ``--quick`` three pipelines (``QUICK``: 1F1B on 4 stages, ZB-H1 uneven, full
+recomputation) and no heavy head.
 
 **Heavy head**: Llama-tiny with 8 blocks and a 4,096-token vocabulary (its head costs several
 blocks), 4 stages, 1F1B: ``mm.plan``'s split against the even one, both predicted and both
@@ -63,6 +67,8 @@ CONFIGS = [
     (LLAMA, (1, 3, 3, 1), "gpipe", "full"),
     (GPT, (1,) * 8, "1f1b", None),
 ]
+QUICK = (2, 3, 4)  # --quick: indices into CONFIGS
+CALLS = 5  # recorded steps per pipeline
 PEAK_TARGET, OP_TARGET, MAKESPAN_TARGET = 0.10, 0.20, 0.10
 
 
@@ -127,7 +133,7 @@ def _predicted_ops(prediction: Any, split_backward: bool) -> dict[str, float]:
             out[f"{s}B"] = stage.backward_input.seconds
             out[f"{s}W"] = stage.backward_weight.seconds
         else:
-            out[f"{s}B"] = stage.backward_input.seconds + stage.backward_weight.seconds
+            out[f"{s}B"] = stage.backward.seconds
     return out
 
 
@@ -139,6 +145,24 @@ def _predicted(key: str, predicted: dict[str, float]) -> float | None:
 def _makespan(timeline: Any, call: int) -> float:
     events = [e for e in replay_timeline(timeline, call) if e.kind == "run"]
     return max(e.end for e in events) - min(e.start for e in events)
+
+
+def _median_call(timeline: Any, calls: int) -> Any:
+    """One call's events, each op lasting its median duration over the ``calls`` calls."""
+    durations: dict[int, list[float]] = {}
+    for e in timeline.events:
+        durations.setdefault(e.index, []).append(e.end - e.start)
+    first = [e for e in timeline.events if e.call == 0]
+    events = [
+        dataclasses.replace(e, start=0.0, end=statistics.median(durations[e.index])) for e in first
+    ]
+    return mm.core.Timeline(events, calls=1)
+
+
+def _replayed_makespans(timeline: Any, calls: int) -> tuple[float, float]:
+    """(the median-duration call replayed, the median of each call's replay)."""
+    per_call = statistics.median(_makespan(timeline, c) for c in range(calls))
+    return _makespan(_median_call(timeline, calls), 0), per_call
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -156,7 +180,7 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
     walked = b4_memory._walk_step(runner)
     peaks = {int(d): v for d, v in walked["peak_with_temp_per_device"].items()}
     measured_peak = [max(peaks[d] for d in range(s * data, (s + 1) * data)) for s in range(stages)]
-    calls = 3
+    calls = CALLS
     with mm.record_timeline() as timeline:
         for _ in range(calls):
             runner.step()
@@ -168,7 +192,7 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
         for key, seconds in recorded.items()
         if _predicted(key, predicted) is not None and seconds > 0
     }
-    makespan = statistics.median(_makespan(timeline, c) for c in range(calls))
+    makespan, per_call = _replayed_makespans(timeline, calls)
     _common.release(runner)
     peak_errors = [_error(p, m) for p, m in zip(prediction.peak_bytes, measured_peak, strict=True)]
     return {
@@ -186,6 +210,7 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
         "predicted_step_s": prediction.step_time,
         "predicted_pipeline_makespan_s": prediction.simulation.makespan,
         "replayed_makespan_s": makespan,
+        "replayed_per_call_s": per_call,
         "makespan_error": _error(prediction.step_time, makespan),
         "transfer": dataclasses.asdict(transfer) | {"source": str(transfer.source)},
         "profile_compiles": profile.compiles,
@@ -197,13 +222,13 @@ HEAVY = dataclasses.replace(
 )  # a head several blocks heavy
 
 
-def _replayed(workload: _common.Workload, split: tuple, schedule: str, calls: int = 3) -> float:
+def _replayed(workload: _common.Workload, split: tuple, schedule: str, calls: int = CALLS) -> float:
     runner = _build(workload, split, schedule, None)
     with mm.record_timeline() as timeline:
         for _ in range(calls):
             runner.step()
     _common.release(runner)
-    return statistics.median(_makespan(timeline, c) for c in range(calls))
+    return _replayed_makespans(timeline, calls)[0]
 
 
 def heavy_head(stages: int = 4, schedule: str = "1f1b") -> dict[str, Any]:
@@ -302,8 +327,9 @@ def run(quick: bool) -> dict[str, Any]:
         configs, heavy = [], None
     else:
         search = synthetic_search(48, 840, 840 * 64, quick)
-        heavy = heavy_head()
-        configs = [measure(*config) for config in CONFIGS]
+        heavy = None if quick else heavy_head()
+        chosen = [CONFIGS[i] for i in QUICK] if quick else CONFIGS
+        configs = [measure(*config) for config in chosen]
     return {
         "description": __doc__.splitlines()[0],
         "search": search,

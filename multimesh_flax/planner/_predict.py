@@ -12,16 +12,28 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
 2. **Step time and bubble.** ``mm.simulate`` replays ``mm.make_schedule(...)`` with those
    costs. Each row then runs the optimizer updates of its stages after its last op: the
    step time is the latest row's end. The bubble is the simulator's.
-3. **Peak bytes per device**, per row (submesh): the training state of its stages
-   (parameters, gradients as large as the parameters, optimizer state; exact, from the
-   shapes and the logical rules on the stage's submesh shape; optimizer state that mirrors
-   no parameter, such as Adam's step counter, once per model on the first stage), plus the
-   activation bytes of the microbatches in flight at the worst moment of the row's op
-   order (an ``F`` adds its stage's activation bytes, the last backward op of that stage
-   and microbatch -- ``W`` when split, else ``B`` -- frees them; with one stage per row
-   this is the stage's bytes times the simulator's ``peak_in_flight``, counted here too so
-   interleaved rows weigh each stage's sets by their own bytes), plus the largest
-   temporary of the row's programs.
+   An unsplit schedule's ``B`` costs the unit's whole backward (one program: the
+   cotangents are computed once), a split one's ``B`` and ``W`` the halves the runtime
+   runs; the op that makes a stage's gradients also pays ``(m - 1) / m`` of one gradient
+   accumulation (the runtime's glue after every backward but the first).
+3. **Peak bytes per device**, per row (submesh), as the runtime holds them: the state of
+   its stages (parameters and optimizer state; exact, from the shapes and the logical
+   rules on the stage's submesh shape; optimizer state that mirrors no parameter, such as
+   Adam's step counter, once per model on the first stage), plus the larger of two
+   moments, plus the largest temporary of the row's programs:
+
+   * while the pipeline runs (`pipeline_bytes`), along the row's op order: an ``F`` adds
+     its stage's activation bytes, an unsplit ``B`` frees them, a split ``B`` keeps
+     ``weight_kept_bytes`` until its ``W``; an ``F`` fused with the next op (the same
+     microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it;
+     gradients are alive from the stage's first backward on (their running sum), twice
+     while a backward makes the next microbatch's, three times in the accumulation;
+   * at the optimizer update (`update_bytes`): the new parameters and optimizer state
+     beside the old ones (a step's inputs stay alive), the gradient sum and, with several
+     microbatches, the last microbatch's gradients.
+
+   ``peak_in_flight`` still says how many activation sets a row holds at once (the
+   simulator's count).
 
 **Scaling rule** (what makes a number *derived*). Costs are profiled for ``rows`` examples
 per microbatch on one submesh shape. For a stage with ``r`` rows per microbatch on ``n``
@@ -110,12 +122,15 @@ class StageCost:
 
     Attributes:
         forward, backward_input, backward_weight, update: Summed over the stage's units.
+        backward: The unsplit backward (what a schedule without ``W`` ops runs), summed.
+        accumulate: Adding one microbatch's gradients into the running sum, summed.
         transfer: Seconds to send the stage's output to the next stage (and its gradient
             back).
         param_bytes: Parameters per device (gradients take as many).
         opt_state_bytes: Optimizer state per device.
         activation_bytes: What one microbatch keeps for the backward, per device.
         temp_bytes: The largest temporary of the stage's programs.
+        weight_kept_bytes: What one microbatch keeps from a split ``B`` to its ``W``.
     """
 
     forward: PhaseCost
@@ -127,6 +142,9 @@ class StageCost:
     opt_state_bytes: int
     activation_bytes: int
     temp_bytes: int
+    backward: PhaseCost = PhaseCost()
+    accumulate: PhaseCost = PhaseCost()
+    weight_kept_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -143,10 +161,14 @@ class Prediction:
         step_time: Seconds per training step: the simulated pipeline, then each row's
             optimizer updates.
         bubble: The simulator's idle fraction of the rows' time.
-        peak_bytes: Per row (submesh), peak bytes per device: state + activations in flight
-            + the largest temporary.
-        state_bytes, activation_bytes, temp_bytes: Per row, the three parts of
-            ``peak_bytes`` (activation bytes at their peak).
+        peak_bytes: Per row (submesh), peak bytes per device: ``state_bytes + max(
+            activation_bytes, update_bytes) + temp_bytes``.
+        state_bytes: Per row, parameters and optimizer state (held all step).
+        activation_bytes: Per row, the most activations and gradients alive at once
+            while the pipeline runs (`pipeline_bytes`).
+        temp_bytes: Per row, the largest temporary of its programs.
+        update_bytes: Per row, what its optimizer updates hold at once beyond the state
+            (`update_bytes`): the new state beside the old, and the gradients.
         peak_in_flight: Per row, the most activation sets alive at once.
         stages: Per stage, its `StageCost`.
         simulation: The simulator's `SimulationResult`.
@@ -171,6 +193,7 @@ class Prediction:
     stages: tuple[StageCost, ...]
     simulation: SimulationResult
     sources: Mapping[str, Source]
+    update_bytes: tuple[int, ...] = ()
     stage_paths: tuple[tuple[str, ...], ...] = ()
     rules: tuple = ()
     stage_meshes: tuple[dict, ...] = ()
@@ -206,9 +229,10 @@ class Prediction:
         ]
         for row, peak in enumerate(self.peak_bytes):
             lines.append(
-                f"row {row}: state {self.state_bytes[row]:,} B + activations "
-                f"{self.activation_bytes[row]:,} B ({self.peak_in_flight[row]} in flight) + "
-                f"temporary {self.temp_bytes[row]:,} B = {peak:,} B"
+                f"row {row}: state {self.state_bytes[row]:,} B + max(activations and "
+                f"gradients {self.activation_bytes[row]:,} B ({self.peak_in_flight[row]} in "
+                f"flight), update {self.update_bytes[row]:,} B) + temporary "
+                f"{self.temp_bytes[row]:,} B = {peak:,} B"
             )
         return "\n".join(lines)
 
@@ -290,7 +314,7 @@ def _stage_cost(
 ) -> StageCost:
     time, memory = _scales(profile, mesh, rows)
     shape = dict(profile.mesh_shape)
-    total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u")}
+    total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u", "bw", "a")}
     params, opt = 0, 0
     tensor, replica = collective_per_byte(profile, mesh, transfer)
     for c in costs:
@@ -300,10 +324,13 @@ def _stage_cost(
         total["f"] += c.forward.scaled(time, memory)
         total["b"] += c.backward_input.scaled(time, memory)
         total["w"] += c.backward_weight.scaled(time, memory)
+        total["bw"] += c.backward.scaled(time, memory)
         total["u"] += c.update.scaled(update_scale, update_scale)
+        total["a"] += c.accumulate.scaled(update_scale, update_scale)
         if tensor and c.params:  # one all-reduce of the output in the forward, one back
             total["f"] += _derived(tensor * c.output_bytes * memory)
             total["b"] += _derived(tensor * c.output_bytes * memory)
+            total["bw"] += _derived(tensor * c.output_bytes * memory)
         if replica and params_here:  # the gradients' all-reduce over the replicas
             total["u"] += _derived(replica * params_here)
         params += params_here
@@ -322,6 +349,9 @@ def _stage_cost(
         opt_state_bytes=opt,
         activation_bytes=int(round(sum(c.activation_bytes for c in costs) * memory)),
         temp_bytes=int(round(max((c.temp_bytes for c in costs), default=0) * memory)),
+        backward=total["bw"],
+        accumulate=total["a"],
+        weight_kept_bytes=int(round(sum(c.weight_kept_bytes for c in costs) * memory)),
     )
 
 
@@ -353,6 +383,69 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> tup
                 live -= stage_bytes[op.stage]
         peaks.append(peak)
     return tuple(peaks)
+
+
+def _fused(ops: Sequence[Any], i: int) -> bool:
+    """Whether op ``i`` is an ``F`` the runtime fuses with the next op, the ``B`` of the same
+    stage and microbatch (adjacent fragments of one submesh: the last stage's)."""
+    if i + 1 >= len(ops) or ops[i].phase != "F":
+        return False
+    nxt = ops[i + 1]
+    return nxt.phase == "B" and (nxt.stage, nxt.microbatch) == (ops[i].stage, ops[i].microbatch)
+
+
+def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int, ...]:
+    """Per row, the most bytes of activations and gradients alive at once along the row's
+    op order (beyond parameters and optimizer state), the way the runtime holds them.
+
+    An ``F`` adds its stage's activation bytes; an unsplit ``B`` frees them; a split ``B``
+    keeps ``weight_kept_bytes`` of them until its ``W``. An ``F`` fused with the next op
+    (the same microbatch's ``B``) keeps nothing beyond that op (its residuals are the fused
+    program's temporaries). The op that makes a stage's gradients (``B`` unsplit, else
+    ``W``) holds them beside the running sum of the earlier microbatches' (from the first
+    backward on), and the accumulation that follows holds the old sum, the new gradients
+    and the new sum at once.
+    """
+    split = schedule.split_backward
+    grad_op = "W" if split else "B"
+    out = []
+    for ops in schedule.rows:
+        live = peak = sums = 0
+        summed: set[int] = set()
+        fused_b: set[int] = set()
+        for i, op in enumerate(ops):
+            c = stages[op.stage]
+            kept = c.weight_kept_bytes if split else 0
+            if op.phase == "F":
+                if _fused(ops, i):
+                    fused_b.add(i + 1)
+                else:
+                    live += c.activation_bytes
+                    peak = max(peak, live + sums)
+            if op.phase == grad_op:
+                peak = max(peak, live + sums + c.param_bytes)
+            if op.phase == "B":
+                live += kept if i in fused_b else kept - c.activation_bytes
+            elif op.phase == "W":
+                live -= kept
+            if op.phase == grad_op:
+                if op.stage in summed:  # the accumulation glue: old sum + gradients + new sum
+                    peak = max(peak, live + sums + 2 * c.param_bytes)
+                else:
+                    summed.add(op.stage)
+                    sums += c.param_bytes
+        out.append(max(peak, 0))
+    return tuple(out)
+
+
+def update_bytes(stages: Sequence[StageCost], microbatches: int) -> int:
+    """Beyond one row's parameters and optimizer state, the most bytes its optimizer updates
+    hold at once: every stage's gradient sum, and while a stage updates, its new parameters
+    and optimizer state (the old ones stay: a step's inputs) and, with several
+    microbatches, its last microbatch's gradients (added in by the update)."""
+    sums = sum(c.param_bytes for c in stages)
+    last = 1 if microbatches > 1 else 0
+    return sums + max((1 + last) * c.param_bytes + c.opt_state_bytes for c in stages)
 
 
 def _sources(profile: UnitProfile, stages: Sequence[StageCost], transfer: TransferCost) -> dict:
@@ -459,12 +552,16 @@ def _predict(
     costs: tuple[StageCost, ...],
     link: TransferCost,
 ) -> Prediction:
+    split = schedule.split_backward
+    share = (plan.microbatches - 1) / plan.microbatches  # accumulations per backward
+
     def cost(stage: int, phase: str) -> float:
         c = costs[stage]
+        accumulate = share * c.accumulate.seconds
         return {
             "F": c.forward.seconds,
-            "B": c.backward_input.seconds,
-            "W": c.backward_weight.seconds,
+            "B": c.backward_input.seconds if split else c.backward.seconds + accumulate,
+            "W": c.backward_weight.seconds + accumulate if split else 0.0,
             "transfer": c.transfer,
         }[phase]
 
@@ -475,17 +572,21 @@ def _predict(
     for row, _, _, end in result.timeline:
         ends[row] = max(ends[row], end)
     step = max(ends[r] + sum(costs[s].update.seconds for s in on_row[r]) for r in rows)
-    activations = peak_activation_bytes(schedule, [c.activation_bytes for c in costs])
-    state = tuple(sum(costs[s].state_bytes for s in on_row[r]) for r in rows)
+    activations = pipeline_bytes(schedule, costs)
+    updates = tuple(update_bytes([costs[s] for s in on_row[r]], plan.microbatches) for r in rows)
+    state = tuple(
+        sum(costs[s].param_bytes + costs[s].opt_state_bytes for s in on_row[r]) for r in rows
+    )
     temp = tuple(max(costs[s].temp_bytes for s in on_row[r]) for r in rows)
     return Prediction(
         plan=plan,
         step_time=step,
         bubble=result.bubble_fraction,
-        peak_bytes=tuple(state[r] + activations[r] + temp[r] for r in rows),
+        peak_bytes=tuple(state[r] + max(activations[r], updates[r]) + temp[r] for r in rows),
         state_bytes=state,
         activation_bytes=activations,
         temp_bytes=temp,
+        update_bytes=updates,
         peak_in_flight=peak_activation_bytes(schedule, [1] * plan.num_stages),
         stages=costs,
         simulation=result,

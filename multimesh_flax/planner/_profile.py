@@ -12,17 +12,25 @@ rules map ``"batch"`` to:
   backward (per device, from the compiled output shardings). Under a recomputation policy
   the apply is wrapped in ``jax.checkpoint`` first, so the residuals shrink to what the
   policy saves (``"full"``: the inputs) and the backward recomputes the rest.
-* **B**, the activation gradient (the residuals and the output cotangent in, the gradient of
-  the unit's floating-point inputs out), and **W**, the weight gradient (the parameters'
-  gradient): the two halves of a split backward, each compiled alone so XLA drops what the
-  other half needs. An unsplit backward costs ``B + W``.
+* the **whole backward** (the residuals and the output cotangent in, the gradients of the
+  parameters and of the unit's floating-point inputs out): what an unsplit schedule runs.
+* **B**, the activation gradient, and **W**, the weight gradient: the two halves of a split
+  backward, cut from the whole backward's jaxpr the way the runtime cuts it
+  (`_split_backward`): B computes what the input gradient needs and returns the cotangents
+  W reads; W computes the weight gradients from them. Those cotangents and the residuals W
+  reads are the *weight-kept bytes*, what a microbatch holds from its B to its W.
+* **accumulate**, one microbatch's weight gradients added into a running sum (the
+  runtime's glue after every backward but the first).
 * **update**, the optax optimizer's ``update`` and ``apply_updates`` on the unit's
   parameters, gradients and optimizer state (mirroring the parameters' shardings).
 
 ``mode="analytic"`` runs nothing: FLOPs and bytes from ``compiled.cost_analysis()``,
 temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec` roofline.
-``mode="measured"`` also runs every compiled program a few times on random inputs (after one
-warm-up run) and keeps the median wall time. Bytes of the training state per device
+``mode="measured"`` also runs every compiled program on random inputs: warm-up runs first
+(at least 3 and 20 ms), then ``repeats`` rounds in which every program of every unit runs
+once, and keeps each program's median wall time (round by round, so that a load coming and
+going on a shared host slows all programs alike; every program's inputs stay alive until
+the rounds end). Bytes of the training state per device
 (parameters, gradients as large as the parameters, optimizer state) are not measured: they
 follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
 `predict` gets them for any other submesh shape without its devices.
@@ -59,6 +67,7 @@ from multimesh_flax.planner._costs import (
     TransferCost,
     bytes_per_device,
 )
+from multimesh_flax.planner._split_backward import SplitBackward, split_backward
 from multimesh_flax.planner._units import Unit, UnitSet, find_units
 
 log = logging.getLogger(__name__)
@@ -70,6 +79,16 @@ POLICIES = {
 """Recomputation policies a profile can cost, by name (``None``: no recomputation)."""
 
 MODES = ("analytic", "measured")
+WARMUP_RUNS, WARMUP_RUNS_MAX, WARMUP_SECONDS = 3, 50, 0.02
+"""Measured mode's warm-up of every program: at least 3 runs and 20 ms, at most 50 runs."""
+_PHASE_FIELDS = (
+    "forward",
+    "backward_input",
+    "backward_weight",
+    "backward",
+    "update",
+    "accumulate",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,9 +100,17 @@ class UnitCost:
         recompute: ``None``, ``"full"`` or ``"dots"``.
         forward, backward_input, backward_weight, update: The four programs (`PhaseCost`):
             forward with residuals (F), activation gradient (B), weight gradient (W),
-            optimizer update.
+            optimizer update. B and W are the halves of a split backward as the runtime
+            splits it: B computes what the input gradient needs and hands W the
+            cotangents W reads; W computes the weight gradients from them.
+        backward: The whole backward as one program (what an unsplit schedule runs: it
+            computes the cotangents once, where ``B + W`` alone would not share them).
+        accumulate: Adding one microbatch's weight gradients into the running sum (the
+            runtime's glue after every backward but the first).
         activation_bytes: Bytes a microbatch keeps from F to its backward (the residuals
             that are not parameters), per device.
+        weight_kept_bytes: Bytes a microbatch keeps from a split backward's B to its W
+            (the residuals W reads and the cotangents B hands it), per device.
         output_bytes: Bytes of the unit's output per device: what a stage boundary after it
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
@@ -102,11 +129,20 @@ class UnitCost:
     output_bytes: int
     params: tuple[StateLeaf, ...]
     opt_state: tuple[StateLeaf, ...]
+    backward: PhaseCost = PhaseCost()
+    accumulate: PhaseCost = PhaseCost()
+    weight_kept_bytes: int = 0
 
     @property
     def temp_bytes(self) -> int:
         """The largest temporary of the unit's programs."""
-        phases = (self.forward, self.backward_input, self.backward_weight, self.update)
+        phases = (
+            self.forward,
+            self.backward_input,
+            self.backward_weight,
+            self.backward,
+            self.update,
+        )
         return max(p.temp_bytes for p in phases)
 
 
@@ -123,9 +159,10 @@ class UnitProfile:
         rows: Rows (examples) of the microbatch profiled.
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
-        compiles: Programs compiled: per distinct unit 3 per policy (F, B, W) and one
-            update; no B for a unit without floating-point inputs (the stem), no W or
-            update without parameters, no update without an optimizer.
+        compiles: Programs compiled: per distinct unit and policy the forward, the whole
+            backward and, for a unit with both input and weight gradients, its B and W
+            halves; per unit with parameters one gradient accumulation and, with an
+            optimizer, one update.
     """
 
     units: UnitSet
@@ -263,7 +300,8 @@ class _Profiler:
         self.mode, self.device, self.repeats = mode, device, repeats
         self.compiles = 0
         self.shape = dict(mesh.shape)
-        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
+        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost, PhaseCost]] = {}
+        self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -288,20 +326,47 @@ class _Profiler:
         flops = float(analysis.get("flops", 0.0))
         accessed = float(analysis.get("bytes accessed", 0.0))
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
-        if inputs is not None:  # measured mode
-            seconds, source = self._time(compiled, inputs), Source.MEASURED
-        else:
-            seconds, source = self.device.seconds(flops, accessed), Source.ANALYTIC
-        return PhaseCost(seconds, flops, accessed, temp, source)
+        if inputs is None:
+            seconds = self.device.seconds(flops, accessed)
+            return PhaseCost(seconds, flops, accessed, temp, Source.ANALYTIC)
+        self._warm(compiled, inputs)  # measured mode: timed later, with all the others
+        cost = PhaseCost(0.0, flops, accessed, temp, Source.MEASURED)
+        self.pending.append((cost, compiled, inputs))
+        return cost
 
-    def _time(self, compiled: Any, inputs: Sequence[Any]) -> float:
-        jax.block_until_ready(compiled(*inputs))  # warm-up
-        times = []
-        for _ in range(self.repeats):
-            start = time.perf_counter()
+    def _warm(self, compiled: Any, inputs: Sequence[Any]) -> None:
+        """Warm-up runs: at least ``WARMUP_RUNS`` and ``WARMUP_SECONDS`` (a process's first
+        runs of a program pay one-time costs, such as first touches of its buffers' memory,
+        that the runtime's repeated steps do not)."""
+        start = time.perf_counter()
+        for run in range(WARMUP_RUNS_MAX):
             jax.block_until_ready(compiled(*inputs))
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            if run + 1 >= WARMUP_RUNS and time.perf_counter() - start >= WARMUP_SECONDS:
+                break
+
+    def timed(self, costs: Sequence[UnitCost]) -> tuple[UnitCost, ...]:
+        """``costs`` with the measured seconds: every program run once per round, for
+        ``repeats`` rounds, and its median kept. Round by round, a load that comes and goes
+        on a shared host slows every program alike, not the few timed while it lasted."""
+        times: list[list[float]] = [[] for _ in self.pending]
+        for _ in range(self.repeats):
+            for k, (_, compiled, inputs) in enumerate(self.pending):
+                start = time.perf_counter()
+                jax.block_until_ready(compiled(*inputs))
+                times[k].append(time.perf_counter() - start)
+        seconds = {
+            id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
+        }
+        self.pending = []
+
+        def fill(phase: PhaseCost) -> PhaseCost:
+            if id(phase) not in seconds:
+                return phase
+            return dataclasses.replace(phase, seconds=seconds[id(phase)])
+
+        return tuple(
+            dataclasses.replace(c, **{f: fill(getattr(c, f)) for f in _PHASE_FIELDS}) for c in costs
+        )
 
     def _concrete(self, abstract: Any, seed: int) -> Any:
         """Random host arrays (normals of scale 0.02; integers 0) put in the shardings of
@@ -356,9 +421,8 @@ class _Profiler:
             jax.tree_util.tree_structure(fwd.output_shardings), jaxpr.out_avals
         )
         kept = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
-        activation = self._residual_bytes(
-            jaxpr, len(jax.tree_util.tree_leaves(params)), kept, res_sh
-        )
+        owners = self._residual_owners(jaxpr, len(jax.tree_util.tree_leaves(params)), kept, res_sh)
+        activation = sum(n for j, (first, n) in enumerate(owners) if first == j)
         output_bytes = sum(
             _sharded_bytes(a, s)
             for a, s in zip(
@@ -367,13 +431,6 @@ class _Profiler:
         )
         res_in = [_with(a, s) for a, s in zip(res_abs, res_sh, strict=True)]
         ct_in = jax.tree_util.tree_map(_with, out_abs, out_sh)
-
-        def backward(which: int) -> Callable:
-            def run(res: Any, ct: Any) -> Any:
-                return jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct)[which]
-
-            return run
-
         inputs = None
         if self.mode == "measured":
             p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate((params, diff_in, fixed_in)))
@@ -383,15 +440,18 @@ class _Profiler:
         if inputs is not None:
             out_v, res_v = fwd(*inputs)
             res_ct = (res_v, jax.tree_util.tree_map(jnp.ones_like, out_v))
-        b_cost = PhaseCost(source=forward_cost.source)
-        if diff:
-            b_cost = self._phase(self._compile(backward(1), res_in, ct_in)[1], res_ct)
-        w_cost = PhaseCost(source=forward_cost.source)
-        if param_leaves:
-            w_cost = self._phase(self._compile(backward(0), res_in, ct_in)[1], res_ct)
+        ct_bytes = [_sharded_bytes(x, x.sharding) for x in jax.tree_util.tree_leaves(ct_in)]
+        whole, b_cost, w_cost, weight_kept = self._backward(
+            lambda res, ct: tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct)),
+            (res_in, ct_in),
+            (len(jax.tree_util.tree_leaves(params)), bool(diff)),
+            [*owners, *((-1, n) for n in ct_bytes)],
+            res_ct,
+            forward_cost.source,
+        )
         if index not in self.updates:  # the same for every recomputation policy
             self.updates[index] = self._update(params, param_leaves)
-        opt_state, update = self.updates[index]
+        opt_state, update, accumulate = self.updates[index]
         return UnitCost(
             unit=index,
             recompute=policy,
@@ -403,7 +463,61 @@ class _Profiler:
             output_bytes=output_bytes,
             params=tuple(param_leaves),
             opt_state=tuple(opt_state),
+            backward=whole,
+            accumulate=accumulate,
+            weight_kept_bytes=weight_kept,
         )
+
+    def _backward(
+        self,
+        run: Callable,
+        abstract: tuple[Any, Any],
+        grads: tuple[int, bool],
+        owners: Sequence[tuple[int, int]],
+        concrete: tuple[Any, Any] | None,
+        source: Source,
+    ) -> tuple[PhaseCost, PhaseCost, PhaseCost, int]:
+        """The whole backward, its B and W halves (`split_backward`) and the bytes kept from
+        B to W, from the backward's abstract and (measured mode) ``concrete`` inputs,
+        ``(residuals, output cotangent)``. ``grads``: (weight gradients, whether there are
+        input gradients);
+        ``owners``: per flat backward input, (the first input holding the same value, or -1
+        where it is not an activation the unit keeps; its bytes per device)."""
+        weights, has_inputs = grads
+        none = PhaseCost(source=source)
+        if not weights and not has_inputs:
+            return none, none, none, 0
+        jaxpr, compiled = self._compile(run, *abstract)
+        whole = self._phase(compiled, concrete)
+        flat_inputs = None if concrete is None else jax.tree_util.tree_leaves(concrete)
+        if not (weights and has_inputs):  # one half only: it is the whole backward
+            return (whole, none, whole, 0) if weights else (whole, whole, none, 0)
+        halves = split_backward(jaxpr, weights)
+        flat_abs = jax.tree_util.tree_leaves(abstract)
+        _, b_program = self._compile(jex_core.jaxpr_as_fun(halves.b), *flat_abs)
+        b_cost = self._phase(b_program, flat_inputs)
+        first_extra = len(halves.b.jaxpr.outvars) - _count(halves, "b")
+        extra_abs = [
+            _with(v.aval, s)
+            for v, s in zip(
+                halves.b.jaxpr.outvars[first_extra:],
+                list(b_program.output_shardings)[first_extra:],
+                strict=True,
+            )
+        ]
+        pick = lambda kind, i, ins, extra: ins[i] if kind == "in" else extra[i]  # noqa: E731
+        w_abs = [pick(k, i, flat_abs, extra_abs) for k, i in halves.crossing]
+        _, w_program = self._compile(jex_core.jaxpr_as_fun(halves.w), *w_abs)
+        w_inputs = None
+        if flat_inputs is not None:
+            extra_v = list(b_program(*flat_inputs))[first_extra:]
+            w_inputs = [pick(k, i, flat_inputs, extra_v) for k, i in halves.crossing]
+        w_cost = self._phase(w_program, w_inputs)
+        firsts = {owners[i][0] for k, i in halves.crossing if k == "in" and owners[i][0] >= 0}
+        cts = sum(owners[i][1] for k, i in halves.crossing if k == "in" and owners[i][0] < 0)
+        kept = sum(owners[j][1] for j in firsts) + cts
+        kept += sum(_sharded_bytes(x, x.sharding) for x in extra_abs)
+        return whole, b_cost, w_cost, kept
 
     def _abstract_params(self, boxed: Any) -> Any:
         def one(x: Any) -> Any:
@@ -415,28 +529,36 @@ class _Profiler:
 
         return jax.tree_util.tree_map(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
-    def _residual_bytes(
+    def _residual_owners(
         self, jaxpr: Any, n_params: int, unbatched: Sequence[bool], res_sh: Sequence[Any]
-    ) -> int:
-        """Per-device bytes of the residuals that are neither parameters, nor inputs without
-        the batch dimension (weights passed in, such as GPT's tied table), nor repeats."""
+    ) -> list[tuple[int, int]]:
+        """Per residual, (the first residual holding the same value, its bytes per device);
+        (-1, 0) for parameters, inputs without the batch dimension (weights passed in, such
+        as GPT's tied table) and literals: what a microbatch keeps is the bytes of the
+        residuals that are their own first holder."""
         invars = jaxpr.jaxpr.invars
         params = set(invars[:n_params])
         params.update(v for v, skip in zip(invars[n_params:], unbatched, strict=True) if skip)
         outvars = jaxpr.jaxpr.outvars[len(jaxpr.jaxpr.outvars) - len(res_sh) :]
-        seen, total = set(), 0
-        for var, sharding in zip(outvars, res_sh, strict=True):
-            if isinstance(var, jex_core.Literal) or var in params or var in seen:
+        first: dict[Any, int] = {}
+        owners = []
+        for j, (var, sharding) in enumerate(zip(outvars, res_sh, strict=True)):
+            if isinstance(var, jex_core.Literal) or var in params:
+                owners.append((-1, 0))
                 continue
-            seen.add(var)
-            total += _sharded_bytes(var.aval, sharding)
-        return total
+            owners.append((first.setdefault(var, j), _sharded_bytes(var.aval, sharding)))
+        return owners
 
-    def _update(self, params: Any, param_leaves: list[StateLeaf]) -> tuple[list, PhaseCost]:
-        if self.optimizer is None or not param_leaves:
-            return [], PhaseCost(
-                source=Source.ANALYTIC if self.mode == "analytic" else Source.MEASURED
-            )
+    def _update(
+        self, params: Any, param_leaves: list[StateLeaf]
+    ) -> tuple[list, PhaseCost, PhaseCost]:
+        """(optimizer-state leaves, the update, one gradient accumulation)."""
+        none = PhaseCost(source=Source.ANALYTIC if self.mode == "analytic" else Source.MEASURED)
+        if not param_leaves:
+            return [], none, none
+        accumulate = self._accumulate(params)
+        if self.optimizer is None:
+            return [], none, accumulate
         opt = self.optimizer
         state_abs = jax.eval_shape(opt.init, params)
         state_leaves = _mirror(state_abs, params, param_leaves)
@@ -465,7 +587,20 @@ class _Profiler:
                 self._concrete(params, 8),
                 self._concrete(state_in, 9),
             )
-        return state_leaves, self._phase(compiled, inputs)
+        return state_leaves, self._phase(compiled, inputs), accumulate
+
+    def _accumulate(self, params: Any) -> PhaseCost:
+        """One microbatch's weight gradients added into the running sum."""
+        add = lambda total, grads: jax.tree_util.tree_map(jnp.add, total, grads)  # noqa: E731
+        compiled = self._compile(add, params, params)[1]
+        inputs = None
+        if self.mode == "measured":
+            inputs = (self._concrete(params, 10), self._concrete(params, 11))
+        return self._phase(compiled, inputs)
+
+
+def _count(halves: SplitBackward, kind: str) -> int:
+    return sum(k == kind for k, _ in halves.crossing)
 
 
 def _with(aval: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -562,8 +697,8 @@ def profile_units(
         ...     GPT(get_config("gpt-tiny", num_layers=4)), jnp.zeros((4, 32), jnp.int32),
         ...     mesh_shape={"data": 1, "model": 1}, rules=LOGICAL_RULES,
         ...     optimizer=optax.sgd(1e-3))
-        >>> [u.kind for u in profile.units.units], profile.compiles  # 3 distinct units
-        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 11)
+        >>> [u.kind for u in profile.units.units], profile.compiles  # 4 + 6 + 6
+        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 16)
         >>> block = profile.cost(1)
         >>> block.forward.flops > 0, str(block.forward.source)
         (True, 'analytic')
@@ -583,10 +718,12 @@ def profile_units(
     data_axes = _data_axes(rules, shape)
     profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
     last = found.instances[-1].unit
-    costs = tuple(
-        profiler.profile(i, unit, policy, i == last)
-        for i, unit in enumerate(found.units)
-        for policy in policies
+    costs = profiler.timed(
+        [
+            profiler.profile(i, unit, policy, i == last)
+            for i, unit in enumerate(found.units)
+            for policy in policies
+        ]
     )
     log.info("profiled %d units, %d compiles", len(found.units), profiler.compiles)
     return UnitProfile(

@@ -73,16 +73,14 @@ def prediction_table(prediction: Any, *, console: Any = None) -> Any:
     )
     for name in ("stage", "units", "submesh", "recompute"):
         table.add_column(name)
-    for name in ("F+B+W ms", "state MiB", "act. MiB", "in flight", "temp MiB", "peak MiB"):
+    for name in ("F+B ms", "state MiB", "act. MiB", "in flight", "temp MiB", "peak MiB"):
         table.add_column(name, justify="right")
     meshes, policies = prediction.stage_meshes or plan.stage_meshes(), plan.policies()
     for s, stage in enumerate(prediction.stages):
         row = min(s, len(prediction.peak_bytes) - 1)
         paths = prediction.stage_paths[s] if prediction.stage_paths else ()
         units = ", ".join(paths) if len(paths) <= 3 else f"{paths[0]} .. {paths[-1]}"
-        seconds = sum(
-            p.seconds for p in (stage.forward, stage.backward_input, stage.backward_weight)
-        )
+        seconds = stage.forward.seconds + stage.backward.seconds  # the whole backward
         table.add_row(
             str(s),
             f"{units} ({len(paths)})",
@@ -150,9 +148,17 @@ def plot_prediction(
         f"{prediction.step_time * 1e3:.3f} ms, bubble {prediction.bubble:.3f}"
     )
     left = [0.0] * rows
+    moments = [
+        max(a, u)
+        for a, u in zip(
+            prediction.activation_bytes,
+            prediction.update_bytes or (0,) * rows,
+            strict=True,
+        )
+    ]
     parts = (
         ("state", prediction.state_bytes, "#4c72b0"),
-        ("activations", prediction.activation_bytes, "#dd8452"),
+        ("activations + gradients, or update", moments, "#dd8452"),
         ("temporary", prediction.temp_bytes, "#9a9a9a"),
     )
     for label, values, colour in parts:

@@ -154,33 +154,35 @@ class Tables:
             tensor, _ = collective_per_byte(p, mesh, self.link)
             n = len(p.units.units)
             t, a, x = (np.zeros((len(self.policies), n)) for _ in range(3))
-            s = np.zeros(n)
+            s, up = np.zeros(n), np.zeros(n)
             for u in range(n):
                 for k, policy in enumerate(self.policies):
                     c = p.cost(u, policy)
-                    phases = (c.forward, c.backward_input, c.backward_weight)
+                    phases = (c.forward, c.backward)
                     t[k, u] = sum(ph.seconds for ph in phases) * time
                     if tensor and c.params:
                         t[k, u] += 2 * tensor * c.output_bytes * memory
                     a[k, u] = c.activation_bytes * memory
                     x[k, u] = c.temp_bytes * memory
                 c = p.cost(u, self.policies[0])
-                s[u] = 2 * state_bytes(c.params, mesh, p.rules) + state_bytes(
-                    [o for o in c.opt_state if not o.shared], mesh, p.rules
-                )
+                params = state_bytes(c.params, mesh, p.rules)
+                opt = state_bytes([o for o in c.opt_state if not o.shared], mesh, p.rules)
+                s[u] = 3 * params + opt  # resident state, the gradient sum and one more
+                up[u] = 2 * (params + opt) + 2 * params  # old and new state, two gradients
             shared = [o for o in p.cost(self.first, self.policies[0]).opt_state if o.shared]
-            self._cache[key] = (t, a, x, s, state_bytes(shared, mesh, p.rules))
+            self._cache[key] = (t, a, x, s, state_bytes(shared, mesh, p.rules), up)
         return self._cache[key]
 
     def _end(self, units: list[int], arrays: tuple, extra: float) -> tuple | None:
         if not units and not extra:
             return None
-        t, a, x, s, _ = arrays
+        t, a, x, s, _, up = arrays
         return (
             t[:, units].sum(axis=1),
             a[:, units].sum(axis=1),
             x[:, units].max(axis=1, initial=0.0),
             float(s[units].sum()) + extra,
+            float(up[units].sum()) + 2 * extra,
         )
 
     def stage_tables(self, config: Config, batch_size: int) -> StageTables | None:
@@ -193,12 +195,15 @@ class Tables:
         arrays = self._unit(dict(config.mesh), rows)
         key = ("intervals", config.mesh, rows)
         if key not in self._cache:
-            t, a, x, s, shared = arrays
+            t, a, x, s, shared, up = arrays
             layers = self.layers
-            state = s[layers].copy()
+            state, update = s[layers].copy(), up[layers].copy()
             if not self.stems:  # the optimizer's counters go with the first block then
                 state[0] += shared
-            self._cache[key] = interval_arrays(t[:, layers], a[:, layers], state, x[:, layers])
+                update[0] += 2 * shared
+            self._cache[key] = interval_arrays(
+                t[:, layers], a[:, layers], state, x[:, layers], update
+            )
         return compose(
             self._cache[key],
             num_stages=config.stages,

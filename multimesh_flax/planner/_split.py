@@ -8,9 +8,11 @@ OSDI'22, Eq. 2)::
     sum over stages of t_s  +  (m - 1) * max over stages of t_s
 
 where ``t_s`` is stage ``s``'s forward + backward time per microbatch (`StageTables`), subject
-to every stage's peak bytes per device -- training state + the schedule's in-flight
-activation sets at that stage x its activation bytes + its largest temporary, the same sum
-`predict` makes -- fitting ``memory``.
+to every stage's peak bytes per device fitting ``memory``: the larger of (parameters,
+optimizer state, two gradients' worth + the schedule's in-flight activation sets at that
+stage x its activation bytes) and the optimizer update's moment (old and new state, two
+gradients' worth), plus its largest temporary -- a close bound of `predict`'s peak, which
+then checks the plans found.
 
 How: for a bound ``t_max`` on the slowest stage, a stage ``[i, j)`` of blocks costs the
 fastest time among the policies that fit memory and stay under ``t_max`` (infinite if none),
@@ -193,17 +195,24 @@ class Intervals:
     activation: np.ndarray
     temp: np.ndarray
     state: np.ndarray
+    update: np.ndarray | None = None
 
 
 def interval_arrays(
-    time: np.ndarray, activation: np.ndarray, state: np.ndarray, temp: np.ndarray
+    time: np.ndarray,
+    activation: np.ndarray,
+    state: np.ndarray,
+    temp: np.ndarray,
+    update: np.ndarray | None = None,
 ) -> Intervals:
-    """`Intervals` of per-block arrays (``[policy, block]``; ``state``: ``[block]``)."""
+    """`Intervals` of per-block arrays (``[policy, block]``; ``state``, ``update``:
+    ``[block]``)."""
     return Intervals(
         np.stack([_interval_sums(t) for t in time]),
         np.stack([_interval_sums(a) for a in activation]),
         np.stack([_interval_max(x) for x in temp]),
         _interval_sums(state),
+        None if update is None else _interval_sums(update),
     )
 
 
@@ -217,7 +226,11 @@ def compose(
     policies: Sequence[str | None],
 ) -> StageTables:
     """`StageTables` for ``num_stages`` stages: the stem's costs added on the first stage,
-    the head's on the last, the activations times each stage's ``in_flight`` sets."""
+    the head's on the last, the activations times each stage's ``in_flight`` sets.
+
+    A stage's peak is ``max(state + in_flight x activations, update) + temp``: ``update``
+    (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update
+    holds, state included."""
     size = intervals.state.shape[-1]
     upper = np.triu(np.ones((size, size), dtype=bool))
     nonempty = np.triu(np.ones((size, size), dtype=bool), k=1)
@@ -235,10 +248,12 @@ def compose(
             for e in ends:
                 xx = np.maximum(xx, np.asarray(e[2])[:, None, None])
             ss = intervals.state + sum(e[3] for e in ends)
-            variants[key] = (np.where(allowed, tt, INF), aa, xx + ss, allowed)
-        tt, aa, base, allowed = variants[key]
+            uu = -INF if intervals.update is None else intervals.update
+            uu = uu + sum(e[4] for e in ends if len(e) > 4)
+            variants[key] = (np.where(allowed, tt, INF), aa, xx, ss, uu, allowed)
+        tt, aa, xx, ss, uu, allowed = variants[key]
         times[s] = tt
-        peaks[s] = np.where(allowed, base + in_flight[s] * aa, INF)
+        peaks[s] = np.where(allowed, xx + np.maximum(ss + in_flight[s] * aa, uu), INF)
     return StageTables(times, peaks, tuple(policies))
 
 

@@ -35,7 +35,9 @@ class CostSpec:
         params: Float32 parameters (sharded over ``model``).
         activation_bytes: Bytes kept for the backward without recomputation.
         output_bytes: Bytes of the unit's output.
-        backward: Backward seconds (``None``: twice the forward), half B and half W.
+        backward: Backward seconds (``None``: twice the forward), half B and half W; the
+            unsplit backward costs the same (the halves share nothing here). Activations
+            kept from B to W: half of ``activation_bytes``.
         update: Optimizer-update seconds.
     """
 
@@ -65,6 +67,8 @@ def _cost(index: int, spec: CostSpec, policy: str | None, input_bytes: int) -> U
         output_bytes=spec.output_bytes,
         params=leaf,
         opt_state=moments + count,
+        backward=PhaseCost(backward + recompute),
+        weight_kept_bytes=(input_bytes if policy == "full" else spec.activation_bytes) // 2,
     )
 
 

@@ -52,12 +52,19 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
     stage_units = [[0, 1], [1, 1, 1, 2]]
     policies = [None, "full"]
 
+    split = schedule != "1f1b"
+
     def cost(stage, phase):
         units = [gpt_profile.cost(u, policies[stage]) for u in stage_units[stage]]
         if phase == "transfer":
             return link.seconds(units[-1].output_bytes)
-        attr = {"F": "forward", "B": "backward_input", "W": "backward_weight"}[phase]
-        return sum(getattr(u, attr).seconds for u in units)
+        # an unsplit backward is one program; the gradient op pays 3 of 4 accumulations
+        attr = {"F": "forward", "B": "backward_input" if split else "backward"}
+        attr["W"] = "backward_weight" if split else None
+        seconds = sum(getattr(u, attr[phase]).seconds for u in units) if attr[phase] else 0.0
+        if phase == ("W" if split else "B"):
+            seconds += 3 / 4 * sum(u.accumulate.seconds for u in units)
+        return seconds
 
     reference = mm.simulate(mm.make_schedule(schedule, 2, 4), costs=cost)
     assert prediction.bubble == pytest.approx(reference.bubble_fraction)
@@ -73,20 +80,25 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
     assert prediction.sources["step_time"] is Source.DERIVED
 
 
-def test_peak_bytes_add_state_activations_in_flight_and_temporaries(gpt_profile):
+def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):
     prediction = mm.predict(Plan((2, 2), microbatches=4), gpt_profile)
     c = gpt_profile.cost
-    act = [
-        c(0).activation_bytes + 2 * c(1).activation_bytes,
-        2 * c(1).activation_bytes + c(2).activation_bytes,
-    ]
+    act = c(0).activation_bytes + 2 * c(1).activation_bytes
     temp = [max(c(0).temp_bytes, c(1).temp_bytes), max(c(1).temp_bytes, c(2).temp_bytes)]
+    grads = [s.param_bytes for s in prediction.stages]
+    # 1F1B, row 0: F F B F B F B B. Two sets and two gradients' worth at the second B (the
+    # sum of the first and its own), one set and three in the accumulation after it.
+    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating.
+    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0]), 3 * grads[1]]
     assert prediction.peak_in_flight == (2, 1)
     for row in (0, 1):
         stage = prediction.stages[row]
-        assert stage.state_bytes == 2 * stage.param_bytes + stage.opt_state_bytes
-        assert prediction.activation_bytes[row] == act[row] * (2 - row)
-        assert prediction.peak_bytes[row] == stage.state_bytes + act[row] * (2 - row) + temp[row]
+        state = stage.param_bytes + stage.opt_state_bytes
+        update = state + 2 * grads[row]  # the new state beside the old, two gradients
+        assert prediction.state_bytes[row] == state
+        assert prediction.activation_bytes[row] == pipeline[row]
+        assert prediction.update_bytes[row] == update
+        assert prediction.peak_bytes[row] == state + max(pipeline[row], update) + temp[row]
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,17 @@ def test_dense_flops_equal_xla_on_one_device(mlp_profile):
     # the weight gradient x^T g and the input gradient g W^T are one matmul each
     matmul = 2 * 8 * 16 * 16
     assert cost.backward_weight.flops >= matmul and cost.backward_input.flops >= matmul
+    # the whole backward is both; W keeps the input (8 x 16) and the output cotangent
+    assert cost.backward.flops >= 2 * matmul
+    assert cost.weight_kept_bytes == 2 * 8 * 16 * 4
+
+
+def test_split_backward_halves_share_the_cotangents(gpt_profile):
+    block = gpt_profile.cost(1)
+    # B + W is the whole backward cut in two, not two backwards: no cotangent computed twice
+    halves = block.backward_input.flops + block.backward_weight.flops
+    assert halves <= 1.05 * block.backward.flops
+    assert 0 < block.weight_kept_bytes < block.activation_bytes + block.output_bytes
 
 
 def test_block_forward_flops_equal_xla_of_the_block_alone():

@@ -40,20 +40,23 @@ def _splits(layers, stages):
             yield split
 
 
-def _brute_force(profile, stages, schedule, m, memory):
+def _brute_force(profile, tables, stages, schedule, m, memory):
     """The least ``sum t + (m - 1) max t`` over every split and policy per stage, each
-    priced by `predict` (stage times F + B + W, peak bytes per device)."""
+    priced by `predict` (stage times F + the whole backward), within ``memory`` by the
+    tables' peak bytes (the dynamic program's bound of `predict`'s)."""
     best = None
     for split in _splits(6, stages):
+        bounds = np.cumsum((0, *split))
         for policies in itertools.product((None, "full"), repeat=stages):
+            peaks = [
+                tables.peak[s, (None, "full").index(p), bounds[s], bounds[s + 1]]
+                for s, p in enumerate(policies)
+            ]
+            if max(peaks) > memory:
+                continue
             plan = Plan(split, microbatches=m, schedule=schedule, recompute=policies)
             prediction = mm.predict(plan, profile, transfer=FREE)
-            if prediction.max_peak_bytes > memory:
-                continue
-            times = [
-                s.forward.seconds + s.backward_input.seconds + s.backward_weight.seconds
-                for s in prediction.stages
-            ]
+            times = [s.forward.seconds + s.backward.seconds for s in prediction.stages]
             value = sum(times) + (m - 1) * max(times)
             if best is None or value < best[0] - 1e-9:
                 best = (value, split)
@@ -64,22 +67,20 @@ def _brute_force(profile, stages, schedule, m, memory):
     "stages, schedule, m, memory",
     [
         (3, "1f1b", 4, np.inf),
-        (3, "1f1b", 4, 210_000),
-        (2, "gpipe", 3, 276_000),
-        (4, "zero-bubble-h2", 4, 170_000),
+        (3, "1f1b", 4, 430_000),
+        (2, "gpipe", 3, 550_000),
+        (4, "zero-bubble-h2", 4, 384_000),
     ],
 )
 def test_dynamic_program_equals_brute_force(stages, schedule, m, memory):
     profile = _uneven_profile()
     tables = _search.Tables(profile, (None, "full"), FREE)
     config = _search.Config(stages, (("data", 1), ("model", 1)), schedule, m)
-    found = best_split(tables.stage_tables(config, m), m, memory)
-    expected = _brute_force(profile, stages, schedule, m, memory)
+    stage_tables = tables.stage_tables(config, m)
+    found = best_split(stage_tables, m, memory)
+    expected = _brute_force(profile, stage_tables, stages, schedule, m, memory)
     assert expected is not None
     assert found.objective == pytest.approx(expected[0], rel=1e-12)
-    # the split it returns costs what it says under predict
-    plan = Plan(found.layers_per_stage, microbatches=m, schedule=schedule, recompute=found.policies)
-    assert mm.predict(plan, profile, transfer=FREE).max_peak_bytes <= memory
 
 
 def test_memory_tables_equal_predicts_peaks(gpt_profile):
@@ -96,13 +97,12 @@ def test_memory_tables_equal_predicts_peaks(gpt_profile):
             bounds = np.cumsum((0, *split))
             for s in range(3):
                 peak = stage_tables.peak[s, k, bounds[s], bounds[s + 1]]
-                assert peak == pytest.approx(prediction.peak_bytes[s], abs=8)
+                # a bound of predict's: the tables keep every in-flight set to its backward,
+                # predict none past the last stage's fused forward and backward
+                slack = prediction.stages[s].activation_bytes if s == 2 else 0
+                assert prediction.peak_bytes[s] <= peak <= prediction.peak_bytes[s] + slack
                 stage = prediction.stages[s]
-                seconds = (
-                    stage.forward.seconds
-                    + stage.backward_input.seconds
-                    + stage.backward_weight.seconds
-                )
+                seconds = stage.forward.seconds + stage.backward.seconds
                 assert stage_tables.time[s, k, bounds[s], bounds[s + 1]] == pytest.approx(seconds)
 
 
