@@ -15,7 +15,7 @@ from typing import Any
 
 from jax.extend import core as jex_core
 
-from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
+from multimesh_flax.core.trace import make_jaxpr_object
 
 
 @dataclasses.dataclass(frozen=True)
