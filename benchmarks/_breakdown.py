@@ -81,31 +81,30 @@ class JaxClock:
             self.exe.state.fns[i] = fn
 
 
-class StubbedJax:
-    """JAX's calls of a step stubbed out: inside ``with stubs:``, every fragment call and
-    transfer of the executable returns what it returned in one recorded step (``record``),
-    and ``jax.device_put`` (placing inputs) returns the recorded results in order.
+class _Stubs:
+    """A step's JAX work replaced by what it returned in one recorded step (``record``):
+    inside ``with stubs:``, the ops in ``stubbed_ops`` (indices into ``exe.state.fns``)
+    return their recorded outputs, and the function ``owner.<name>`` returns its recorded
+    results in order (only its calls outside the stubbed ops when ``outside_ops_only``)."""
 
-    What is left of a step is the host's own work -- the runtime's argument checks, slots and
-    op loop, or a hand replay's -- with no XLA work on the host's cores and no buffers
-    freed, so it can be repeated hundreds of times back to back and timed in CPU time to a
-    few percent, where the same difference inside real steps (milliseconds of XLA work
-    between the host's microseconds) swung by 2x between runs. The state is not donated
-    while stubbed: the same state can be passed every call.
-    """
+    owner: Any
+    name: str
+    outside_ops_only: bool
 
-    def __init__(self, exe: Any) -> None:
+    def __init__(self, exe: Any, stubbed_ops: list[int]) -> None:
         self.exe = exe
+        self.stubbed_ops = stubbed_ops
         self.runs: dict[int, Any] = {}  # op index -> its recorded outputs
-        self.puts: list[Any] = []  # device_put results, in dispatch order
+        self.results: list[Any] = []  # owner.<name>'s results, in call order
         self._next = 0
+        self._saved: dict[int, Any] = {}
+        self._real: Any = None
 
     def record(self, call: Callable[[], Any]) -> Any:
-        """Runs ``call`` (one real step of the executable) and keeps what its ops returned."""
+        """Runs ``call`` (one real step of the executable) and keeps what it computed."""
         fns = self.exe.state.fns
-        real = dict(enumerate(fns))
-
-        inside = [0]  # ops running: a device_put inside one is the op's own
+        real = {i: fns[i] for i in self.stubbed_ops}
+        inside = [0]  # stubbed ops running
 
         def keeping(i: int, fn: Any) -> Any:
             def kept(*args: Any) -> Any:
@@ -118,43 +117,62 @@ class StubbedJax:
 
             return kept
 
-        put = jax.device_put
+        function = getattr(self.owner, self.name)
 
-        def kept_put(*args: Any, **kwargs: Any) -> Any:
-            moved = put(*args, **kwargs)
-            if not inside[0]:
-                self.puts.append(moved)
-            return moved
+        def kept_call(*args: Any, **kwargs: Any) -> Any:
+            result = function(*args, **kwargs)
+            if not (self.outside_ops_only and inside[0]):
+                self.results.append(result)
+            return result
 
         for i, fn in real.items():
             fns[i] = keeping(i, fn)
-        jax.device_put = kept_put
+        setattr(self.owner, self.name, kept_call)
         try:
             return call()
         finally:
-            jax.device_put = put
+            setattr(self.owner, self.name, function)
             for i, fn in real.items():
                 fns[i] = fn
 
-    def _put(self, *_: Any, **__: Any) -> Any:
-        out = self.puts[self._next % len(self.puts)]
+    def _replay(self, *_: Any, **__: Any) -> Any:
+        out = self.results[self._next % len(self.results)]
         self._next += 1
         return out
 
-    def __enter__(self) -> StubbedJax:
+    def __enter__(self) -> _Stubs:
         fns = self.exe.state.fns
         self._saved = {i: fns[i] for i in self.runs}
         for i, outs in self.runs.items():
             fns[i] = lambda *_, outs=outs: outs
-        self._device_put, self._next = jax.device_put, 0
-        if self.puts:
-            jax.device_put = self._put
+        self._real, self._next = getattr(self.owner, self.name), 0
+        if self.results:
+            setattr(self.owner, self.name, self._replay)
         return self
 
     def __exit__(self, *_: Any) -> None:
-        jax.device_put = self._device_put
+        setattr(self.owner, self.name, self._real)
         for i, fn in self._saved.items():
             self.exe.state.fns[i] = fn
+
+
+class StubbedJax(_Stubs):
+    """JAX's calls of a step stubbed out: inside ``with stubs:``, every fragment call and
+    transfer of the executable returns what it returned in one recorded step (``record``),
+    and ``jax.device_put`` (placing inputs) returns the recorded results in order.
+
+    What is left of a step is the host's own work -- the runtime's argument checks, slots and
+    op loop, or a hand replay's -- with no XLA work on the host's cores and no buffers
+    freed, so it can be repeated hundreds of times back to back and timed in CPU time to a
+    few percent, where the same difference inside real steps (milliseconds of XLA work
+    between the host's microseconds) swung by 2x between runs. The state is not donated
+    while stubbed: the same state can be passed every call.
+    """
+
+    owner, name, outside_ops_only = jax, "device_put", True
+
+    def __init__(self, exe: Any) -> None:
+        super().__init__(exe, list(range(len(exe.state.fns))))
 
 
 def stubbed_host_seconds(
@@ -194,7 +212,7 @@ def stubbed_host_seconds(
     return {name: min(m) for name, m in means.items()}
 
 
-class StubbedCpp:
+class StubbedCpp(_Stubs):
     """Only JAX's C++ work of a step stubbed: inside ``with stubs:``, every fragment's
     executable returns what it returned in one recorded step (``record``), and the C++ copy
     a transfer ends in (``xla_client.batched_copy_array_to_devices_with_sharding``, reached
@@ -203,59 +221,10 @@ class StubbedCpp:
     the copies -- the host cost per op that decides whether a host keeps ahead of its
     devices. As with :class:`StubbedJax`, the state is not donated while stubbed."""
 
+    owner, name, outside_ops_only = _xc, "batched_copy_array_to_devices_with_sharding", False
+
     def __init__(self, exe: Any) -> None:
-        self.exe = exe
-        self.runs: dict[int, Any] = {}  # RUN op index -> its recorded outputs
-        self.copies: list[Any] = []  # the C++ copies' results, in dispatch order
-        self._next = 0
-
-    def record(self, call: Callable[[], Any]) -> Any:
-        """Runs ``call`` (one real step of the executable) and keeps what it computed."""
-        fns = self.exe.state.fns
-        real = {i: fns[i] for i, op in enumerate(self.exe.ops) if op.kind == 0}
-
-        def keeping(i: int, fn: Any) -> Any:
-            def kept(*args: Any) -> Any:
-                self.runs[i] = fn(*args)
-                return self.runs[i]
-
-            return kept
-
-        copy = _xc.batched_copy_array_to_devices_with_sharding
-
-        def kept_copy(*args: Any) -> Any:
-            self.copies.append(copy(*args))
-            return self.copies[-1]
-
-        for i, fn in real.items():
-            fns[i] = keeping(i, fn)
-        _xc.batched_copy_array_to_devices_with_sharding = kept_copy
-        try:
-            return call()
-        finally:
-            _xc.batched_copy_array_to_devices_with_sharding = copy
-            for i, fn in real.items():
-                fns[i] = fn
-
-    def _copy(self, *_: Any) -> Any:
-        out = self.copies[self._next % len(self.copies)]
-        self._next += 1
-        return out
-
-    def __enter__(self) -> StubbedCpp:
-        fns = self.exe.state.fns
-        self._saved = {i: fns[i] for i in self.runs}
-        for i, outs in self.runs.items():
-            fns[i] = lambda *_, outs=outs: outs
-        self._real_copy, self._next = _xc.batched_copy_array_to_devices_with_sharding, 0
-        if self.copies:
-            _xc.batched_copy_array_to_devices_with_sharding = self._copy
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        _xc.batched_copy_array_to_devices_with_sharding = self._real_copy
-        for i, fn in self._saved.items():
-            self.exe.state.fns[i] = fn
+        super().__init__(exe, [i for i, op in enumerate(exe.ops) if op.kind == 0])
 
 
 def python_host_seconds(runner: _common.MpmdRunner, calls: int, blocks: int = 5) -> float:
