@@ -61,6 +61,38 @@ def test_a_one_device_output_is_typed_and_committed_as_device_put_makes_it():
     _assert_same_arrays(move(values), jax.device_put(values, targets))
 
 
+def test_specs_that_shard_alike_move_directly():
+    # P("x") and P("x", None) lay out a 2-D array alike: shard k is still shard k.
+    values, b = _values(), _mesh(2)
+    targets = [NamedSharding(b, P("x", None)), NamedSharding(b, P()), NamedSharding(b, P("x"))]
+    move = Move(values, targets, jax.device_put(values, targets))
+    assert move.direct
+    _assert_same_arrays(move(values), jax.device_put(values, targets))
+
+
+def test_equal_shardings_in_new_objects_keep_the_direct_copy(monkeypatch):
+    # A step's inputs come from the caller at the first call and from the previous step's
+    # outputs later: equal shardings and types, other sharding objects. Those calls still
+    # copy directly; values typed otherwise (a weak scalar made strong) go to device_put.
+    x, y, z = _values()
+    b = _mesh(2)
+    targets = [NamedSharding(b, P("x")), NamedSharding(b, P()), NamedSharding(b, P("x"))]
+    move = Move([x, y, z], targets, jax.device_put([x, y, z], targets))
+    fresh = [
+        jax.device_put(np.asarray(v), NamedSharding(_mesh(0), v.sharding.spec)) for v in (x, y, z)
+    ]
+    assert all(a.sharding is not v.sharding for a, v in zip(fresh, (x, y, z), strict=True))
+    again = [fresh[0], y, fresh[2]]
+    fallbacks = []
+    real_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: fallbacks.append(a) or real_put(*a, **k))
+    moved, retyped = move(again), move(fresh)
+    monkeypatch.undo()
+    assert len(fallbacks) == 1  # only the call with the strongly typed scalar
+    _assert_same_arrays(moved, jax.device_put(again, targets))
+    _assert_same_arrays(retyped, jax.device_put(fresh, targets))
+
+
 def test_a_move_to_another_layout_goes_through_device_put():
     values, b = _values(), _mesh(2)
     targets = [NamedSharding(b, P()), NamedSharding(b, P()), NamedSharding(b, P())]

@@ -154,10 +154,20 @@ class PutOp:
 # first call's, and whenever JAX's private modules are missing.
 
 
+def _layout(spec: PartitionSpec) -> tuple[Any, ...]:
+    """``spec`` as a comparable layout: each entry a tuple of mesh axes (``None``: ``()``),
+    trailing unsharded dimensions dropped (``P("data")`` lays out a 3-D array as
+    ``P("data", None, None)`` does), with its unreduced and reduced axes."""
+    entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+    while entries and not entries[-1]:
+        entries.pop()
+    return (tuple(entries), spec.unreduced, spec.reduced)
+
+
 def _one_to_one(source: Any, target: Any) -> bool:
     """Whether an array's shards under ``source`` copy one to one, in order, onto other
     devices under ``target``: both on one device, or ``NamedSharding``s laying the shards out
-    alike (equally shaped meshes with the same axes, the same partition spec)."""
+    alike (equally shaped meshes with the same axes, partition specs that shard alike)."""
     if source.memory_kind != target.memory_kind:
         return False
     if source.num_devices == 1 and target.num_devices == 1:
@@ -169,7 +179,7 @@ def _one_to_one(source: Any, target: Any) -> bool:
         a.axis_names == b.axis_names
         and a.devices.shape == b.devices.shape
         and a.axis_types == b.axis_types
-        and source.spec == target.spec
+        and _layout(source.spec) == _layout(target.spec)
         and not set(a.devices.flat) & set(b.devices.flat)
     )
 
@@ -196,13 +206,14 @@ class Move:
         (True, [2, 3])
     """
 
-    __slots__ = ("devices", "direct", "handlers", "semantics", "shardings", "sources")
+    __slots__ = ("avals", "devices", "direct", "handlers", "semantics", "shardings", "sources")
 
     def __init__(
         self, values: Sequence[Any], shardings: Sequence[Any], moved: Sequence[Any]
     ) -> None:
         self.shardings = list(shardings)
         self.sources = [getattr(x, "sharding", None) for x in values]
+        self.avals = [getattr(x, "aval", None) for x in values]
         self.direct = (
             _xc is not None
             and _pxla is not None
@@ -240,6 +251,8 @@ class Move:
                 same = all(map(operator.is_, map(_SHARDING, values), self.sources))
             except AttributeError:  # not an array
                 same = False
+            if not same and self._adopt(values):
+                same = True
             if same:
                 copies = _xc.batched_copy_array_to_devices_with_sharding(  # pyright: ignore[reportOptionalMemberAccess]
                     values, self.devices, self.shardings, self.semantics
@@ -250,6 +263,20 @@ class Move:
                     y if h is None else h(y) for h, y in zip(self.handlers, copies, strict=True)
                 ]
         return jax.device_put(list(values), self.shardings)
+
+    def _adopt(self, values: Sequence[Any]) -> bool:
+        """Whether ``values`` arrive typed and sharded as at the first call, in other
+        sharding objects (a step's inputs come from the caller at the first call, from the
+        previous step's outputs after it): then later calls compare against these objects."""
+        try:
+            have = list(map(_SHARDING, values))
+            avals = [x.aval for x in values]
+        except AttributeError:  # not an array
+            return False
+        if avals != self.avals or have != self.sources:
+            return False
+        self.sources = have
+        return True
 
 
 Op = RunOp | PutOp
