@@ -1,4 +1,4 @@
-"""The collectives a compiled program runs, read from its HLO text (B0, B7).
+r"""The collectives a compiled program runs, read from its HLO text (B0, B7).
 
 :func:`hlo_collectives` counts, in one execution of a compiled XLA program, the collective
 instructions (all-reduce, all-gather, reduce-scatter, collective-permute, all-to-all, and
@@ -13,16 +13,17 @@ XLA's CPU runtime pays per operand of a tuple all-reduce (B0 measures it), so th
 count, not only the number of instructions, says what the collectives cost on this host.
 
 Example:
-    >>> text = '''
-    ... %body (p: (s32[], f32[4])) -> (s32[], f32[4]) {
-    ...   %a = f32[4]{0} all-reduce(%x), channel_id=1, to_apply=%add
-    ... }
-    ... ENTRY %main (x: f32[4]) -> f32[4] {
-    ...   %t = (f32[4]{0}, f32[2]{0}) all-reduce(%x, %y), channel_id=2, to_apply=%add
-    ...   %w = (s32[], f32[4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-    ... }
-    ... '''
-    >>> hlo_collectives(text)["all-reduce"]
+    >>> loop = 'backend_config={"known_trip_count":{"n":"3"}}'
+    >>> text = "\n".join([
+    ...     "%body (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+    ...     "  %a = f32[4]{0} all-reduce(%x), channel_id=1, to_apply=%add",
+    ...     "}",
+    ...     "ENTRY %main (x: f32[4]) -> f32[4] {",
+    ...     "  %t = (f32[4]{0}, f32[2]{0}) all-reduce(%x, %y), channel_id=2, to_apply=%add",
+    ...     "  %w = (s32[], f32[4]) while(%i), condition=%c, body=%body, " + loop,
+    ...     "}",
+    ... ])
+    >>> hlo_collectives(text)["all-reduce"]  # 3 x 1 operand of 16 bytes, 1 x 2 of 24 bytes
     {'ops': 4, 'operands': 5, 'bytes': 72}
 """
 
@@ -39,12 +40,26 @@ _INSTRUCTION = re.compile(
 )
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%(?P<name>[\w.\-]+)\s*\(")
 _BODY = re.compile(r"\bbody=%(?P<name>[\w.\-]+)")
-_CALLEE = re.compile(r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)")
+_CALLEE = re.compile(
+    r"\b(?:calls|to_apply|condition|true_computation|false_computation)=%(?P<name>[\w.\-]+)"
+)
 _BRANCHES = re.compile(r"branch_computations=\{(?P<names>[^}]*)\}")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(?P<n>\d+)"')
 _SHAPE = re.compile(r"\b(?P<dtype>pred|[a-z]+\d+)\[(?P<dims>[\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f64": 8,
-          "s64": 8, "u64": 8, "c64": 8, "c128": 16}  # else 4
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "bf16": 2,
+    "f16": 2,
+    "s16": 2,
+    "u16": 2,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "c64": 8,
+    "c128": 16,
+}  # else 4
 
 
 def _bytes(type_text: str) -> int:

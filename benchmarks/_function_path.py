@@ -138,8 +138,9 @@ def stage_tasks(stages: int, devices: int = _common.DEVICES) -> list[Any]:
         mm.task(
             _stage_body,
             name=f"stage{s}",
-            mesh=mm.TaskMesh(devices=list(range(s * d, (s + 1) * d)), axis_sizes=(d,),
-                             axis_names=("data",)),
+            mesh=mm.TaskMesh(
+                devices=list(range(s * d, (s + 1) * d)), axis_sizes=(d,), axis_names=("data",)
+            ),
             logical_axes=RULES,
         )
         for s in range(stages)
@@ -191,9 +192,7 @@ def ours_name(stages: int, m: int, schedule: str) -> str:
     return f"{FN.name} S={stages} m={m} {schedule} mm.jit"
 
 
-def build_ours(
-    stages: int, m: int, schedule: str, workload: FnWorkload = FN
-) -> _common.MpmdRunner:
+def build_ours(stages: int, m: int, schedule: str, workload: FnWorkload = FN) -> _common.MpmdRunner:
     """Our step, its parameters and batch on the host (the first call places them)."""
     step = make_ours_step(workload, stages, m, schedule)
     name = ours_name(stages, m, schedule)

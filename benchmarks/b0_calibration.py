@@ -23,7 +23,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -57,9 +56,7 @@ def _allreduce_programs(operands: int, mesh: Mesh) -> dict[str, Any]:
     def pieces(x: jax.Array) -> list[jax.Array]:
         return [x[:, i * width : (i + 1) * width] for i in range(operands)]
 
-    programs = {
-        "tuple": jax.jit(lambda x: [p.sum(0) for p in pieces(x)], out_shardings=replicated)
-    }
+    programs = {"tuple": jax.jit(lambda x: [p.sum(0) for p in pieces(x)], out_shardings=replicated)}
     if operands > 1:  # one piece: the same program
         programs["concatenated"] = jax.jit(
             lambda x: jnp.concatenate(pieces(x), axis=1).sum(0), out_shardings=replicated
