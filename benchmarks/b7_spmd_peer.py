@@ -3,9 +3,12 @@
 The peer (`benchmarks._spmd_pipeline`) is one ``jax.jit`` step of the same gpt-tiny (4
 blocks, batch 32 x 64, AdamW) on the same 8 devices: blocks stacked on a ``stage`` mesh axis,
 ``shard_map`` + ``lax.ppermute`` rotating activations in GPipe order, stem and head
-data-parallel on all 8 devices. For S in {2, 4} and m in {4, 8} (``--quick``: S=2, m=4,
-1F1B only -- B1's compiled program -- and no cold measurement, which costs a fresh process
-per program; the quick suite stays within a minute of extra time):
+data-parallel on all 8 devices. For S in {2, 4} and m in {4, 8, 16} (``TINY_GRID``; at m=16
+a microbatch of 2 sequences splits over 2 devices only: ours runs data 2 x tensor 2 at 2
+stages, ``_common.stage_layout``, and the peer repeats its pipeline on a ``replica`` axis;
+``--quick``: S=2, m=4, 1F1B only -- B1's compiled program -- and no cold measurement,
+which costs a fresh process per program; the quick suite stays within a minute of extra
+time):
 
 * **Step time**: ours (``_common.build_mpmd``, GPipe and 1F1B) and the peer timed round by
   round (``_common.interleaved``); ratios of medians, ours / peer.
@@ -21,11 +24,28 @@ per program; the quick suite stays within a minute of extra time):
   C++ copies return recorded results, all Python -- ours and JAX's around the copies --
   runs): the stable figure for whether a host keeps ahead of its devices (issue 40's
   target: 30 us per op).
+* **Collectives per step** (``benchmarks._collectives``): all-reduces, all-gathers,
+  reduce-scatters, collective-permutes and all-to-alls with their operands and bytes, read
+  from each fragment's compiled HLO and counted as often as the step runs the fragment,
+  against the peer's one compiled program (instructions in a loop body once per
+  iteration). A data-parallel stage's backward all-reduces its weight gradients once per
+  microbatch as one tuple all-reduce, which XLA's CPU runtime runs operand by operand (B0
+  prices an operand).
 * **Peak bytes per device**, state included. Ours: the program walked op by op as the
   runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
   fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account
   of its one program, arguments + outputs - donated aliases + temp. Max over devices,
   ours / peer.
+
+**The function path** (``benchmarks._function_path``): the same measurements (step,
+breakdown, collectives, peak bytes; cold starts in full runs) for a residual-MLP stack (8
+layers of width 256, 1,024 tokens, SGD) written as a new user would -- one ``mm.task`` per
+stage, ``jax.value_and_grad(mm.microbatch(loss, ..., schedule=...))`` under ``mm.jit`` --
+against its hand-written SPMD peer (weights stacked on ``stage``, ``shard_map`` +
+``ppermute``, the loop unrolled), GPipe and 1F1B, at the same S and m (``--quick``: S=2
+m=4 1F1B, about 20 s; none in a smoke run, where ``tests/test_b7_function_path.py``
+checks it at tiny sizes instead). Its configurations are ``"function_configs"`` in the
+JSON.
 
 **Scale** (full runs only): S=8 stages of one device each, 16 blocks (2 a stage), batch
 64 x 64, m=32 and m=64 (``SCALE``): steps of a thousand ops and more, so what many ops per

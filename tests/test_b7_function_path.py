@@ -68,3 +68,18 @@ def test_stack_and_unstack_are_inverse():
 def test_sizes_that_do_not_split_raise():
     with pytest.raises(ValueError, match="divide"):
         fp.make_ours_value_and_grad(TINY, 3, MICROBATCHES, "gpipe")
+
+
+def test_b7_measures_the_function_path_and_counts_its_collectives():
+    from benchmarks import b7_spmd_peer as b7
+
+    result = b7.measure_function(STAGES, MICROBATCHES, 1, ("1f1b",), TINY)
+    assert result["1f1b_ratio"] > 0 and result["compiles_timed_steps"] == 0
+    ours, peer = result["collectives"]["1f1b"], result["collectives"]["peer"]
+    # Each stage is data parallel over 4 devices: every backward all-reduces its weight
+    # gradients (2 per layer); the peer shifts activations with collective-permutes.
+    assert ours["all-reduce"]["operands"] >= MICROBATCHES * TINY.layers * 2
+    assert ours["fragments_with"] >= STAGES * MICROBATCHES
+    assert peer["collective-permute"]["ops"] > 0
+    metrics = [r["metric"] for r in b7._rows(result)]
+    assert any("collectives per step" in m for m in metrics)
