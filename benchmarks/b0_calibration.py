@@ -10,8 +10,9 @@ this machine.
 **Collectives per operand.** The same bytes all-reduced over 4 devices as one tuple
 all-reduce of ``N`` operands (``N`` sums in one program, which XLA combines into one
 instruction) and as one all-reduce of their concatenation, for ``N`` in 1, 8, 40 (40: about
-what a data-parallel stage's backward fragment sums per microbatch); medians of
-interleaved rounds, in ms, and the cost per operand beyond the first: XLA's CPU runtime
+what a data-parallel stage's backward fragment sums per microbatch) and two payloads per
+device (1.7 MB and 160 KB); medians of interleaved rounds, in ms, and the cost per operand
+beyond the first: XLA's CPU runtime
 runs a tuple all-reduce operand by operand, so a fragment's many small gradients cost more
 than their bytes. Each program's all-reduce instructions and operands are read from its
 HLO (``_collectives``) to show what was timed.
@@ -43,14 +44,16 @@ def _program(width: int, repeats: int) -> Any:
 
 
 ALLREDUCE_DEVICES = 4
-ALLREDUCE_FLOATS = 440_000  # per device and program: 1.7 MB, split into N operands
+# Floats per device and program, split into N operands: 1.7 MB (40 operands of 44 KB) and
+# 160 KB (40 of 4 KB, about a gpt-tiny gradient's size).
+ALLREDUCE_FLOATS = (440_000, 40_000)
 ALLREDUCE_OPERANDS = (1, 8, 40)
 
 
-def _allreduce_programs(operands: int, mesh: Mesh) -> dict[str, Any]:
+def _allreduce_programs(floats: int, operands: int, mesh: Mesh) -> dict[str, Any]:
     """``"tuple"``: ``operands`` sums over the device axis (one tuple all-reduce);
     ``"concatenated"``: the same pieces concatenated first, one all-reduce of one operand."""
-    width = ALLREDUCE_FLOATS // operands
+    width = floats // operands
     replicated = NamedSharding(mesh, P())
 
     def pieces(x: jax.Array) -> list[jax.Array]:
@@ -65,67 +68,65 @@ def _allreduce_programs(operands: int, mesh: Mesh) -> dict[str, Any]:
 
 
 def allreduce_calibration(rounds: int) -> dict[str, Any]:
-    """Median ms of each program of :func:`_allreduce_programs` per operand count, the
-    all-reduces XLA compiled (instructions, operands), and the cost per extra operand."""
-    devices = np.array(jax.devices()[:ALLREDUCE_DEVICES])
-    mesh = Mesh(devices, ("data",), axis_types=(AxisType.Auto,))
-    x = jax.device_put(
-        jnp.ones((ALLREDUCE_DEVICES, ALLREDUCE_FLOATS)), NamedSharding(mesh, P("data"))
-    )
+    """Per payload (``ALLREDUCE_FLOATS``): the median ms of each program of
+    :func:`_allreduce_programs` per operand count, the all-reduces XLA compiled for it
+    (instructions, operands), and the cost per operand beyond the first. All programs are
+    timed round by round together."""
+    mesh = Mesh(np.array(jax.devices()[:ALLREDUCE_DEVICES]), ("data",), axis_types=(AxisType.Auto,))
     fns, hlo = [], {}
-    for n in ALLREDUCE_OPERANDS:
-        for kind, fn in _allreduce_programs(n, mesh).items():
-            compiled = fn.lower(x).compile()
-            hlo[f"{kind} {n}"] = _collectives.compiled_collectives(compiled)["all-reduce"]
-            jax.block_until_ready(fn(x))
-            fns.append((f"{kind} {n}", lambda fn=fn: jax.block_until_ready(fn(x))))
+    for floats in ALLREDUCE_FLOATS:
+        x = jax.device_put(jnp.ones((ALLREDUCE_DEVICES, floats)), NamedSharding(mesh, P("data")))
+        for n in ALLREDUCE_OPERANDS:
+            for kind, fn in _allreduce_programs(floats, n, mesh).items():
+                name = (floats, f"{kind} {n}")
+                hlo[name] = _collectives.compiled_collectives(fn.lower(x).compile())["all-reduce"]
+                jax.block_until_ready(fn(x))
+                fns.append((name, lambda fn=fn, x=x: jax.block_until_ready(fn(x))))
     times = _common.interleaved([f for _, f in fns], rounds)
-    ms = {name: 1e3 * _common.median(t) for (name, _), t in zip(fns, times, strict=True)}
     most = max(ALLREDUCE_OPERANDS)
-    per_operand = (ms[f"tuple {most}"] - ms[f"concatenated {most}"]) / (most - 1)
-    return {
-        "devices": ALLREDUCE_DEVICES,
-        "floats_per_device": ALLREDUCE_FLOATS,
-        "median_ms": ms,
-        "compiled_all_reduce": hlo,
-        "per_operand_us": 1e3 * per_operand,
-    }
+    sizes: dict[str, Any] = {}
+    for ((floats, name), _), t in zip(fns, times, strict=True):
+        size = sizes.setdefault(str(floats), {"median_ms": {}, "compiled_all_reduce": {}})
+        size["median_ms"][name] = 1e3 * _common.median(t)
+        size["compiled_all_reduce"][name] = hlo[(floats, name)]
+    for size in sizes.values():
+        ms = size["median_ms"]
+        size["per_operand_us"] = (
+            1e3 * (ms[f"tuple {most}"] - ms[f"concatenated {most}"]) / (most - 1)
+        )
+    return {"devices": ALLREDUCE_DEVICES, "rounds": rounds, "floats_per_device": sizes}
 
 
 def _allreduce_rows(cal: dict[str, Any]) -> list[dict[str, Any]]:
-    ms, hlo = cal["median_ms"], cal["compiled_all_reduce"]
-    mib = 4 * cal["floats_per_device"] / 2**20
-    one = hlo["tuple 1"]
-    rows = [
-        _common.row(
-            SECTION,
-            f"all-reduce of {mib:.2f} MiB per device over {cal['devices']} devices, one piece "
-            f"({one['ops']} op, {one['operands']} operand)",
-            round(ms["tuple 1"], 2),
-            unit="ms",
+    counts = " / ".join(map(str, ALLREDUCE_OPERANDS))
+    most = max(ALLREDUCE_OPERANDS)
+    rows = []
+    for floats, size in cal["floats_per_device"].items():
+        ms, hlo = size["median_ms"], size["compiled_all_reduce"]
+        compiled = " / ".join(
+            f"{hlo[f'tuple {n}']['ops']}x{hlo[f'tuple {n}']['operands']}"
+            for n in ALLREDUCE_OPERANDS
         )
-    ]
-    for n in ALLREDUCE_OPERANDS[1:]:
-        t, c = hlo[f"tuple {n}"], hlo[f"concatenated {n}"]
-        rows.append(
+        tuples = " / ".join(f"{ms[f'tuple {n}']:.2f}" for n in ALLREDUCE_OPERANDS)
+        joined = " / ".join(
+            f"{ms[f'concatenated {n}']:.2f}" if n > 1 else "-" for n in ALLREDUCE_OPERANDS
+        )
+        rows += [
             _common.row(
                 SECTION,
-                f"the same bytes in {n} pieces: one tuple all-reduce ({t['ops']} op, "
-                f"{t['operands']} operands) / concatenated first ({c['ops']} op, "
-                f"{c['operands']} operand), ms",
-                f"{ms[f'tuple {n}']:.2f} / {ms[f'concatenated {n}']:.2f}",
-            )
-        )
-    most = max(ALLREDUCE_OPERANDS)
-    rows.append(
-        _common.row(
-            SECTION,
-            f"tuple all-reduce: cost per operand beyond the first ((tuple - concatenated) / "
-            f"{most - 1}, {most} pieces)",
-            round(cal["per_operand_us"], 1),
-            unit="us",
-        )
-    )
+                f"all-reduce over {cal['devices']} devices of {4 * int(floats) / 2**20:.2f} MiB "
+                f"per device in {counts} pieces: one tuple all-reduce (compiled: instructions x "
+                f"operands {compiled}); the pieces concatenated first (one operand), ms",
+                f"{tuples}; {joined}",
+            ),
+            _common.row(
+                SECTION,
+                f"the same, cost per operand beyond the first ((tuple - concatenated) / "
+                f"{most - 1}, {most} pieces)",
+                round(size["per_operand_us"], 1),
+                unit="us",
+            ),
+        ]
     return rows
 
 

@@ -359,16 +359,17 @@ def _b0(data: dict[str, Any]) -> list[dict]:
         )
     ]
     allreduce = data.get("allreduce")
-    if allreduce:
-        ms = allreduce["median_ms"]
+    for floats, size in (allreduce or {}).get("floats_per_device", {}).items():
+        ms = size["median_ms"]
         n = max(int(key.split()[1]) for key in ms)
         rows.append(
             _row(
                 "B0",
-                f"all-reduce over {allreduce['devices']} devices, {n} pieces of the same bytes: "
-                "one tuple all-reduce / concatenated first (ms); cost per operand",
+                f"all-reduce over {allreduce['devices']} devices of {4 * int(floats) / 2**20:.2f} "
+                f"MiB per device in {n} pieces: one tuple all-reduce / concatenated first (ms); "
+                "cost per operand",
                 f"{ms[f'tuple {n}']:.2f} / {ms[f'concatenated {n}']:.2f}; "
-                f"{allreduce['per_operand_us']:.0f} us",
+                f"{size['per_operand_us']:.0f} us",
             )
         )
     return rows
