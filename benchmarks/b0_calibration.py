@@ -11,11 +11,11 @@ this machine.
 all-reduce of ``N`` operands (``N`` sums in one program, which XLA combines into one
 instruction) and as one all-reduce of their concatenation, for ``N`` in 1, 8, 40 (40: about
 what a data-parallel stage's backward fragment sums per microbatch) and two payloads per
-device (1.7 MB and 160 KB); medians of interleaved rounds, in ms, and the cost per operand
-beyond the first: XLA's CPU runtime
-runs a tuple all-reduce operand by operand, so a fragment's many small gradients cost more
-than their bytes. Each program's all-reduce instructions and operands are read from its
-HLO (``_collectives``) to show what was timed.
+device (1.7 MB and 160 KB; a smoke run: the smaller only); medians of interleaved rounds,
+in ms, and the cost per operand beyond the first: XLA's CPU runtime runs a tuple
+all-reduce operand by operand, so a fragment's many small gradients cost more than their
+bytes. Each program's all-reduce instructions and operands are read from its HLO
+(``_collectives``) to show what was timed.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def allreduce_calibration(rounds: int) -> dict[str, Any]:
     timed round by round together."""
     mesh = Mesh(np.array(jax.devices()[:ALLREDUCE_DEVICES]), ("data",), axis_types=(AxisType.Auto,))
     fns, hlo = [], {}
-    for floats in ALLREDUCE_FLOATS:
+    for floats in ALLREDUCE_FLOATS[-1:] if _common.SMOKE else ALLREDUCE_FLOATS:
         x = jax.device_put(jnp.ones((ALLREDUCE_DEVICES, floats)), NamedSharding(mesh, P("data")))
         for n in ALLREDUCE_OPERANDS:
             for kind, fn in _allreduce_programs(floats, n, mesh).items():
