@@ -3,7 +3,8 @@
 
 Sections (one module each, each writing ``<out>/<section>.json``):
 
-* ``B0`` (``b0_calibration``) -- how many simulated devices of this host run at once;
+* ``B0`` (``b0_calibration``) -- how many simulated devices of this host run at once, and
+  what an all-reduce operand costs;
 * ``B1`` (``b1_step_time``) -- pipelined GPT step time / the best ``jax.jit`` layout;
 * ``B2`` (``b2_dispatch``) -- the runtime's dispatch overhead per fragment and per step;
 * ``B3`` (``b3_compile``) -- cold compile time, executables vs fragments, recompilations;
@@ -11,8 +12,10 @@ Sections (one module each, each writing ``<out>/<section>.json``):
   temporary memory per fragment, live activations per submesh, per schedule;
 * ``B5`` (``b5_transfers``) -- bytes moved between submeshes per step vs the analytic count;
 * ``B6`` (``b6_schedules``) -- simulated vs recorded pipeline bubble per schedule;
-* ``B7`` (``b7_spmd_peer``) -- step time, cold first step and peak bytes per device against
-  the SPMD pipeline a JAX user would write instead (``shard_map`` + ``ppermute``);
+* ``B7`` (``b7_spmd_peer``) -- step time, cold first step, peak bytes per device and
+  collectives per step against the SPMD pipeline a JAX user would write instead
+  (``shard_map`` + ``ppermute``), for ``parallelize_step`` and for ``mm.jit`` +
+  ``mm.microbatch``;
 * ``B8`` (``b8_processes``) -- the same pipelined step in 1 process x 8 devices and 2 processes
   x 4 devices (``jax.distributed``): step time and cold start ratios, bytes across processes
   per step vs the analytic count, one transfer in-process vs cross-process;

@@ -1,10 +1,13 @@
 """The SPMD pipeline a JAX user would write instead of ``parallelize_step`` (benchmark B7).
 
 One ``jax.jit`` training step of ``GPT(config)`` on a ``(stage, data)`` ``Mesh`` of the 8
-devices (both axes ``AxisType.Auto``):
+devices (both axes ``AxisType.Auto``; ``(stage, data, replica)`` where a microbatch does not
+split over a stage's devices -- batch 32 at m = 16 on 4 devices a stage -- with ``data``
+as ``_common.stage_layout`` picks it for ours and the pipeline repeated on each
+``replica``, as the weights are):
 
 * the embedding stem and the tied head run outside the pipeline on all devices, the batch
-  split over ``("stage", "data")`` together and their parameters replicated;
+  split over all the mesh's axes together and their parameters replicated;
 * the ``L`` blocks' parameters are stacked into one tree whose leaves are ``[S, L/S, ...]``,
   sharded on ``stage`` (replicated over ``data``), see :func:`stack_params`;
 * a ``shard_map`` over both axes runs the GPipe loop (:func:`_stage_loop`): ``m + S - 1``
@@ -44,10 +47,20 @@ from benchmarks import _common
 from models import GPT, GPTBlock, GPTEmbed, GPTHead, cross_entropy_loss
 
 
-def make_mesh(stages: int, devices: int = _common.DEVICES) -> Mesh:
-    """The ``(stage, data)`` mesh of the first ``devices`` devices."""
-    grid = np.array(jax.devices()[:devices]).reshape(stages, devices // stages)
-    return Mesh(grid, ("stage", "data"), axis_types=(AxisType.Auto, AxisType.Auto))
+def make_mesh(stages: int, devices: int = _common.DEVICES, data: int | None = None) -> Mesh:
+    """The ``(stage, data)`` mesh of the first ``devices`` devices; with ``data`` smaller
+    than a stage's ``devices / stages`` (a microbatch too small to split over all of them),
+    ``(stage, data, replica)``: the pipeline computes the same on each ``replica``."""
+    per_stage = devices // stages
+    data = per_stage if data is None else data
+    grid = np.array(jax.devices()[:devices])
+    if data == per_stage:
+        names: tuple[str, ...] = ("stage", "data")
+        grid = grid.reshape(stages, data)
+    else:
+        names = ("stage", "data", "replica")
+        grid = grid.reshape(stages, data, per_stage // data)
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def stack_params(params: dict[str, Any], stages: int) -> dict[str, Any]:
@@ -170,11 +183,11 @@ def peer_name(workload: _common.Workload, stages: int, m: int) -> str:
 
 def build_peer(workload: _common.Workload, stages: int, m: int) -> _common.Runner:
     """The compiled-on-first-call peer step on the 8 devices, its state and batch placed."""
-    mesh = make_mesh(stages)
+    mesh = make_mesh(stages, data=_common.stage_layout(workload, stages, m)[0])
     init = functools.partial(init_state, workload, stages)
     state_sh = state_shardings(*jax.eval_shape(init), mesh)
     state = jax.jit(init, out_shardings=state_sh)()  # one program, born sharded
-    batch_sh = NamedSharding(mesh, P(("stage", "data")))
+    batch_sh = NamedSharding(mesh, P(mesh.axis_names))  # over all 8 devices
     batch = jax.device_put(workload.batch_data(), batch_sh)
     step = jax.jit(
         make_train_step(workload.config(), workload.make_optimizer(), mesh, m),

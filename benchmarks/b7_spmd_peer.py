@@ -3,9 +3,12 @@
 The peer (`benchmarks._spmd_pipeline`) is one ``jax.jit`` step of the same gpt-tiny (4
 blocks, batch 32 x 64, AdamW) on the same 8 devices: blocks stacked on a ``stage`` mesh axis,
 ``shard_map`` + ``lax.ppermute`` rotating activations in GPipe order, stem and head
-data-parallel on all 8 devices. For S in {2, 4} and m in {4, 8} (``--quick``: S=2, m=4,
-1F1B only -- B1's compiled program -- and no cold measurement, which costs a fresh process
-per program; the quick suite stays within a minute of extra time):
+data-parallel on all 8 devices. For S in {2, 4} and m in {4, 8, 16} (``TINY_GRID``; at m=16
+a microbatch of 2 sequences splits over 2 devices only: ours runs data 2 x tensor 2 at 2
+stages, ``_common.stage_layout``, and the peer repeats its pipeline on a ``replica`` axis;
+``--quick``: S=2, m=4, 1F1B only -- B1's compiled program -- and no cold measurement,
+which costs a fresh process per program; the quick suite stays within a minute of extra
+time):
 
 * **Step time**: ours (``_common.build_mpmd``, GPipe and 1F1B) and the peer timed round by
   round (``_common.interleaved``); ratios of medians, ours / peer.
@@ -21,11 +24,28 @@ per program; the quick suite stays within a minute of extra time):
   C++ copies return recorded results, all Python -- ours and JAX's around the copies --
   runs): the stable figure for whether a host keeps ahead of its devices (issue 40's
   target: 30 us per op).
+* **Collectives per step** (``benchmarks._collectives``): all-reduces, all-gathers,
+  reduce-scatters, collective-permutes and all-to-alls with their operands and bytes, read
+  from each fragment's compiled HLO and counted as often as the step runs the fragment,
+  against the peer's one compiled program (instructions in a loop body once per
+  iteration). A data-parallel stage's backward all-reduces its weight gradients once per
+  microbatch as one tuple all-reduce, which XLA's CPU runtime runs operand by operand (B0
+  prices an operand).
 * **Peak bytes per device**, state included. Ours: the program walked op by op as the
   runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
   fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account
   of its one program, arguments + outputs - donated aliases + temp. Max over devices,
   ours / peer.
+
+**The function path** (``benchmarks._function_path``): the same measurements (step,
+breakdown, collectives, peak bytes; cold starts in full runs) for a residual-MLP stack (8
+layers of width 256, 1,024 tokens, SGD) written as a new user would -- one ``mm.task`` per
+stage, ``jax.value_and_grad(mm.microbatch(loss, ..., schedule=...))`` under ``mm.jit`` --
+against its hand-written SPMD peer (weights stacked on ``stage``, ``shard_map`` +
+``ppermute``, the loop unrolled), GPipe and 1F1B, at the same S and m (``--quick``: S=2
+m=4 1F1B, about 20 s; none in a smoke run, where ``tests/test_b7_function_path.py``
+checks it at tiny sizes instead). Its configurations are ``"function_configs"`` in the
+JSON.
 
 **Scale** (full runs only): S=8 stages of one device each, 16 blocks (2 a stage), batch
 64 x 64, m=32 and m=64 (``SCALE``): steps of a thousand ops and more, so what many ops per
@@ -47,7 +67,8 @@ from typing import Any
 
 import jax
 
-from benchmarks import _breakdown, _common
+from benchmarks import _breakdown, _collectives, _common
+from benchmarks import _function_path as fp
 from benchmarks import _spmd_pipeline as spmd
 
 SECTION = "B7"
@@ -59,6 +80,9 @@ SCALE = _common.Workload("gpt-tiny", batch=64, length=64, overrides=(("num_layer
 SCALE_GRID = [(8, 32), (8, 64)]
 SCALE_COLD_REPETITIONS = 1  # each cold process builds and compiles a program of 1,000+ ops
 WORKLOADS = {"tiny": _common.TINY, "scale": SCALE}  # by name, for the cold-start children
+TINY_GRID = [(2, 4), (2, 8), (2, 16), (4, 4), (4, 8), (4, 16)]
+# The function path (``mm.jit`` + ``mm.microbatch``): its residual-MLP stack, by this name.
+FUNCTION = "function"
 
 
 def grid(quick: bool) -> list[tuple[str, int, int]]:
@@ -68,8 +92,18 @@ def grid(quick: bool) -> list[tuple[str, int, int]]:
         return [("tiny", *_common.SMOKE_CONFIG[:2])]
     if quick:
         return [("tiny", 2, 4)]
-    tiny = [("tiny", s, m) for s, m in [(2, 4), (2, 8), (4, 4), (4, 8)]]
+    tiny = [("tiny", s, m) for s, m in TINY_GRID]
     return tiny + [("scale", s, m) for s, m in SCALE_GRID]
+
+
+def function_grid(quick: bool) -> list[tuple[int, int]]:
+    """``(stages, microbatches)`` of the function path measured (none in a smoke run: the
+    tests check the module on its own, at tiny sizes)."""
+    if _common.SMOKE:
+        return []
+    if quick:
+        return [(2, 4)]
+    return list(TINY_GRID)
 
 
 def step_times(ours: dict[str, Any], peer: Any, rounds: int) -> dict[str, Any]:
@@ -85,9 +119,15 @@ def step_times(ours: dict[str, Any], peer: Any, rounds: int) -> dict[str, Any]:
     return out
 
 
-def peer_peak_bytes(peer: spmd.PeerRunner) -> dict[str, int]:
+def peer_compiled(peer: spmd.PeerRunner) -> Any:
+    """The peer's one program, compiled again (``jax.stages.Compiled``: its memory account
+    and HLO text)."""
+    return peer.jitted.lower(peer.state, peer.batch).compile()
+
+
+def peer_peak_bytes(compiled: Any) -> dict[str, int]:
     """XLA's memory account of the peer's program (per device: it is one SPMD program)."""
-    stats = peer.jitted.lower(peer.state, peer.batch).compile().memory_analysis()
+    stats = compiled.memory_analysis()
     arguments, outputs = stats.argument_size_in_bytes, stats.output_size_in_bytes
     aliased, temp = stats.alias_size_in_bytes, stats.temp_size_in_bytes
     return {
@@ -131,12 +171,40 @@ def measure(
     ours = {s: runner for s, (runner, _) in built.items()}
     peer = spmd.build_peer(load, stages, m)
     _common.warm(peer)
+    result = {"workload": workload, "layers": load.config().num_layers}
+    result.update(_compare(stages, m, rounds, ours, peer))
+    _common.release(peer, *(r for r, new in built.values() if new))
+    return result
+
+
+def measure_function(
+    stages: int,
+    m: int,
+    rounds: int,
+    schedules: tuple[str, ...] = SCHEDULES,
+    workload: fp.FnWorkload = fp.FN,
+) -> dict[str, Any]:
+    """The same for the function path: ``mm.jit`` + ``mm.microbatch`` of the residual-MLP
+    stack against its hand-written SPMD peer (``_function_path``)."""
+    ours = {s: fp.build_ours(stages, m, s, workload) for s in schedules}
+    for runner in ours.values():
+        _common.warm(runner)
+    peer = fp.build_peer(stages, m, workload)
+    _common.warm(peer)
+    result = {"workload": FUNCTION, "layers": workload.layers, **workload.describe()}
+    result.update(_compare(stages, m, rounds, ours, peer))
+    _common.release(peer, *ours.values())
+    return result
+
+
+def _compare(
+    stages: int, m: int, rounds: int, ours: dict[str, Any], peer: spmd.PeerRunner
+) -> dict[str, Any]:
+    """Step times, breakdowns, collectives per step and peak bytes of warmed runners."""
     result = {
-        "workload": workload,
-        "layers": load.config().num_layers,
         "stages": stages,
         "microbatches": m,
-        "schedules": list(schedules),
+        "schedules": list(ours),
         **step_times(ours, peer, rounds),
     }
     result["breakdown"] = {
@@ -146,12 +214,16 @@ def measure(
     result["breakdown"]["peer"] = _breakdown.peer_breakdown(
         peer, result["peer_median_ms"] / 1e3, rounds
     )
-    result["peer_bytes"] = peer_peak_bytes(peer)
+    compiled = peer_compiled(peer)
+    result["collectives"] = {
+        s: _collectives.step_collectives(r.executable) for s, r in ours.items()
+    }
+    result["collectives"]["peer"] = _collectives.compiled_collectives(compiled)
+    result["peer_bytes"] = peer_peak_bytes(compiled)
     for schedule, runner in ours.items():
         mine = ours_peak_bytes(runner)
         result[f"{schedule}_bytes"] = mine
         result[f"{schedule}_peak_ratio"] = mine["peak"] / result["peer_bytes"]["peak"]
-    _common.release(peer, *(r for r, new in built.values() if new))
     return result
 
 
@@ -161,13 +233,9 @@ def measure(
 def child(kind: str, stages: int, m: int, workload: str = "tiny") -> dict[str, Any]:
     """Build + first step of one program (``kind``: a schedule or ``"peer"``), cold."""
     jax.config.update("jax_enable_compilation_cache", False)
-    load = WORKLOADS[workload]
     wall, cpu = time.perf_counter(), time.process_time()
     with _common.count_compiles() as compiles:
-        if kind == "peer":
-            runner = spmd.build_peer(load, stages, m)
-        else:
-            runner = _common.build_mpmd(load, stages, m, kind)
+        runner = _build(kind, stages, m, workload)
         runner.step()
     return {
         "wall_s": time.perf_counter() - wall,
@@ -175,6 +243,18 @@ def child(kind: str, stages: int, m: int, workload: str = "tiny") -> dict[str, A
         "compiles": compiles["count"],
         "xla_compile_s": compiles["seconds"],
     }
+
+
+def _build(kind: str, stages: int, m: int, workload: str) -> _common.Runner:
+    """The runner a cold-start child builds: ``kind`` a schedule or ``"peer"``."""
+    if workload == FUNCTION:
+        if kind == "peer":
+            return fp.build_peer(stages, m)
+        return fp.build_ours(stages, m, kind)
+    load = WORKLOADS[workload]
+    if kind == "peer":
+        return spmd.build_peer(load, stages, m)
+    return _common.build_mpmd(load, stages, m, kind)
 
 
 def _child_process(kind: str, stages: int, m: int, workload: str) -> dict[str, Any]:
@@ -222,9 +302,40 @@ def ratios(data: dict[str, Any], key: str, schedules: list[str]) -> tuple[str, s
     return names, " / ".join(f"{data[f'{s}_{key}']:.2f}" for s in schedules)
 
 
+def config_label(c: dict[str, Any]) -> str:
+    """``gpt-tiny S=2 m=4``, ``gpt-tiny 16 layers S=8 m=32``, ``residual-MLP (mm.jit) S=2
+    m=4``: a configuration's name in the rows."""
+    workload = c.get("workload", "tiny")
+    name = {"tiny": "gpt-tiny", FUNCTION: f"{fp.FN.name} (mm.jit)"}.get(
+        workload, f"gpt-tiny {c['layers']} layers"
+    )
+    return f"{name} S={c['stages']} m={c['microbatches']}"
+
+
+def _collective_text(counts: dict[str, Any]) -> str:
+    """``12 all-reduces / 296 operands / 3.1 MiB; 4 other`` (other: the other kinds)."""
+    ar = counts["all-reduce"]
+    other = sum(counts[k]["ops"] for k in _collectives.KINDS if k != "all-reduce")
+    return (
+        f"{ar['ops']} all-reduces / {ar['operands']} operands / {ar['bytes'] / 2**20:.1f} MiB; "
+        f"{other} other"
+    )
+
+
+def _collective_row(name: str, c: dict[str, Any]) -> dict[str, Any]:
+    counts = c["collectives"]
+    parts = [f"{NAMES[s]} {_collective_text(counts[s])}" for s in c["schedules"]]
+    parts.append(f"peer {_collective_text(counts['peer'])}")
+    return _common.row(
+        SECTION,
+        f"{name}: collectives per step, ours (from each fragment's compiled HLO, times it runs) "
+        "/ the SPMD peer's one program (other: gathers, scatters, permutes)",
+        " | ".join(parts),
+    )
+
+
 def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
-    layers = "" if c.get("workload", "tiny") == "tiny" else f" {c['layers']} layers"
-    label = f"gpt-tiny{layers} S={c['stages']} m={c['microbatches']}"
+    label = config_label(c)
     names, steps = ratios(c, "ratio", c["schedules"])
     _, peaks = ratios(c, "peak_ratio", c["schedules"])
     peer_mib = c["peer_bytes"]["peak"] / 2**20
@@ -238,6 +349,7 @@ def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
         ),
     ]
     rows += _breakdown_rows(label, c["breakdown"])
+    rows.append(_collective_row(label, c))
     cold_ = c.get("cold")
     if cold_ is None:
         return rows
@@ -312,11 +424,20 @@ def run(quick: bool) -> dict[str, Any]:
             result["cold"] = cold(stages, m, reps, workload)
         configs.append(result)
         rows += _rows(result)
+    function_configs = []
+    for stages, m in function_grid(quick):
+        result = measure_function(stages, m, rounds, schedules)
+        if not quick:
+            result["cold"] = cold(stages, m, COLD_REPETITIONS, FUNCTION)
+        function_configs.append(result)
+        rows += _rows(result)
     return {
         "description": __doc__.splitlines()[0],
         "workload": _common.TINY.describe(),
         "scale_workload": SCALE.describe(),
+        "function_workload": fp.FN.describe(),
         "rounds": rounds,
         "configs": configs,
+        "function_configs": function_configs,
         "rows": rows,
     }

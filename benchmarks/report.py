@@ -307,31 +307,42 @@ def _b6(data: dict[str, Any]) -> list[dict]:
 
 
 def _b7(data: dict[str, Any]) -> list[dict]:
+    rows = _b7_configs(data["configs"], "")
+    if data.get("function_configs"):
+        rows += _b7_configs(data["function_configs"], "function path (mm.jit + mm.microbatch): ")
+    return rows
+
+
+def _b7_configs(configs: list[dict[str, Any]], prefix: str) -> list[dict]:
     names = {"gpipe": "GPipe", "1f1b": "1F1B"}
-    schedules = data["configs"][0]["schedules"]
+    schedules = configs[0]["schedules"]
     label = " / ".join(names[s] for s in schedules)
 
     def by_config(key: str, cold: bool = False) -> str:
         parts = []
-        for c in data["configs"]:
+        for c in configs:
             source = c["cold"] if cold else c
             text = " / ".join(f"{source[f'{s}_{key}']:.2f}" for s in schedules)
-            layers = f" ({c['layers']} layers)" if c.get("workload", "tiny") != "tiny" else ""
+            layers = f" ({c['layers']} layers)" if c.get("workload", "tiny") == "scale" else ""
             parts.append(f"S={c['stages']} m={c['microbatches']}{layers}: {text}")
         return "; ".join(parts)
 
     rows = [
-        _row("B7", f"step / SPMD peer's step ({label})", by_config("ratio")),
-        _row("B7", f"peak bytes per device / SPMD peer's ({label})", by_config("peak_ratio")),
+        _row("B7", f"{prefix}step / SPMD peer's step ({label})", by_config("ratio")),
+        _row(
+            "B7",
+            f"{prefix}peak bytes per device / SPMD peer's ({label})",
+            by_config("peak_ratio"),
+        ),
     ]
-    if all("cold" in c for c in data["configs"]):
-        counts = sorted({len(c["cold"]["repetitions"]["peer"]) for c in data["configs"]})
+    if all("cold" in c for c in configs):
+        counts = sorted({len(c["cold"]["repetitions"]["peer"]) for c in configs})
         reps = counts[-1]
         fewer = f"; {counts[0]} for the 16-layer points" if len(counts) > 1 else ""
         rows.append(
             _row(
                 "B7",
-                f"cold build + first step / SPMD peer's ({label}, wall, "
+                f"{prefix}cold build + first step / SPMD peer's ({label}, wall, "
                 + (f"medians of {reps} processes{fewer})" if reps > 1 else "single samples)"),
                 by_config("ratio", cold=True),
             )
@@ -340,13 +351,28 @@ def _b7(data: dict[str, Any]) -> list[dict]:
 
 
 def _b0(data: dict[str, Any]) -> list[dict]:
-    return [
+    rows = [
         _row(
             "B0",
             "devices' worth of work the host runs at once (8 programs on 8 devices)",
             f"{data['concurrency']['8']:.2f}",
         )
     ]
+    allreduce = data.get("allreduce")
+    for floats, size in (allreduce or {}).get("floats_per_device", {}).items():
+        ms = size["median_ms"]
+        n = max(int(key.split()[1]) for key in ms)
+        rows.append(
+            _row(
+                "B0",
+                f"all-reduce over {allreduce['devices']} devices of {4 * int(floats) / 2**20:.2f} "
+                f"MiB per device in {n} pieces: one tuple all-reduce / concatenated first (ms); "
+                "cost per operand",
+                f"{ms[f'tuple {n}']:.2f} / {ms[f'concatenated {n}']:.2f}; "
+                f"{size['per_operand_us']:.0f} us",
+            )
+        )
+    return rows
 
 
 def summary_rows(results: dict[str, dict[str, Any]]) -> list[dict]:

@@ -69,11 +69,16 @@ def _initial_params(workload):
 
 
 @pytest.mark.heavy
-def test_peer_gradients_equal_the_unpipelined_gradients():
-    workload, stages, microbatches = _common.TINY, 2, 4
+@pytest.mark.parametrize("microbatches", [4, 16])
+def test_peer_gradients_equal_the_unpipelined_gradients(microbatches):
+    # m=16: microbatches of 2 sequences on 2 of a stage's 4 devices, repeated on a replica axis
+    workload, stages = _common.TINY, 2
     model, params = _initial_params(workload)
     batch = workload.batch_data()
-    mesh = spmd.make_mesh(stages)
+    mesh = spmd.make_mesh(stages, data=_common.stage_layout(workload, stages, microbatches)[0])
+    assert mesh.axis_names == (
+        ("stage", "data") if microbatches == 4 else ("stage", "data", "replica")
+    )
     peer_loss = spmd.make_loss(workload.config(), mesh, microbatches)
     stacked = spmd.stack_params(params, stages)
     loss, grads = jax.jit(jax.value_and_grad(peer_loss))(stacked, batch)
