@@ -69,9 +69,11 @@ def _initial_params(workload):
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("microbatches", [4, 16])
+@pytest.mark.parametrize("microbatches", [16])
 def test_peer_gradients_equal_the_unpipelined_gradients(microbatches):
-    # m=16: microbatches of 2 sequences on 2 of a stage's 4 devices, repeated on a replica axis
+    # m=16: microbatches of 2 sequences on 2 of a stage's 4 devices, repeated on a replica
+    # axis. (m=4, no replica axis, is checked by the step test below: its losses and updated
+    # parameters follow from these gradients.)
     workload, stages = _common.TINY, 2
     model, params = _initial_params(workload)
     batch = workload.batch_data()
