@@ -227,6 +227,10 @@ class MpmdExecutable:
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self.ops: tuple[Op, ...] = self._with_frees(ops)
         self.state = DispatchState(self.ops, len(self.input_shardings))
+        # Inputs take the first slots, in order (``_slot`` numbers them first): a call
+        # stores its arguments with one slice assignment; outputs are read in one C call.
+        self._inputs_first = self.input_slots == list(range(len(self.input_slots)))
+        self._read_outputs = _reader(tuple(self.output_slots))
         # Per op what the dispatch loop reads: (index, a RunOp?, its inputs' reader, outs, frees).
         self._steps = tuple(
             (i, isinstance(op, RunOp), _reader(op.ins), op.outs, op.frees)
@@ -429,8 +433,11 @@ class MpmdExecutable:
         if len(haves) == len(fits) and all(map(operator.is_, haves, fits)):
             # Every argument in the sharding that fitted last time (a step's outputs, fed
             # back): one C-level pass instead of the checks below.
-            for slot, x in zip(self.input_slots, args, strict=True):
-                env[slot] = x
+            if self._inputs_first:
+                env[: len(fits)] = args
+            else:
+                for slot, x in zip(self.input_slots, args, strict=True):
+                    env[slot] = x
             return
         moves, targets, slots = [], [], []
         for i, (x, have, want, slot) in enumerate(
@@ -459,7 +466,7 @@ class MpmdExecutable:
             self._dispatch_recorded(env, STATE.timeline)
         else:
             self._dispatch(env)
-        return [env[s] for s in self.output_slots]
+        return list(self._read_outputs(env))
 
     def _dispatch(self, env: list[Any]) -> None:
         """Every op in order, with as little Python per op as it takes: one C-level read of
