@@ -8,6 +8,9 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
 1. **Stage costs.** A stage runs the stems (stage 0), its blocks and the heads (last stage).
    Its F, B, W and update times are the sums of its units' (`UnitCost`), under the stage's
    recomputation policy, scaled from the profiled shape to the stage's (the rule below).
+   The runtime runs each of them as one program for all the stage's units, so each unit's
+   time counts without its own program's launch (`UnitProfile.launch_seconds`, measured)
+   and the stage's sum pays one launch.
    The transfer after a stage moves its last unit's output: ``TransferCost.seconds(bytes)``.
 2. **Step time and bubble.** ``mm.simulate`` replays ``mm.make_schedule(...)`` with those
    costs. Each row then runs the optimizer updates of its stages after its last op: the
@@ -300,6 +303,13 @@ def collective_per_byte(
     return tensor * link.seconds_per_byte, replica * link.seconds_per_byte
 
 
+def _work(phase: PhaseCost, launch: float) -> PhaseCost:
+    """``phase`` without the launch of its own program (`UnitProfile.launch_seconds`)."""
+    if not launch or not phase.seconds:
+        return phase
+    return dataclasses.replace(phase, seconds=max(phase.seconds - launch, 0.0))
+
+
 def _derived(seconds: float) -> PhaseCost:
     return PhaseCost(seconds, source=Source.DERIVED)
 
@@ -317,16 +327,17 @@ def _stage_cost(
     total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u", "bw", "a")}
     params, opt = 0, 0
     tensor, replica = collective_per_byte(profile, mesh, transfer)
+    launch = profile.launch_seconds
     for c in costs:
         params_here = state_bytes(c.params, mesh, profile.rules)
         params_there = state_bytes(c.params, shape, profile.rules)
         update_scale = params_here / params_there if params_there else 1.0
-        total["f"] += c.forward.scaled(time, memory)
-        total["b"] += c.backward_input.scaled(time, memory)
-        total["w"] += c.backward_weight.scaled(time, memory)
-        total["bw"] += c.backward.scaled(time, memory)
-        total["u"] += c.update.scaled(update_scale, update_scale)
-        total["a"] += c.accumulate.scaled(update_scale, update_scale)
+        total["f"] += _work(c.forward, launch).scaled(time, memory)
+        total["b"] += _work(c.backward_input, launch).scaled(time, memory)
+        total["w"] += _work(c.backward_weight, launch).scaled(time, memory)
+        total["bw"] += _work(c.backward, launch).scaled(time, memory)
+        total["u"] += _work(c.update, launch).scaled(update_scale, update_scale)
+        total["a"] += _work(c.accumulate, launch).scaled(update_scale, update_scale)
         if tensor and c.params:  # one all-reduce of the output in the forward, one back
             total["f"] += _derived(tensor * c.output_bytes * memory)
             total["b"] += _derived(tensor * c.output_bytes * memory)
@@ -339,6 +350,11 @@ def _stage_cost(
         shared = [x for c in costs[:1] for x in c.opt_state if x.shared]
         opt += state_bytes(shared, mesh, profile.rules)
     out_bytes = costs[-1].output_bytes * memory if costs else 0
+    phases = {"f": "forward", "b": "backward_input", "w": "backward_weight", "bw": "backward"}
+    phases |= {"u": "update", "a": "accumulate"}
+    for key, name in phases.items():  # one program per stage and phase: one launch
+        if any(getattr(c, name).seconds > 0 for c in costs):
+            total[key] = dataclasses.replace(total[key], seconds=total[key].seconds + launch)
     return StageCost(
         forward=total["f"],
         backward_input=total["b"],

@@ -162,7 +162,12 @@ class UnitProfile:
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
             backward and, for a unit with both input and weight gradients, its B and W
             halves; per unit with parameters one gradient accumulation and, with an
-            optimizer, one update.
+            optimizer, one update; in measured mode also one empty program (the launch).
+        launch_seconds: Measured mode: the median time of an empty program on the
+            profiled mesh (adding one to one element per device), timed in the same rounds as
+            the units' programs: what every program pays however little it computes. A
+            runtime fragment runs several units as one program and pays it once, so
+            `predict` counts it once per stage op, not once per unit. Analytic mode: 0.
     """
 
     units: UnitSet
@@ -174,6 +179,7 @@ class UnitProfile:
     mode: Source
     device: DeviceSpec
     compiles: int
+    launch_seconds: float = 0.0
 
     def cost(self, unit: int, recompute: str | None = None) -> UnitCost:
         """The `UnitCost` of distinct unit ``unit`` under ``recompute``.
@@ -302,6 +308,7 @@ class _Profiler:
         self.shape = dict(mesh.shape)
         self.updates: dict[int, tuple[list[StateLeaf], PhaseCost, PhaseCost]] = {}
         self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
+        self.seconds: dict[int, float] = {}  # measured: by id of the PhaseCost, once timed
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -344,6 +351,16 @@ class _Profiler:
             if run + 1 >= WARMUP_RUNS and time.perf_counter() - start >= WARMUP_SECONDS:
                 break
 
+    def launch(self) -> PhaseCost:
+        """The empty program, queued to be timed with the others: one added to one element
+        per device of the mesh (a program's launch and completion on its devices, nothing
+        to compute)."""
+        count = math.prod(self.shape.values())
+        spec = P(tuple(self.shape)) if count > 1 else P()
+        x = jax.ShapeDtypeStruct((count,), jnp.float32, sharding=NamedSharding(self.mesh, spec))
+        _, compiled = self._compile(lambda x: x + 1, x)
+        return self._phase(compiled, (self._concrete(x, 12),))
+
     def timed(self, costs: Sequence[UnitCost]) -> tuple[UnitCost, ...]:
         """``costs`` with the measured seconds: every program run once per round, for
         ``repeats`` rounds, and its median kept. Round by round, a load that comes and goes
@@ -357,7 +374,7 @@ class _Profiler:
         seconds = {
             id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
         }
-        self.pending = []
+        self.pending, self.seconds = [], seconds
 
         def fill(phase: PhaseCost) -> PhaseCost:
             if id(phase) not in seconds:
@@ -415,13 +432,39 @@ class _Profiler:
             res, vjp_tree["tree"] = jax.tree_util.tree_flatten(vjp)
             return out, res
 
-        jaxpr, fwd = self._compile(forward, params, diff_in, fixed_in)
-        out_sh, res_sh = fwd.output_shardings
-        out_abs, res_abs = jax.tree_util.tree_unflatten(
+        abstract_in = (params, diff_in, fixed_in)
+        flat_in = jax.tree_util.tree_leaves(abstract_in)
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            whole_forward = jax.jit(forward).trace(*abstract_in).jaxpr
+        sources = residual_sources(whole_forward, vjp_tree["tree"].num_leaves)
+        first: dict[Any, int] = {}
+        for j, (kind, var) in enumerate(sources):
+            if kind == "made":
+                first.setdefault(var, j)
+        position = {var: u for u, var in enumerate(first)}
+        reads = sorted({i for kind, i in sources if kind == "in"})
+
+        def forward_kept(p: Any, d: Any, f: Any) -> Any:
+            """What the runtime's forward fragment returns: the output and the residuals it
+            makes, each once (not the inputs it was given, which the backward reads)."""
+            out, res = forward(p, d, f)
+            return out, [res[j] for j in first.values()]
+
+        jaxpr, fwd = self._compile(forward_kept, *abstract_in)
+        out_sh, kept_sh = fwd.output_shardings
+        out_abs, kept_abs = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(fwd.output_shardings), jaxpr.out_avals
         )
-        kept = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
-        owners = self._residual_owners(jaxpr, len(jax.tree_util.tree_leaves(params)), kept, res_sh)
+        n_params = len(jax.tree_util.tree_leaves(params))
+        unbatched = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
+        skip = set(range(n_params)) | {n_params + k for k, u in enumerate(unbatched) if u}
+        ins_in = [flat_in[i] for i in reads]
+        kept_in = [_with(a, s) for a, s in zip(kept_abs, kept_sh, strict=True)]
+        owners = [
+            (-1, 0) if i in skip else (k, _sharded_bytes(x, x.sharding))
+            for k, (i, x) in enumerate(zip(reads, ins_in, strict=True))
+        ]
+        owners += [(len(reads) + u, _sharded_bytes(x, x.sharding)) for u, x in enumerate(kept_in)]
         activation = sum(n for j, (first, n) in enumerate(owners) if first == j)
         output_bytes = sum(
             _sharded_bytes(a, s)
@@ -429,24 +472,31 @@ class _Profiler:
                 jax.tree_util.tree_leaves(out_abs), jax.tree_util.tree_leaves(out_sh), strict=True
             )
         )
-        res_in = [_with(a, s) for a, s in zip(res_abs, res_sh, strict=True)]
         ct_in = jax.tree_util.tree_map(_with, out_abs, out_sh)
         inputs = None
         if self.mode == "measured":
-            p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate((params, diff_in, fixed_in)))
+            p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate(abstract_in))
             inputs = (p_, d_, f_)
         forward_cost = self._phase(fwd, inputs)
-        res_ct = None
+        backward_in = None
         if inputs is not None:
-            out_v, res_v = fwd(*inputs)
-            res_ct = (res_v, jax.tree_util.tree_map(jnp.ones_like, out_v))
+            out_v, kept_v = fwd(*inputs)
+            flat_v = jax.tree_util.tree_leaves(inputs)
+            ct_v = jax.tree_util.tree_map(jnp.ones_like, out_v)
+            backward_in = ([flat_v[i] for i in reads], list(kept_v), ct_v)
+
+        def backward(ins: Sequence[Any], kept: Sequence[Any], ct: Any) -> Any:
+            value = {"in": lambda i: ins[reads.index(i)], "made": lambda v: kept[position[v]]}
+            res = [value[kind](i) if kind in value else i for kind, i in sources]
+            return tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct))
+
         ct_bytes = [_sharded_bytes(x, x.sharding) for x in jax.tree_util.tree_leaves(ct_in)]
         whole, b_cost, w_cost, weight_kept = self._backward(
-            lambda res, ct: tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct)),
-            (res_in, ct_in),
-            (len(jax.tree_util.tree_leaves(params)), bool(diff)),
+            backward,
+            (ins_in, kept_in, ct_in),
+            (n_params, bool(diff)),
             [*owners, *((-1, n) for n in ct_bytes)],
-            res_ct,
+            backward_in,
             forward_cost.source,
         )
         if index not in self.updates:  # the same for every recomputation policy
@@ -529,26 +579,6 @@ class _Profiler:
 
         return jax.tree_util.tree_map(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
-    def _residual_owners(
-        self, jaxpr: Any, n_params: int, unbatched: Sequence[bool], res_sh: Sequence[Any]
-    ) -> list[tuple[int, int]]:
-        """Per residual, (the first residual holding the same value, its bytes per device);
-        (-1, 0) for parameters, inputs without the batch dimension (weights passed in, such
-        as GPT's tied table) and literals: what a microbatch keeps is the bytes of the
-        residuals that are their own first holder."""
-        invars = jaxpr.jaxpr.invars
-        params = set(invars[:n_params])
-        params.update(v for v, skip in zip(invars[n_params:], unbatched, strict=True) if skip)
-        outvars = jaxpr.jaxpr.outvars[len(jaxpr.jaxpr.outvars) - len(res_sh) :]
-        first: dict[Any, int] = {}
-        owners = []
-        for j, (var, sharding) in enumerate(zip(outvars, res_sh, strict=True)):
-            if isinstance(var, jex_core.Literal) or var in params:
-                owners.append((-1, 0))
-                continue
-            owners.append((first.setdefault(var, j), _sharded_bytes(var.aval, sharding)))
-        return owners
-
     def _update(
         self, params: Any, param_leaves: list[StateLeaf]
     ) -> tuple[list, PhaseCost, PhaseCost]:
@@ -597,6 +627,25 @@ class _Profiler:
         if self.mode == "measured":
             inputs = (self._concrete(params, 10), self._concrete(params, 11))
         return self._phase(compiled, inputs)
+
+
+def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
+    """Where each of a forward's last ``num_residuals`` outputs comes from, as the runtime's
+    forward fragment sees it: ``("in", i)``, the forward's input ``i`` (a parameter or an
+    input the backward reads directly, never an output of the fragment); ``("made", v)``,
+    a value the forward computes (``v`` names it: residuals holding the same value share
+    it, and the fragment returns it once); ``("literal", value)``, a constant."""
+    jaxpr = closed.jaxpr
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    out = []
+    for var in jaxpr.outvars[len(jaxpr.outvars) - num_residuals :]:
+        if isinstance(var, jex_core.Literal):
+            out.append(("literal", var.val))
+        elif var in inputs:
+            out.append(("in", inputs[var]))
+        else:
+            out.append(("made", var))
+    return out
 
 
 def _count(halves: SplitBackward, kind: str) -> int:
@@ -718,6 +767,7 @@ def profile_units(
     data_axes = _data_axes(rules, shape)
     profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
     last = found.instances[-1].unit
+    launch = profiler.launch() if mode == "measured" else None
     costs = profiler.timed(
         [
             profiler.profile(i, unit, policy, i == last)
@@ -736,6 +786,7 @@ def profile_units(
         mode=Source(mode),
         device=spec,
         compiles=profiler.compiles,
+        launch_seconds=profiler.seconds.get(id(launch), 0.0),
     )
 
 

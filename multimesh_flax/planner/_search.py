@@ -28,6 +28,7 @@ from multimesh_flax.planner._predict import (
     Plan,
     Prediction,
     _scales,
+    _work,
     collective_per_byte,
     peak_activation_bytes,
 )
@@ -159,7 +160,7 @@ class Tables:
                 for k, policy in enumerate(self.policies):
                     c = p.cost(u, policy)
                     phases = (c.forward, c.backward)
-                    t[k, u] = sum(ph.seconds for ph in phases) * time
+                    t[k, u] = sum(_work(ph, p.launch_seconds).seconds for ph in phases) * time
                     if tensor and c.params:
                         t[k, u] += 2 * tensor * c.output_bytes * memory
                     a[k, u] = c.activation_bytes * memory
@@ -211,6 +212,7 @@ class Tables:
             stem=self._end(self.stems, arrays, arrays[4] if self.stems else 0.0),
             head=self._end(self.heads, arrays, 0.0),
             policies=self.policies,
+            launch=2 * self.profile.launch_seconds,  # a stage's F and B programs
         )
 
 

@@ -224,9 +224,12 @@ def compose(
     stem: Sequence[np.ndarray] | None,
     head: Sequence[np.ndarray] | None,
     policies: Sequence[str | None],
+    launch: float = 0.0,
 ) -> StageTables:
     """`StageTables` for ``num_stages`` stages: the stem's costs added on the first stage,
-    the head's on the last, the activations times each stage's ``in_flight`` sets.
+    the head's on the last, the activations times each stage's ``in_flight`` sets, and
+    ``launch`` seconds on every stage (its programs' launches: the per-unit times exclude
+    them).
 
     A stage's peak is ``max(state + in_flight x activations, update) + temp``: ``update``
     (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update
@@ -242,7 +245,7 @@ def compose(
         if key not in variants:
             ends = [e for e, here in zip((stem, head), key, strict=True) if here]
             allowed = upper if ends else nonempty
-            tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends)
+            tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends) + launch
             aa = intervals.activation + sum(np.asarray(e[1])[:, None, None] for e in ends)
             xx = intervals.temp
             for e in ends:
