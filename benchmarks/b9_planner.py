@@ -7,7 +7,9 @@ parallel over ``8 / S``):
 * **prediction**: ``mm.profile_units(..., mode="measured")`` of the unstaged model on the
   stage's own submesh shape and microbatch size (so nothing is scaled), the loss appended to
   the head, one transfer measured between two stages' first devices
-  (``mm.measure_transfer``); ``mm.predict`` of the plan;
+  (``mm.measure_transfer``); ``mm.predict`` of the plan. The profile is taken for each
+  pipeline after it is built and right before its steps are recorded, so that the drifting
+  load of a shared host weighs on both alike;
 * **peak bytes per device**: B4's method -- the step run op by op as the runtime runs it,
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
@@ -171,15 +173,17 @@ def _error(predicted: float, measured: float) -> float:
 
 def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str | None) -> dict:
     stages, data = len(split), _common.DEVICES // len(split)
-    profile = _profile(workload, data, policy)
-    transfer = mm.measure_transfer(0, data, repeats=5)
-    plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
-                   stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
-    prediction = mm.predict(plan, profile, transfer=transfer)
     runner = _build(workload, split, schedule, policy)
     walked = b4_memory._walk_step(runner)
     peaks = {int(d): v for d, v in walked["peak_with_temp_per_device"].items()}
     measured_peak = [max(peaks[d] for d in range(s * data, (s + 1) * data)) for s in range(stages)]
+    # profiled right before the recorded steps (not minutes earlier, for another pipeline):
+    # on a shared host the load drifts, and both sides of the comparison should see it alike
+    profile = _profile.__wrapped__(workload, data, policy)
+    transfer = mm.measure_transfer(0, data, repeats=5)
+    plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
+                   stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
+    prediction = mm.predict(plan, profile, transfer=transfer)
     calls = CALLS
     with mm.record_timeline() as timeline:
         for _ in range(calls):

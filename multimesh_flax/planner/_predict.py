@@ -23,7 +23,7 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    its stages (parameters and optimizer state; exact, from the shapes and the logical
    rules on the stage's submesh shape; optimizer state that mirrors no parameter, such as
    Adam's step counter, once per model on the first stage), plus the larger of two
-   moments, plus the largest temporary of the row's programs:
+   moments, each with its programs' largest temporary:
 
    * while the pipeline runs (`pipeline_bytes`), along the row's op order: an ``F`` adds
      its stage's activation bytes, an unsplit ``B`` frees them, a split ``B`` keeps
@@ -34,6 +34,10 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    * at the optimizer update (`update_bytes`): the new parameters and optimizer state
      beside the old ones (a step's inputs stay alive), the gradient sum and, with several
      microbatches, the last microbatch's gradients.
+
+   Each moment adds the largest temporary of the programs that run in it: the forward and
+   backward programs' while the pipeline runs, the optimizer updates' at the update (a
+   backward's scratch is gone by then).
 
    ``peak_in_flight`` still says how many activation sets a row holds at once (the
    simulator's count).
@@ -132,7 +136,8 @@ class StageCost:
         param_bytes: Parameters per device (gradients take as many).
         opt_state_bytes: Optimizer state per device.
         activation_bytes: What one microbatch keeps for the backward, per device.
-        temp_bytes: The largest temporary of the stage's programs.
+        temp_bytes: The largest temporary of the stage's forward and backward programs
+            (the update's is ``update.temp_bytes``).
         weight_kept_bytes: What one microbatch keeps from a split ``B`` to its ``W``.
     """
 
@@ -165,13 +170,14 @@ class Prediction:
             optimizer updates.
         bubble: The simulator's idle fraction of the rows' time.
         peak_bytes: Per row (submesh), peak bytes per device: ``state_bytes + max(
-            activation_bytes, update_bytes) + temp_bytes``.
+            activation_bytes + temp_bytes, update_bytes + update_temp_bytes)``.
         state_bytes: Per row, parameters and optimizer state (held all step).
         activation_bytes: Per row, the most activations and gradients alive at once
             while the pipeline runs (`pipeline_bytes`).
-        temp_bytes: Per row, the largest temporary of its programs.
+        temp_bytes: Per row, the largest temporary of its forward and backward programs.
         update_bytes: Per row, what its optimizer updates hold at once beyond the state
             (`update_bytes`): the new state beside the old, and the gradients.
+        update_temp_bytes: Per row, the largest temporary of its optimizer updates.
         peak_in_flight: Per row, the most activation sets alive at once.
         stages: Per stage, its `StageCost`.
         simulation: The simulator's `SimulationResult`.
@@ -197,6 +203,7 @@ class Prediction:
     simulation: SimulationResult
     sources: Mapping[str, Source]
     update_bytes: tuple[int, ...] = ()
+    update_temp_bytes: tuple[int, ...] = ()
     stage_paths: tuple[tuple[str, ...], ...] = ()
     rules: tuple = ()
     stage_meshes: tuple[dict, ...] = ()
@@ -234,8 +241,9 @@ class Prediction:
             lines.append(
                 f"row {row}: state {self.state_bytes[row]:,} B + max(activations and "
                 f"gradients {self.activation_bytes[row]:,} B ({self.peak_in_flight[row]} in "
-                f"flight), update {self.update_bytes[row]:,} B) + temporary "
-                f"{self.temp_bytes[row]:,} B = {peak:,} B"
+                f"flight) + temporary {self.temp_bytes[row]:,} B, update "
+                f"{self.update_bytes[row]:,} B + temporary {self.update_temp_bytes[row]:,} B) "
+                f"= {peak:,} B"
             )
         return "\n".join(lines)
 
@@ -364,7 +372,7 @@ def _stage_cost(
         param_bytes=params,
         opt_state_bytes=opt,
         activation_bytes=int(round(sum(c.activation_bytes for c in costs) * memory)),
-        temp_bytes=int(round(max((c.temp_bytes for c in costs), default=0) * memory)),
+        temp_bytes=int(round(max((c.pipeline_temp_bytes for c in costs), default=0) * memory)),
         backward=total["bw"],
         accumulate=total["a"],
         weight_kept_bytes=int(round(sum(c.weight_kept_bytes for c in costs) * memory)),
@@ -594,15 +602,19 @@ def _predict(
         sum(costs[s].param_bytes + costs[s].opt_state_bytes for s in on_row[r]) for r in rows
     )
     temp = tuple(max(costs[s].temp_bytes for s in on_row[r]) for r in rows)
+    update_temp = tuple(max(costs[s].update.temp_bytes for s in on_row[r]) for r in rows)
     return Prediction(
         plan=plan,
         step_time=step,
         bubble=result.bubble_fraction,
-        peak_bytes=tuple(state[r] + max(activations[r], updates[r]) + temp[r] for r in rows),
+        peak_bytes=tuple(
+            state[r] + max(activations[r] + temp[r], updates[r] + update_temp[r]) for r in rows
+        ),
         state_bytes=state,
         activation_bytes=activations,
         temp_bytes=temp,
         update_bytes=updates,
+        update_temp_bytes=update_temp,
         peak_in_flight=peak_activation_bytes(schedule, [1] * plan.num_stages),
         stages=costs,
         simulation=result,

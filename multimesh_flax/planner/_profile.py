@@ -134,6 +134,13 @@ class UnitCost:
     weight_kept_bytes: int = 0
 
     @property
+    def pipeline_temp_bytes(self) -> int:
+        """The largest temporary of the unit's forward and backward programs (what can
+        run while a pipeline holds activations; the optimizer update runs after)."""
+        phases = (self.forward, self.backward_input, self.backward_weight, self.backward)
+        return max(p.temp_bytes for p in phases)
+
+    @property
     def temp_bytes(self) -> int:
         """The largest temporary of the unit's programs."""
         phases = (

@@ -156,6 +156,7 @@ class Tables:
             n = len(p.units.units)
             t, a, x = (np.zeros((len(self.policies), n)) for _ in range(3))
             s, up = np.zeros(n), np.zeros(n)
+            scratch = 0  # the largest update's temporary (a bound of any stage's)
             for u in range(n):
                 for k, policy in enumerate(self.policies):
                     c = p.cost(u, policy)
@@ -164,20 +165,22 @@ class Tables:
                     if tensor and c.params:
                         t[k, u] += 2 * tensor * c.output_bytes * memory
                     a[k, u] = c.activation_bytes * memory
-                    x[k, u] = c.temp_bytes * memory
+                    x[k, u] = c.pipeline_temp_bytes * memory
                 c = p.cost(u, self.policies[0])
                 params = state_bytes(c.params, mesh, p.rules)
                 opt = state_bytes([o for o in c.opt_state if not o.shared], mesh, p.rules)
                 s[u] = 3 * params + opt  # resident state, the gradient sum and one more
                 up[u] = 2 * (params + opt) + 2 * params  # old and new state, two gradients
+                profiled = max(state_bytes(c.params, dict(p.mesh_shape), p.rules), 1)
+                scratch = max(scratch, math.ceil(c.update.temp_bytes * params / profiled))
             shared = [o for o in p.cost(self.first, self.policies[0]).opt_state if o.shared]
-            self._cache[key] = (t, a, x, s, state_bytes(shared, mesh, p.rules), up)
+            self._cache[key] = (t, a, x, s, state_bytes(shared, mesh, p.rules), up, scratch)
         return self._cache[key]
 
     def _end(self, units: list[int], arrays: tuple, extra: float) -> tuple | None:
         if not units and not extra:
             return None
-        t, a, x, s, _, up = arrays
+        t, a, x, s, _, up, _ = arrays
         return (
             t[:, units].sum(axis=1),
             a[:, units].sum(axis=1),
@@ -196,7 +199,7 @@ class Tables:
         arrays = self._unit(dict(config.mesh), rows)
         key = ("intervals", config.mesh, rows)
         if key not in self._cache:
-            t, a, x, s, shared, up = arrays
+            t, a, x, s, shared, up, _ = arrays
             layers = self.layers
             state, update = s[layers].copy(), up[layers].copy()
             if not self.stems:  # the optimizer's counters go with the first block then
@@ -213,6 +216,7 @@ class Tables:
             head=self._end(self.heads, arrays, 0.0),
             policies=self.policies,
             launch=2 * self.profile.launch_seconds,  # a stage's F and B programs
+            update_temp=arrays[6],
         )
 
 

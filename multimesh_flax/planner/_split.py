@@ -225,15 +225,18 @@ def compose(
     head: Sequence[np.ndarray] | None,
     policies: Sequence[str | None],
     launch: float = 0.0,
+    update_temp: float = 0.0,
 ) -> StageTables:
     """`StageTables` for ``num_stages`` stages: the stem's costs added on the first stage,
     the head's on the last, the activations times each stage's ``in_flight`` sets, and
     ``launch`` seconds on every stage (its programs' launches: the per-unit times exclude
     them).
 
-    A stage's peak is ``max(state + in_flight x activations, update) + temp``: ``update``
-    (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update
-    holds, state included."""
+    A stage's peak is ``max(state + in_flight x activations + temp, update)``: ``update``
+    (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update holds,
+    state included, plus ``update_temp`` (its scratch); ``temp`` is the forward and backward
+    programs' scratch, gone by the update.
+    """
     size = intervals.state.shape[-1]
     upper = np.triu(np.ones((size, size), dtype=bool))
     nonempty = np.triu(np.ones((size, size), dtype=bool), k=1)
@@ -252,11 +255,11 @@ def compose(
                 xx = np.maximum(xx, np.asarray(e[2])[:, None, None])
             ss = intervals.state + sum(e[3] for e in ends)
             uu = -INF if intervals.update is None else intervals.update
-            uu = uu + sum(e[4] for e in ends if len(e) > 4)
+            uu = uu + sum(e[4] for e in ends if len(e) > 4) + update_temp
             variants[key] = (np.where(allowed, tt, INF), aa, xx, ss, uu, allowed)
         tt, aa, xx, ss, uu, allowed = variants[key]
         times[s] = tt
-        peaks[s] = np.where(allowed, xx + np.maximum(ss + in_flight[s] * aa, uu), INF)
+        peaks[s] = np.where(allowed, np.maximum(ss + in_flight[s] * aa + xx, uu), INF)
     return StageTables(times, peaks, tuple(policies))
 
 
