@@ -28,7 +28,8 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    * while the pipeline runs (`pipeline_bytes`), along the row's op order: an ``F`` adds
      its stage's activation bytes, an unsplit ``B`` frees them, a split ``B`` keeps
      ``weight_kept_bytes`` until its ``W``; an ``F`` fused with the next op (the same
-     microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it;
+     microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it,
+     its residuals being the fused program's temporaries (`StageCost.fused_temp_bytes`);
      gradients are alive from the stage's first backward on (their running sum), twice
      while a backward makes the next microbatch's, three times in the accumulation;
    * at the optimizer update (`update_bytes`): the new parameters and optimizer state
@@ -139,6 +140,9 @@ class StageCost:
         temp_bytes: The largest temporary of the stage's forward and backward programs
             (the update's is ``update.temp_bytes``).
         weight_kept_bytes: What one microbatch keeps from a split ``B`` to its ``W``.
+        fused_temp_bytes: The temporary bytes of the stage's ``F`` and ``B`` run as one
+            program (the last stage's, fused by the runtime): the sum of its units'
+            (`UnitCost.fused_temp_bytes`; each unit's residuals stay inside it).
     """
 
     forward: PhaseCost
@@ -153,6 +157,7 @@ class StageCost:
     backward: PhaseCost = PhaseCost()
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
+    fused_temp_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -376,6 +381,7 @@ def _stage_cost(
         backward=total["bw"],
         accumulate=total["a"],
         weight_kept_bytes=int(round(sum(c.weight_kept_bytes for c in costs) * memory)),
+        fused_temp_bytes=int(round(sum(c.fused_temp_bytes for c in costs) * memory)),
     )
 
 
@@ -424,16 +430,18 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
 
     An ``F`` adds its stage's activation bytes; an unsplit ``B`` frees them; a split ``B``
     keeps ``weight_kept_bytes`` of them until its ``W``. An ``F`` fused with the next op
-    (the same microbatch's ``B``) keeps nothing beyond that op (its residuals are the fused
-    program's temporaries). The op that makes a stage's gradients (``B`` unsplit, else
-    ``W``) holds them beside the running sum of the earlier microbatches' (from the first
-    backward on), and the accumulation that follows holds the old sum, the new gradients
-    and the new sum at once.
+    (the same microbatch's ``B``) keeps nothing beyond that op: its residuals are the fused
+    program's temporaries, ``fused_temp_bytes``, counted here beyond the row's largest
+    other temporary (which the caller adds to every moment). The op that makes a stage's
+    gradients (``B`` unsplit, else ``W``) holds them beside the running sum of the earlier
+    microbatches' (from the first backward on), and the accumulation that follows holds the
+    old sum, the new gradients and the new sum at once.
     """
     split = schedule.split_backward
     grad_op = "W" if split else "B"
     out = []
     for ops in schedule.rows:
+        row_temp = max((stages[op.stage].temp_bytes for op in ops), default=0)
         live = peak = sums = 0
         summed: set[int] = set()
         fused_b: set[int] = set()
@@ -447,7 +455,8 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
                     live += c.activation_bytes
                     peak = max(peak, live + sums)
             if op.phase == grad_op:
-                peak = max(peak, live + sums + c.param_bytes)
+                extra = max(c.fused_temp_bytes - row_temp, 0) if i in fused_b else 0
+                peak = max(peak, live + sums + c.param_bytes + extra)
             if op.phase == "B":
                 live += kept if i in fused_b else kept - c.activation_bytes
             elif op.phase == "W":

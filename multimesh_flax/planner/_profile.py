@@ -1,7 +1,7 @@
 """Costs per unit: every distinct unit compiled on one submesh shape, analysed or timed.
 
 `profile_units` finds the units of a model (`_units.find_units`) and, for each distinct unit
-and each recomputation policy asked for, compiles four programs with ``jax.jit`` on a mesh
+and each recomputation policy asked for, compiles these programs with ``jax.jit`` on a mesh
 of the requested shape (the first devices of ``jax.devices()``), the unit's parameters
 sharded by its logical names through ``rules`` and its batch-sized inputs over the axes the
 rules map ``"batch"`` to:
@@ -111,6 +111,9 @@ class UnitCost:
             that are not parameters), per device.
         weight_kept_bytes: Bytes a microbatch keeps from a split backward's B to its W
             (the residuals W reads and the cotangents B hands it), per device.
+        fused_temp_bytes: The temporary bytes of the unit's forward and whole backward
+            compiled as one program (what the runtime runs on the last stage, the same
+            microbatch's F and B fused): its residuals never leave the program.
         output_bytes: Bytes of the unit's output per device: what a stage boundary after it
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
@@ -132,6 +135,7 @@ class UnitCost:
     backward: PhaseCost = PhaseCost()
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
+    fused_temp_bytes: int = 0
 
     @property
     def pipeline_temp_bytes(self) -> int:
@@ -167,9 +171,10 @@ class UnitProfile:
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
-            backward and, for a unit with both input and weight gradients, its B and W
-            halves; per unit with parameters one gradient accumulation and, with an
-            optimizer, one update; in measured mode also one empty program (the launch).
+            backward, the two as one program (its temporary bytes only) and, for a unit
+            with both input and weight gradients, its B and W halves; per unit with
+            parameters one gradient accumulation and, with an optimizer, one update; in
+            measured mode also one empty program (the launch).
         launch_seconds: Measured mode: the median time of an empty program on the
             profiled mesh (adding one to one element per device), timed in the same rounds as
             the units' programs: what every program pays however little it computes. A
@@ -523,7 +528,21 @@ class _Profiler:
             backward=whole,
             accumulate=accumulate,
             weight_kept_bytes=weight_kept,
+            fused_temp_bytes=self._fused_temp(apply, abstract_in, bool(diff) or n_params > 0),
         )
+
+    def _fused_temp(self, apply: Callable, abstract_in: tuple, grads: bool) -> int:
+        """Temporary bytes of the unit's forward and backward as one program (compiled
+        only: its memory analysis)."""
+        if not grads:
+            return 0
+
+        def fused(p: Any, d: Any, f: Any) -> Any:
+            out, vjp = jax.vjp(lambda p, d: apply(p, d, f), p, d)
+            return vjp(jax.tree_util.tree_map(jnp.ones_like, out))
+
+        _, compiled = self._compile(fused, *abstract_in)
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def _backward(
         self,
@@ -753,8 +772,8 @@ def profile_units(
         ...     GPT(get_config("gpt-tiny", num_layers=4)), jnp.zeros((4, 32), jnp.int32),
         ...     mesh_shape={"data": 1, "model": 1}, rules=LOGICAL_RULES,
         ...     optimizer=optax.sgd(1e-3))
-        >>> [u.kind for u in profile.units.units], profile.compiles  # 4 + 6 + 6
-        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 16)
+        >>> [u.kind for u in profile.units.units], profile.compiles  # 5 + 7 + 7
+        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 19)
         >>> block = profile.cost(1)
         >>> block.forward.flops > 0, str(block.forward.source)
         (True, 'analytic')

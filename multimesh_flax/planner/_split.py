@@ -196,6 +196,7 @@ class Intervals:
     temp: np.ndarray
     state: np.ndarray
     update: np.ndarray | None = None
+    fused: np.ndarray | None = None
 
 
 def interval_arrays(
@@ -204,15 +205,18 @@ def interval_arrays(
     state: np.ndarray,
     temp: np.ndarray,
     update: np.ndarray | None = None,
+    fused: np.ndarray | None = None,
 ) -> Intervals:
     """`Intervals` of per-block arrays (``[policy, block]``; ``state``, ``update``:
-    ``[block]``)."""
+    ``[block]``; ``fused``: ``[policy, block]``, the temporaries of a block's F and B as
+    one program)."""
     return Intervals(
         np.stack([_interval_sums(t) for t in time]),
         np.stack([_interval_sums(a) for a in activation]),
         np.stack([_interval_max(x) for x in temp]),
         _interval_sums(state),
         None if update is None else _interval_sums(update),
+        None if fused is None else np.stack([_interval_sums(f) for f in fused]),
     )
 
 
@@ -235,7 +239,10 @@ def compose(
     A stage's peak is ``max(state + in_flight x activations + temp, update)``: ``update``
     (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update holds,
     state included, plus ``update_temp`` (its scratch); ``temp`` is the forward and backward
-    programs' scratch, gone by the update.
+    programs' scratch, gone by the update. On the last stage, where the runtime fuses a
+    microbatch's F and B, also ``state + fused`` (``Intervals.fused`` and a sixth entry of
+    ``head``: the fused programs' temporaries; ``state`` holds three gradients' worth, the
+    fused op two).
     """
     size = intervals.state.shape[-1]
     upper = np.triu(np.ones((size, size), dtype=bool))
@@ -256,6 +263,10 @@ def compose(
             ss = intervals.state + sum(e[3] for e in ends)
             uu = -INF if intervals.update is None else intervals.update
             uu = uu + sum(e[4] for e in ends if len(e) > 4) + update_temp
+            ff = -INF
+            if key[1] and intervals.fused is not None:  # the last stage's fused F and B
+                ff = intervals.fused + sum(np.asarray(e[5])[:, None, None] for e in ends[-1:])
+            uu = np.maximum(uu, ss + ff)
             variants[key] = (np.where(allowed, tt, INF), aa, xx, ss, uu, allowed)
         tt, aa, xx, ss, uu, allowed = variants[key]
         times[s] = tt

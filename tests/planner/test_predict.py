@@ -110,8 +110,12 @@ def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):
     grads = [s.param_bytes for s in prediction.stages]
     # 1F1B, row 0: F F B F B F B B. Two sets and two gradients' worth at the second B (the
     # sum of the first and its own), one set and three in the accumulation after it.
-    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating.
-    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0]), 3 * grads[1]]
+    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating,
+    # and while the fused op runs, two beside its scratch (its units' residuals inside)
+    fused = 2 * c(1).fused_temp_bytes + c(2).fused_temp_bytes
+    assert fused > temp[1]  # the residuals do not fit in the largest unit's scratch
+    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0])]
+    pipeline.append(max(3 * grads[1], 2 * grads[1] + fused - temp[1]))
     assert prediction.peak_in_flight == (2, 1)
     for row in (0, 1):
         stage = prediction.stages[row]
