@@ -14,7 +14,7 @@ parallel over ``8 / S``):
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
   ``prediction.peak_bytes``;
-* **per-op durations**: three steps under ``mm.record_timeline()`` (each op alone: real
+* **per-op durations**: ``CALLS`` (5) steps under ``mm.record_timeline()`` (each op alone: real
   durations); per (stage, phase) the median recorded duration of the unfused ops against the
   predicted F, B (B + W when the schedule does not split the backward) and W;
 * **makespan**: the recorded ops replayed with their real dependencies

@@ -6,14 +6,20 @@ of the requested shape (the first devices of ``jax.devices()``), the unit's para
 sharded by its logical names through ``rules`` and its batch-sized inputs over the axes the
 rules map ``"batch"`` to:
 
-* **F**, the forward: ``jax.vjp`` of the unit's apply, returning the output and the vjp's
-  residuals -- what a pipeline's forward hands its backward. The residuals that are not
-  parameters, each counted once, are the *activation bytes* a microbatch keeps for its
-  backward (per device, from the compiled output shardings). Under a recomputation policy
+* **F**, the forward: ``jax.vjp`` of the unit's apply, returning the output and the
+  residuals it computes, each once (`residual_sources`) -- what the runtime's forward
+  fragment hands its backward. Residuals that are the program's own inputs (parameters,
+  the unit's input) are not returned: the runtime's backward reads those directly, and
+  returning them would make F copy every parameter. The residuals that are not parameters
+  (nor inputs without the batch dimension), each counted once, are the *activation bytes*
+  a microbatch keeps for its backward (per device). Under a recomputation policy
   the apply is wrapped in ``jax.checkpoint`` first, so the residuals shrink to what the
   policy saves (``"full"``: the inputs) and the backward recomputes the rest.
-* the **whole backward** (the residuals and the output cotangent in, the gradients of the
-  parameters and of the unit's floating-point inputs out): what an unsplit schedule runs.
+* the **whole backward** (the inputs F's residuals name, F's returned residuals and the
+  output cotangent in, the gradients of the parameters and of the unit's floating-point
+  inputs out): what an unsplit schedule runs.
+* **F and B as one program**, compiled only: its temporary bytes, what the runtime's fused
+  forward and backward of one microbatch on the last stage holds inside.
 * **B**, the activation gradient, and **W**, the weight gradient: the two halves of a split
   backward, cut from the whole backward's jaxpr the way the runtime cuts it
   (`_split_backward`): B computes what the input gradient needs and returns the cotangents
@@ -30,7 +36,9 @@ temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec`
 (at least 3 and 20 ms), then ``repeats`` rounds in which every program of every unit runs
 once, and keeps each program's median wall time (round by round, so that a load coming and
 going on a shared host slows all programs alike; every program's inputs stay alive until
-the rounds end). Bytes of the training state per device
+the rounds end). An empty program on the mesh is timed in the same rounds: its median is
+the launch every program pays (`UnitProfile.launch_seconds`), which `predict` counts once
+per stage program rather than once per unit. Bytes of the training state per device
 (parameters, gradients as large as the parameters, optimizer state) are not measured: they
 follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
 `predict` gets them for any other submesh shape without its devices.
