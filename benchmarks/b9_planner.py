@@ -7,12 +7,14 @@ parallel over ``8 / S``):
 * **prediction**: ``mm.profile_units(..., mode="measured")`` of the unstaged model on the
   stage's own submesh shape and microbatch size (so nothing is scaled), the loss appended to
   the head, one transfer measured between two stages' first devices
-  (``mm.measure_transfer``); ``mm.predict`` of the plan;
+  (``mm.measure_transfer``); ``mm.predict`` of the plan. The profile is taken for each
+  pipeline after it is built and right before its steps are recorded, so that the drifting
+  load of a shared host weighs on both alike;
 * **peak bytes per device**: B4's method -- the step run op by op as the runtime runs it,
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
   ``prediction.peak_bytes``;
-* **per-op durations**: three steps under ``mm.record_timeline()`` (each op alone: real
+* **per-op durations**: ``CALLS`` (5) steps under ``mm.record_timeline()`` (each op alone: real
   durations); per (stage, phase) the median recorded duration of the unfused ops against the
   predicted F, B (B + W when the schedule does not split the backward) and W;
 * **makespan**: the recorded ops replayed with their real dependencies
@@ -28,8 +30,9 @@ search; ``--quick`` three pipelines (``QUICK``: 1F1B on 4 stages, ZB-H1 uneven, 
 recomputation) and no heavy head.
 
 **Heavy head**: Llama-tiny with 8 blocks and a 4,096-token vocabulary (its head costs several
-blocks), 4 stages, 1F1B: ``mm.plan``'s split against the even one, both predicted and both
-recorded and replayed; the measured speedup against the predicted one.
+blocks), 4 stages, 1F1B: ``mm.plan``'s split against the even one, both built, both
+predicted from one profile taken right after, and both recorded (their steps in turn, call
+by call) and replayed; the measured speedup against the predicted one.
 """
 
 from __future__ import annotations
@@ -171,15 +174,17 @@ def _error(predicted: float, measured: float) -> float:
 
 def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str | None) -> dict:
     stages, data = len(split), _common.DEVICES // len(split)
-    profile = _profile(workload, data, policy)
-    transfer = mm.measure_transfer(0, data, repeats=5)
-    plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
-                   stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
-    prediction = mm.predict(plan, profile, transfer=transfer)
     runner = _build(workload, split, schedule, policy)
     walked = b4_memory._walk_step(runner)
     peaks = {int(d): v for d, v in walked["peak_with_temp_per_device"].items()}
     measured_peak = [max(peaks[d] for d in range(s * data, (s + 1) * data)) for s in range(stages)]
+    # profiled right before the recorded steps (not minutes earlier, for another pipeline):
+    # on a shared host the load drifts, and both sides of the comparison should see it alike
+    profile = _profile.__wrapped__(workload, data, policy)
+    transfer = mm.measure_transfer(0, data, repeats=5)
+    plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
+                   stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
+    prediction = mm.predict(plan, profile, transfer=transfer)
     calls = CALLS
     with mm.record_timeline() as timeline:
         for _ in range(calls):
@@ -222,13 +227,20 @@ HEAVY = dataclasses.replace(
 )  # a head several blocks heavy
 
 
-def _replayed(workload: _common.Workload, split: tuple, schedule: str, calls: int = CALLS) -> float:
-    runner = _build(workload, split, schedule, None)
-    with mm.record_timeline() as timeline:
-        for _ in range(calls):
-            runner.step()
-    _common.release(runner)
-    return _replayed_makespans(timeline, calls)[0]
+def _replayed_alternately(runners: dict[str, Any], calls: int = CALLS) -> dict[str, float]:
+    """Per runner, its recorded steps replayed (`_replayed_makespans`), the runners' steps
+    recorded in turn, call by call: a load coming and going on a shared host weighs on
+    every runner alike, not on the one that happened to run while it lasted."""
+    events: dict[str, list[Any]] = {name: [] for name in runners}
+    for call in range(calls):
+        for name, runner in runners.items():
+            with mm.record_timeline() as timeline:
+                runner.step()
+            events[name] += [dataclasses.replace(e, call=call) for e in timeline.events]
+    return {
+        name: _replayed_makespans(mm.core.Timeline(recorded, calls=calls), calls)[0]
+        for name, recorded in events.items()
+    }
 
 
 def heavy_head(stages: int = 4, schedule: str = "1f1b") -> dict[str, Any]:
@@ -244,11 +256,15 @@ def heavy_head(stages: int = 4, schedule: str = "1f1b") -> dict[str, Any]:
     planned = plans.best
     layers = HEAVY.config().num_layers
     even_plan = dataclasses.replace(planned.plan, layers_per_stage=(layers // stages,) * stages)
+    splits = {"planned": planned.plan.layers_per_stage, "even": even_plan.layers_per_stage}
+    runners = {name: _build(HEAVY, split, schedule, None) for name, split in splits.items()}
+    # both predictions from one profile taken right before the recorded steps (see measure)
+    profile = _profile.__wrapped__(HEAVY, data, None)
+    planned = mm.predict(planned.plan, profile, transfer=transfer)
     even = mm.predict(even_plan, profile, transfer=transfer)
-    measured = {
-        "planned": _replayed(HEAVY, planned.plan.layers_per_stage, schedule),
-        "even": _replayed(HEAVY, even_plan.layers_per_stage, schedule),
-    }
+    measured = _replayed_alternately(runners)
+    for runner in runners.values():
+        _common.release(runner)
     predicted_gain = even.step_time / planned.step_time
     measured_gain = measured["even"] / measured["planned"]
     return {

@@ -8,6 +8,9 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
 1. **Stage costs.** A stage runs the stems (stage 0), its blocks and the heads (last stage).
    Its F, B, W and update times are the sums of its units' (`UnitCost`), under the stage's
    recomputation policy, scaled from the profiled shape to the stage's (the rule below).
+   The runtime runs each of them as one program for all the stage's units, so each unit's
+   time counts without its own program's launch (`UnitProfile.launch_seconds`, measured)
+   and the stage's sum pays one launch.
    The transfer after a stage moves its last unit's output: ``TransferCost.seconds(bytes)``.
 2. **Step time and bubble.** ``mm.simulate`` replays ``mm.make_schedule(...)`` with those
    costs. Each row then runs the optimizer updates of its stages after its last op: the
@@ -20,17 +23,22 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    its stages (parameters and optimizer state; exact, from the shapes and the logical
    rules on the stage's submesh shape; optimizer state that mirrors no parameter, such as
    Adam's step counter, once per model on the first stage), plus the larger of two
-   moments, plus the largest temporary of the row's programs:
+   moments, each with its programs' largest temporary:
 
    * while the pipeline runs (`pipeline_bytes`), along the row's op order: an ``F`` adds
      its stage's activation bytes, an unsplit ``B`` frees them, a split ``B`` keeps
      ``weight_kept_bytes`` until its ``W``; an ``F`` fused with the next op (the same
-     microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it;
+     microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it,
+     its residuals being the fused program's temporaries (`StageCost.fused_temp_bytes`);
      gradients are alive from the stage's first backward on (their running sum), twice
      while a backward makes the next microbatch's, three times in the accumulation;
    * at the optimizer update (`update_bytes`): the new parameters and optimizer state
      beside the old ones (a step's inputs stay alive), the gradient sum and, with several
      microbatches, the last microbatch's gradients.
+
+   Each moment adds the largest temporary of the programs that run in it: the forward and
+   backward programs' while the pipeline runs, the optimizer updates' at the update (a
+   backward's scratch is gone by then).
 
    ``peak_in_flight`` still says how many activation sets a row holds at once (the
    simulator's count).
@@ -129,8 +137,12 @@ class StageCost:
         param_bytes: Parameters per device (gradients take as many).
         opt_state_bytes: Optimizer state per device.
         activation_bytes: What one microbatch keeps for the backward, per device.
-        temp_bytes: The largest temporary of the stage's programs.
+        temp_bytes: The largest temporary of the stage's forward and backward programs
+            (the update's is ``update.temp_bytes``).
         weight_kept_bytes: What one microbatch keeps from a split ``B`` to its ``W``.
+        fused_temp_bytes: The temporary bytes of the stage's ``F`` and ``B`` run as one
+            program (the last stage's, fused by the runtime): the sum of its units'
+            (`UnitCost.fused_temp_bytes`; each unit's residuals stay inside it).
     """
 
     forward: PhaseCost
@@ -145,6 +157,7 @@ class StageCost:
     backward: PhaseCost = PhaseCost()
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
+    fused_temp_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -162,13 +175,14 @@ class Prediction:
             optimizer updates.
         bubble: The simulator's idle fraction of the rows' time.
         peak_bytes: Per row (submesh), peak bytes per device: ``state_bytes + max(
-            activation_bytes, update_bytes) + temp_bytes``.
+            activation_bytes + temp_bytes, update_bytes + update_temp_bytes)``.
         state_bytes: Per row, parameters and optimizer state (held all step).
         activation_bytes: Per row, the most activations and gradients alive at once
             while the pipeline runs (`pipeline_bytes`).
-        temp_bytes: Per row, the largest temporary of its programs.
+        temp_bytes: Per row, the largest temporary of its forward and backward programs.
         update_bytes: Per row, what its optimizer updates hold at once beyond the state
             (`update_bytes`): the new state beside the old, and the gradients.
+        update_temp_bytes: Per row, the largest temporary of its optimizer updates.
         peak_in_flight: Per row, the most activation sets alive at once.
         stages: Per stage, its `StageCost`.
         simulation: The simulator's `SimulationResult`.
@@ -194,6 +208,7 @@ class Prediction:
     simulation: SimulationResult
     sources: Mapping[str, Source]
     update_bytes: tuple[int, ...] = ()
+    update_temp_bytes: tuple[int, ...] = ()
     stage_paths: tuple[tuple[str, ...], ...] = ()
     rules: tuple = ()
     stage_meshes: tuple[dict, ...] = ()
@@ -231,8 +246,9 @@ class Prediction:
             lines.append(
                 f"row {row}: state {self.state_bytes[row]:,} B + max(activations and "
                 f"gradients {self.activation_bytes[row]:,} B ({self.peak_in_flight[row]} in "
-                f"flight), update {self.update_bytes[row]:,} B) + temporary "
-                f"{self.temp_bytes[row]:,} B = {peak:,} B"
+                f"flight) + temporary {self.temp_bytes[row]:,} B, update "
+                f"{self.update_bytes[row]:,} B + temporary {self.update_temp_bytes[row]:,} B) "
+                f"= {peak:,} B"
             )
         return "\n".join(lines)
 
@@ -300,6 +316,13 @@ def collective_per_byte(
     return tensor * link.seconds_per_byte, replica * link.seconds_per_byte
 
 
+def _work(phase: PhaseCost, launch: float) -> PhaseCost:
+    """``phase`` without the launch of its own program (`UnitProfile.launch_seconds`)."""
+    if not launch or not phase.seconds:
+        return phase
+    return dataclasses.replace(phase, seconds=max(phase.seconds - launch, 0.0))
+
+
 def _derived(seconds: float) -> PhaseCost:
     return PhaseCost(seconds, source=Source.DERIVED)
 
@@ -317,16 +340,17 @@ def _stage_cost(
     total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u", "bw", "a")}
     params, opt = 0, 0
     tensor, replica = collective_per_byte(profile, mesh, transfer)
+    launch = profile.launch_seconds
     for c in costs:
         params_here = state_bytes(c.params, mesh, profile.rules)
         params_there = state_bytes(c.params, shape, profile.rules)
         update_scale = params_here / params_there if params_there else 1.0
-        total["f"] += c.forward.scaled(time, memory)
-        total["b"] += c.backward_input.scaled(time, memory)
-        total["w"] += c.backward_weight.scaled(time, memory)
-        total["bw"] += c.backward.scaled(time, memory)
-        total["u"] += c.update.scaled(update_scale, update_scale)
-        total["a"] += c.accumulate.scaled(update_scale, update_scale)
+        total["f"] += _work(c.forward, launch).scaled(time, memory)
+        total["b"] += _work(c.backward_input, launch).scaled(time, memory)
+        total["w"] += _work(c.backward_weight, launch).scaled(time, memory)
+        total["bw"] += _work(c.backward, launch).scaled(time, memory)
+        total["u"] += _work(c.update, launch).scaled(update_scale, update_scale)
+        total["a"] += _work(c.accumulate, launch).scaled(update_scale, update_scale)
         if tensor and c.params:  # one all-reduce of the output in the forward, one back
             total["f"] += _derived(tensor * c.output_bytes * memory)
             total["b"] += _derived(tensor * c.output_bytes * memory)
@@ -339,6 +363,11 @@ def _stage_cost(
         shared = [x for c in costs[:1] for x in c.opt_state if x.shared]
         opt += state_bytes(shared, mesh, profile.rules)
     out_bytes = costs[-1].output_bytes * memory if costs else 0
+    phases = {"f": "forward", "b": "backward_input", "w": "backward_weight", "bw": "backward"}
+    phases |= {"u": "update", "a": "accumulate"}
+    for key, name in phases.items():  # one program per stage and phase: one launch
+        if any(getattr(c, name).seconds > 0 for c in costs):
+            total[key] = dataclasses.replace(total[key], seconds=total[key].seconds + launch)
     return StageCost(
         forward=total["f"],
         backward_input=total["b"],
@@ -348,10 +377,11 @@ def _stage_cost(
         param_bytes=params,
         opt_state_bytes=opt,
         activation_bytes=int(round(sum(c.activation_bytes for c in costs) * memory)),
-        temp_bytes=int(round(max((c.temp_bytes for c in costs), default=0) * memory)),
+        temp_bytes=int(round(max((c.pipeline_temp_bytes for c in costs), default=0) * memory)),
         backward=total["bw"],
         accumulate=total["a"],
         weight_kept_bytes=int(round(sum(c.weight_kept_bytes for c in costs) * memory)),
+        fused_temp_bytes=int(round(sum(c.fused_temp_bytes for c in costs) * memory)),
     )
 
 
@@ -400,16 +430,18 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
 
     An ``F`` adds its stage's activation bytes; an unsplit ``B`` frees them; a split ``B``
     keeps ``weight_kept_bytes`` of them until its ``W``. An ``F`` fused with the next op
-    (the same microbatch's ``B``) keeps nothing beyond that op (its residuals are the fused
-    program's temporaries). The op that makes a stage's gradients (``B`` unsplit, else
-    ``W``) holds them beside the running sum of the earlier microbatches' (from the first
-    backward on), and the accumulation that follows holds the old sum, the new gradients
-    and the new sum at once.
+    (the same microbatch's ``B``) keeps nothing beyond that op: its residuals are the fused
+    program's temporaries, ``fused_temp_bytes``, counted here beyond the row's largest
+    other temporary (which the caller adds to every moment). The op that makes a stage's
+    gradients (``B`` unsplit, else ``W``) holds them beside the running sum of the earlier
+    microbatches' (from the first backward on), and the accumulation that follows holds the
+    old sum, the new gradients and the new sum at once.
     """
     split = schedule.split_backward
     grad_op = "W" if split else "B"
     out = []
     for ops in schedule.rows:
+        row_temp = max((stages[op.stage].temp_bytes for op in ops), default=0)
         live = peak = sums = 0
         summed: set[int] = set()
         fused_b: set[int] = set()
@@ -423,7 +455,8 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
                     live += c.activation_bytes
                     peak = max(peak, live + sums)
             if op.phase == grad_op:
-                peak = max(peak, live + sums + c.param_bytes)
+                extra = max(c.fused_temp_bytes - row_temp, 0) if i in fused_b else 0
+                peak = max(peak, live + sums + c.param_bytes + extra)
             if op.phase == "B":
                 live += kept if i in fused_b else kept - c.activation_bytes
             elif op.phase == "W":
@@ -578,15 +611,19 @@ def _predict(
         sum(costs[s].param_bytes + costs[s].opt_state_bytes for s in on_row[r]) for r in rows
     )
     temp = tuple(max(costs[s].temp_bytes for s in on_row[r]) for r in rows)
+    update_temp = tuple(max(costs[s].update.temp_bytes for s in on_row[r]) for r in rows)
     return Prediction(
         plan=plan,
         step_time=step,
         bubble=result.bubble_fraction,
-        peak_bytes=tuple(state[r] + max(activations[r], updates[r]) + temp[r] for r in rows),
+        peak_bytes=tuple(
+            state[r] + max(activations[r] + temp[r], updates[r] + update_temp[r]) for r in rows
+        ),
         state_bytes=state,
         activation_bytes=activations,
         temp_bytes=temp,
         update_bytes=updates,
+        update_temp_bytes=update_temp,
         peak_in_flight=peak_activation_bytes(schedule, [1] * plan.num_stages),
         stages=costs,
         simulation=result,

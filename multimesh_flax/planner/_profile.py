@@ -1,19 +1,25 @@
 """Costs per unit: every distinct unit compiled on one submesh shape, analysed or timed.
 
 `profile_units` finds the units of a model (`_units.find_units`) and, for each distinct unit
-and each recomputation policy asked for, compiles four programs with ``jax.jit`` on a mesh
+and each recomputation policy asked for, compiles these programs with ``jax.jit`` on a mesh
 of the requested shape (the first devices of ``jax.devices()``), the unit's parameters
 sharded by its logical names through ``rules`` and its batch-sized inputs over the axes the
 rules map ``"batch"`` to:
 
-* **F**, the forward: ``jax.vjp`` of the unit's apply, returning the output and the vjp's
-  residuals -- what a pipeline's forward hands its backward. The residuals that are not
-  parameters, each counted once, are the *activation bytes* a microbatch keeps for its
-  backward (per device, from the compiled output shardings). Under a recomputation policy
+* **F**, the forward: ``jax.vjp`` of the unit's apply, returning the output and the
+  residuals it computes, each once (`residual_sources`) -- what the runtime's forward
+  fragment hands its backward. Residuals that are the program's own inputs (parameters,
+  the unit's input) are not returned: the runtime's backward reads those directly, and
+  returning them would make F copy every parameter. The residuals that are not parameters
+  (nor inputs without the batch dimension), each counted once, are the *activation bytes*
+  a microbatch keeps for its backward (per device). Under a recomputation policy
   the apply is wrapped in ``jax.checkpoint`` first, so the residuals shrink to what the
   policy saves (``"full"``: the inputs) and the backward recomputes the rest.
-* the **whole backward** (the residuals and the output cotangent in, the gradients of the
-  parameters and of the unit's floating-point inputs out): what an unsplit schedule runs.
+* the **whole backward** (the inputs F's residuals name, F's returned residuals and the
+  output cotangent in, the gradients of the parameters and of the unit's floating-point
+  inputs out): what an unsplit schedule runs.
+* **F and B as one program**, compiled only: its temporary bytes, what the runtime's fused
+  forward and backward of one microbatch on the last stage holds inside.
 * **B**, the activation gradient, and **W**, the weight gradient: the two halves of a split
   backward, cut from the whole backward's jaxpr the way the runtime cuts it
   (`_split_backward`): B computes what the input gradient needs and returns the cotangents
@@ -30,7 +36,9 @@ temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec`
 (at least 3 and 20 ms), then ``repeats`` rounds in which every program of every unit runs
 once, and keeps each program's median wall time (round by round, so that a load coming and
 going on a shared host slows all programs alike; every program's inputs stay alive until
-the rounds end). Bytes of the training state per device
+the rounds end). An empty program on the mesh is timed in the same rounds: its median is
+the launch every program pays (`UnitProfile.launch_seconds`), which `predict` counts once
+per stage program rather than once per unit. Bytes of the training state per device
 (parameters, gradients as large as the parameters, optimizer state) are not measured: they
 follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
 `predict` gets them for any other submesh shape without its devices.
@@ -111,6 +119,9 @@ class UnitCost:
             that are not parameters), per device.
         weight_kept_bytes: Bytes a microbatch keeps from a split backward's B to its W
             (the residuals W reads and the cotangents B hands it), per device.
+        fused_temp_bytes: The temporary bytes of the unit's forward and whole backward
+            compiled as one program (what the runtime runs on the last stage, the same
+            microbatch's F and B fused): its residuals never leave the program.
         output_bytes: Bytes of the unit's output per device: what a stage boundary after it
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
@@ -132,6 +143,14 @@ class UnitCost:
     backward: PhaseCost = PhaseCost()
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
+    fused_temp_bytes: int = 0
+
+    @property
+    def pipeline_temp_bytes(self) -> int:
+        """The largest temporary of the unit's forward and backward programs (what can
+        run while a pipeline holds activations; the optimizer update runs after)."""
+        phases = (self.forward, self.backward_input, self.backward_weight, self.backward)
+        return max(p.temp_bytes for p in phases)
 
     @property
     def temp_bytes(self) -> int:
@@ -160,9 +179,15 @@ class UnitProfile:
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
-            backward and, for a unit with both input and weight gradients, its B and W
-            halves; per unit with parameters one gradient accumulation and, with an
-            optimizer, one update.
+            backward, the two as one program (its temporary bytes only) and, for a unit
+            with both input and weight gradients, its B and W halves; per unit with
+            parameters one gradient accumulation and, with an optimizer, one update; in
+            measured mode also one empty program (the launch).
+        launch_seconds: Measured mode: the median time of an empty program on the
+            profiled mesh (adding one to one element per device), timed in the same rounds as
+            the units' programs: what every program pays however little it computes. A
+            runtime fragment runs several units as one program and pays it once, so
+            `predict` counts it once per stage op, not once per unit. Analytic mode: 0.
     """
 
     units: UnitSet
@@ -174,6 +199,7 @@ class UnitProfile:
     mode: Source
     device: DeviceSpec
     compiles: int
+    launch_seconds: float = 0.0
 
     def cost(self, unit: int, recompute: str | None = None) -> UnitCost:
         """The `UnitCost` of distinct unit ``unit`` under ``recompute``.
@@ -302,6 +328,7 @@ class _Profiler:
         self.shape = dict(mesh.shape)
         self.updates: dict[int, tuple[list[StateLeaf], PhaseCost, PhaseCost]] = {}
         self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
+        self.seconds: dict[int, float] = {}  # measured: by id of the PhaseCost, once timed
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -344,6 +371,16 @@ class _Profiler:
             if run + 1 >= WARMUP_RUNS and time.perf_counter() - start >= WARMUP_SECONDS:
                 break
 
+    def launch(self) -> PhaseCost:
+        """The empty program, queued to be timed with the others: one added to one element
+        per device of the mesh (a program's launch and completion on its devices, nothing
+        to compute)."""
+        count = math.prod(self.shape.values())
+        spec = P(tuple(self.shape)) if count > 1 else P()
+        x = jax.ShapeDtypeStruct((count,), jnp.float32, sharding=NamedSharding(self.mesh, spec))
+        _, compiled = self._compile(lambda x: x + 1, x)
+        return self._phase(compiled, (self._concrete(x, 12),))
+
     def timed(self, costs: Sequence[UnitCost]) -> tuple[UnitCost, ...]:
         """``costs`` with the measured seconds: every program run once per round, for
         ``repeats`` rounds, and its median kept. Round by round, a load that comes and goes
@@ -357,7 +394,7 @@ class _Profiler:
         seconds = {
             id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
         }
-        self.pending = []
+        self.pending, self.seconds = [], seconds
 
         def fill(phase: PhaseCost) -> PhaseCost:
             if id(phase) not in seconds:
@@ -415,13 +452,39 @@ class _Profiler:
             res, vjp_tree["tree"] = jax.tree_util.tree_flatten(vjp)
             return out, res
 
-        jaxpr, fwd = self._compile(forward, params, diff_in, fixed_in)
-        out_sh, res_sh = fwd.output_shardings
-        out_abs, res_abs = jax.tree_util.tree_unflatten(
+        abstract_in = (params, diff_in, fixed_in)
+        flat_in = jax.tree_util.tree_leaves(abstract_in)
+        with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules):
+            whole_forward = jax.jit(forward).trace(*abstract_in).jaxpr
+        sources = residual_sources(whole_forward, vjp_tree["tree"].num_leaves)
+        first: dict[Any, int] = {}
+        for j, (kind, var) in enumerate(sources):
+            if kind == "made":
+                first.setdefault(var, j)
+        position = {var: u for u, var in enumerate(first)}
+        reads = sorted({i for kind, i in sources if kind == "in"})
+
+        def forward_kept(p: Any, d: Any, f: Any) -> Any:
+            """What the runtime's forward fragment returns: the output and the residuals it
+            makes, each once (not the inputs it was given, which the backward reads)."""
+            out, res = forward(p, d, f)
+            return out, [res[j] for j in first.values()]
+
+        jaxpr, fwd = self._compile(forward_kept, *abstract_in)
+        out_sh, kept_sh = fwd.output_shardings
+        out_abs, kept_abs = jax.tree_util.tree_unflatten(
             jax.tree_util.tree_structure(fwd.output_shardings), jaxpr.out_avals
         )
-        kept = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
-        owners = self._residual_owners(jaxpr, len(jax.tree_util.tree_leaves(params)), kept, res_sh)
+        n_params = len(jax.tree_util.tree_leaves(params))
+        unbatched = [x.shape[:1] != (self.rows,) for x in diff_in + fixed_in]  # weights passed in
+        skip = set(range(n_params)) | {n_params + k for k, u in enumerate(unbatched) if u}
+        ins_in = [flat_in[i] for i in reads]
+        kept_in = [_with(a, s) for a, s in zip(kept_abs, kept_sh, strict=True)]
+        owners = [
+            (-1, 0) if i in skip else (k, _sharded_bytes(x, x.sharding))
+            for k, (i, x) in enumerate(zip(reads, ins_in, strict=True))
+        ]
+        owners += [(len(reads) + u, _sharded_bytes(x, x.sharding)) for u, x in enumerate(kept_in)]
         activation = sum(n for j, (first, n) in enumerate(owners) if first == j)
         output_bytes = sum(
             _sharded_bytes(a, s)
@@ -429,24 +492,31 @@ class _Profiler:
                 jax.tree_util.tree_leaves(out_abs), jax.tree_util.tree_leaves(out_sh), strict=True
             )
         )
-        res_in = [_with(a, s) for a, s in zip(res_abs, res_sh, strict=True)]
         ct_in = jax.tree_util.tree_map(_with, out_abs, out_sh)
         inputs = None
         if self.mode == "measured":
-            p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate((params, diff_in, fixed_in)))
+            p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate(abstract_in))
             inputs = (p_, d_, f_)
         forward_cost = self._phase(fwd, inputs)
-        res_ct = None
+        backward_in = None
         if inputs is not None:
-            out_v, res_v = fwd(*inputs)
-            res_ct = (res_v, jax.tree_util.tree_map(jnp.ones_like, out_v))
+            out_v, kept_v = fwd(*inputs)
+            flat_v = jax.tree_util.tree_leaves(inputs)
+            ct_v = jax.tree_util.tree_map(jnp.ones_like, out_v)
+            backward_in = ([flat_v[i] for i in reads], list(kept_v), ct_v)
+
+        def backward(ins: Sequence[Any], kept: Sequence[Any], ct: Any) -> Any:
+            value = {"in": lambda i: ins[reads.index(i)], "made": lambda v: kept[position[v]]}
+            res = [value[kind](i) if kind in value else i for kind, i in sources]
+            return tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct))
+
         ct_bytes = [_sharded_bytes(x, x.sharding) for x in jax.tree_util.tree_leaves(ct_in)]
         whole, b_cost, w_cost, weight_kept = self._backward(
-            lambda res, ct: tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct)),
-            (res_in, ct_in),
-            (len(jax.tree_util.tree_leaves(params)), bool(diff)),
+            backward,
+            (ins_in, kept_in, ct_in),
+            (n_params, bool(diff)),
             [*owners, *((-1, n) for n in ct_bytes)],
-            res_ct,
+            backward_in,
             forward_cost.source,
         )
         if index not in self.updates:  # the same for every recomputation policy
@@ -466,7 +536,21 @@ class _Profiler:
             backward=whole,
             accumulate=accumulate,
             weight_kept_bytes=weight_kept,
+            fused_temp_bytes=self._fused_temp(apply, abstract_in, bool(diff) or n_params > 0),
         )
+
+    def _fused_temp(self, apply: Callable, abstract_in: tuple, grads: bool) -> int:
+        """Temporary bytes of the unit's forward and backward as one program (compiled
+        only: its memory analysis)."""
+        if not grads:
+            return 0
+
+        def fused(p: Any, d: Any, f: Any) -> Any:
+            out, vjp = jax.vjp(lambda p, d: apply(p, d, f), p, d)
+            return vjp(jax.tree_util.tree_map(jnp.ones_like, out))
+
+        _, compiled = self._compile(fused, *abstract_in)
+        return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def _backward(
         self,
@@ -529,26 +613,6 @@ class _Profiler:
 
         return jax.tree_util.tree_map(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
-    def _residual_owners(
-        self, jaxpr: Any, n_params: int, unbatched: Sequence[bool], res_sh: Sequence[Any]
-    ) -> list[tuple[int, int]]:
-        """Per residual, (the first residual holding the same value, its bytes per device);
-        (-1, 0) for parameters, inputs without the batch dimension (weights passed in, such
-        as GPT's tied table) and literals: what a microbatch keeps is the bytes of the
-        residuals that are their own first holder."""
-        invars = jaxpr.jaxpr.invars
-        params = set(invars[:n_params])
-        params.update(v for v, skip in zip(invars[n_params:], unbatched, strict=True) if skip)
-        outvars = jaxpr.jaxpr.outvars[len(jaxpr.jaxpr.outvars) - len(res_sh) :]
-        first: dict[Any, int] = {}
-        owners = []
-        for j, (var, sharding) in enumerate(zip(outvars, res_sh, strict=True)):
-            if isinstance(var, jex_core.Literal) or var in params:
-                owners.append((-1, 0))
-                continue
-            owners.append((first.setdefault(var, j), _sharded_bytes(var.aval, sharding)))
-        return owners
-
     def _update(
         self, params: Any, param_leaves: list[StateLeaf]
     ) -> tuple[list, PhaseCost, PhaseCost]:
@@ -597,6 +661,25 @@ class _Profiler:
         if self.mode == "measured":
             inputs = (self._concrete(params, 10), self._concrete(params, 11))
         return self._phase(compiled, inputs)
+
+
+def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
+    """Where each of a forward's last ``num_residuals`` outputs comes from, as the runtime's
+    forward fragment sees it: ``("in", i)``, the forward's input ``i`` (a parameter or an
+    input the backward reads directly, never an output of the fragment); ``("made", v)``,
+    a value the forward computes (``v`` names it: residuals holding the same value share
+    it, and the fragment returns it once); ``("literal", value)``, a constant."""
+    jaxpr = closed.jaxpr
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    out = []
+    for var in jaxpr.outvars[len(jaxpr.outvars) - num_residuals :]:
+        if isinstance(var, jex_core.Literal):
+            out.append(("literal", var.val))
+        elif var in inputs:
+            out.append(("in", inputs[var]))
+        else:
+            out.append(("made", var))
+    return out
 
 
 def _count(halves: SplitBackward, kind: str) -> int:
@@ -697,8 +780,8 @@ def profile_units(
         ...     GPT(get_config("gpt-tiny", num_layers=4)), jnp.zeros((4, 32), jnp.int32),
         ...     mesh_shape={"data": 1, "model": 1}, rules=LOGICAL_RULES,
         ...     optimizer=optax.sgd(1e-3))
-        >>> [u.kind for u in profile.units.units], profile.compiles  # 4 + 6 + 6
-        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 16)
+        >>> [u.kind for u in profile.units.units], profile.compiles  # 5 + 7 + 7
+        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 19)
         >>> block = profile.cost(1)
         >>> block.forward.flops > 0, str(block.forward.source)
         (True, 'analytic')
@@ -718,6 +801,7 @@ def profile_units(
     data_axes = _data_axes(rules, shape)
     profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
     last = found.instances[-1].unit
+    launch = profiler.launch() if mode == "measured" else None
     costs = profiler.timed(
         [
             profiler.profile(i, unit, policy, i == last)
@@ -736,6 +820,7 @@ def profile_units(
         mode=Source(mode),
         device=spec,
         compiles=profiler.compiles,
+        launch_seconds=profiler.seconds.get(id(launch), 0.0),
     )
 
 

@@ -148,18 +148,20 @@ def plot_prediction(
         f"{prediction.step_time * 1e3:.3f} ms, bubble {prediction.bubble:.3f}"
     )
     left = [0.0] * rows
-    moments = [
-        max(a, u)
-        for a, u in zip(
+    moments = [  # (held, temporary) of the larger moment: the pipeline's or the update's
+        max((a, t), (u, ut), key=sum)
+        for a, t, u, ut in zip(
             prediction.activation_bytes,
+            prediction.temp_bytes,
             prediction.update_bytes or (0,) * rows,
+            prediction.update_temp_bytes or (0,) * rows,
             strict=True,
         )
     ]
     parts = (
         ("state", prediction.state_bytes, "#4c72b0"),
-        ("activations + gradients, or update", moments, "#dd8452"),
-        ("temporary", prediction.temp_bytes, "#9a9a9a"),
+        ("activations + gradients, or update", [h for h, _ in moments], "#dd8452"),
+        ("temporary", [t for _, t in moments], "#9a9a9a"),
     )
     for label, values, colour in parts:
         widths = [v / 2**20 for v in values]

@@ -28,6 +28,7 @@ from multimesh_flax.planner._predict import (
     Plan,
     Prediction,
     _scales,
+    _work,
     collective_per_byte,
     peak_activation_bytes,
 )
@@ -153,36 +154,42 @@ class Tables:
             time, memory = _scales(p, mesh, rows)
             tensor, _ = collective_per_byte(p, mesh, self.link)
             n = len(p.units.units)
-            t, a, x = (np.zeros((len(self.policies), n)) for _ in range(3))
+            t, a, x, f = (np.zeros((len(self.policies), n)) for _ in range(4))
             s, up = np.zeros(n), np.zeros(n)
+            scratch = 0  # the largest update's temporary (a bound of any stage's)
             for u in range(n):
                 for k, policy in enumerate(self.policies):
                     c = p.cost(u, policy)
                     phases = (c.forward, c.backward)
-                    t[k, u] = sum(ph.seconds for ph in phases) * time
+                    t[k, u] = sum(_work(ph, p.launch_seconds).seconds for ph in phases) * time
                     if tensor and c.params:
                         t[k, u] += 2 * tensor * c.output_bytes * memory
                     a[k, u] = c.activation_bytes * memory
-                    x[k, u] = c.temp_bytes * memory
+                    x[k, u] = c.pipeline_temp_bytes * memory
+                    f[k, u] = c.fused_temp_bytes * memory
                 c = p.cost(u, self.policies[0])
                 params = state_bytes(c.params, mesh, p.rules)
                 opt = state_bytes([o for o in c.opt_state if not o.shared], mesh, p.rules)
                 s[u] = 3 * params + opt  # resident state, the gradient sum and one more
                 up[u] = 2 * (params + opt) + 2 * params  # old and new state, two gradients
+                profiled = max(state_bytes(c.params, dict(p.mesh_shape), p.rules), 1)
+                scratch = max(scratch, math.ceil(c.update.temp_bytes * params / profiled))
             shared = [o for o in p.cost(self.first, self.policies[0]).opt_state if o.shared]
-            self._cache[key] = (t, a, x, s, state_bytes(shared, mesh, p.rules), up)
+            shared_bytes = state_bytes(shared, mesh, p.rules)
+            self._cache[key] = (t, a, x, s, shared_bytes, up, scratch, f)
         return self._cache[key]
 
     def _end(self, units: list[int], arrays: tuple, extra: float) -> tuple | None:
         if not units and not extra:
             return None
-        t, a, x, s, _, up = arrays
+        t, a, x, s, _, up, _, f = arrays
         return (
             t[:, units].sum(axis=1),
             a[:, units].sum(axis=1),
             x[:, units].max(axis=1, initial=0.0),
             float(s[units].sum()) + extra,
             float(up[units].sum()) + 2 * extra,
+            f[:, units].sum(axis=1),
         )
 
     def stage_tables(self, config: Config, batch_size: int) -> StageTables | None:
@@ -195,14 +202,14 @@ class Tables:
         arrays = self._unit(dict(config.mesh), rows)
         key = ("intervals", config.mesh, rows)
         if key not in self._cache:
-            t, a, x, s, shared, up = arrays
+            t, a, x, s, shared, up, _, f = arrays
             layers = self.layers
             state, update = s[layers].copy(), up[layers].copy()
             if not self.stems:  # the optimizer's counters go with the first block then
                 state[0] += shared
                 update[0] += 2 * shared
             self._cache[key] = interval_arrays(
-                t[:, layers], a[:, layers], state, x[:, layers], update
+                t[:, layers], a[:, layers], state, x[:, layers], update, f[:, layers]
             )
         return compose(
             self._cache[key],
@@ -211,6 +218,8 @@ class Tables:
             stem=self._end(self.stems, arrays, arrays[4] if self.stems else 0.0),
             head=self._end(self.heads, arrays, 0.0),
             policies=self.policies,
+            launch=2 * self.profile.launch_seconds,  # a stage's F and B programs
+            update_temp=arrays[6],
         )
 
 
@@ -278,10 +287,10 @@ def search(
 def min_memory_plan(
     profile: UnitProfile, space: Space, transfer: TransferCost | None
 ) -> Prediction | None:
-    """The plan of ``space`` needing the least peak memory per device (``None``: no
-    configuration at all)."""
+    """The plan of ``space`` needing the least predicted peak memory per device, among each
+    configuration's split of the least bound (``None``: no configuration at all)."""
     tables = Tables(profile, space.policies, _link(profile, transfer))
-    best: tuple[float, Config, Split] | None = None
+    found: list[tuple[float, int, Config, Split]] = []
     for config in configs(space, profile):
         stage_tables = tables.stage_tables(config, space.batch_size)
         if stage_tables is None:
@@ -289,11 +298,19 @@ def min_memory_plan(
         options = [stage_tables] if space.per_stage_recompute else _uniform(stage_tables)
         for t in options:
             need, split = min_peak_split(t)
-            if np.isfinite(need) and (best is None or need < best[0]):
-                best = (need, config, split)
-    if best is None:
-        return None
-    return predict_plan(_plan(best[1], best[2], space.batch_size), profile, transfer=transfer)
+            if np.isfinite(need):
+                found.append((need, len(found), config, split))
+    best: Prediction | None = None
+    for bound, _, config, split in sorted(found, key=lambda f: f[:2]):
+        # the tables bound predict's peak from above: past the best predicted, none is lower
+        if best is not None and bound >= best.max_peak_bytes:
+            break
+        prediction = predict_plan(
+            _plan(config, split, space.batch_size), profile, transfer=transfer
+        )
+        if best is None or prediction.max_peak_bytes < best.max_peak_bytes:
+            best = prediction
+    return best
 
 
 def describe(plan: Plan) -> str:

@@ -196,6 +196,7 @@ class Intervals:
     temp: np.ndarray
     state: np.ndarray
     update: np.ndarray | None = None
+    fused: np.ndarray | None = None
 
 
 def interval_arrays(
@@ -204,15 +205,18 @@ def interval_arrays(
     state: np.ndarray,
     temp: np.ndarray,
     update: np.ndarray | None = None,
+    fused: np.ndarray | None = None,
 ) -> Intervals:
     """`Intervals` of per-block arrays (``[policy, block]``; ``state``, ``update``:
-    ``[block]``)."""
+    ``[block]``; ``fused``: ``[policy, block]``, the temporaries of a block's F and B as
+    one program)."""
     return Intervals(
         np.stack([_interval_sums(t) for t in time]),
         np.stack([_interval_sums(a) for a in activation]),
         np.stack([_interval_max(x) for x in temp]),
         _interval_sums(state),
         None if update is None else _interval_sums(update),
+        None if fused is None else np.stack([_interval_sums(f) for f in fused]),
     )
 
 
@@ -224,13 +228,22 @@ def compose(
     stem: Sequence[np.ndarray] | None,
     head: Sequence[np.ndarray] | None,
     policies: Sequence[str | None],
+    launch: float = 0.0,
+    update_temp: float = 0.0,
 ) -> StageTables:
     """`StageTables` for ``num_stages`` stages: the stem's costs added on the first stage,
-    the head's on the last, the activations times each stage's ``in_flight`` sets.
+    the head's on the last, the activations times each stage's ``in_flight`` sets, and
+    ``launch`` seconds on every stage (its programs' launches: the per-unit times exclude
+    them).
 
-    A stage's peak is ``max(state + in_flight x activations, update) + temp``: ``update``
-    (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update
-    holds, state included."""
+    A stage's peak is ``max(state + in_flight x activations + temp, update)``: ``update``
+    (where given; a fifth entry of ``stem`` / ``head``) is what the optimizer update holds,
+    state included, plus ``update_temp`` (its scratch); ``temp`` is the forward and backward
+    programs' scratch, gone by the update. On the last stage, where the runtime fuses a
+    microbatch's F and B, also ``state + fused`` (``Intervals.fused`` and a sixth entry of
+    ``head``: the fused programs' temporaries; ``state`` holds three gradients' worth, the
+    fused op two).
+    """
     size = intervals.state.shape[-1]
     upper = np.triu(np.ones((size, size), dtype=bool))
     nonempty = np.triu(np.ones((size, size), dtype=bool), k=1)
@@ -242,18 +255,22 @@ def compose(
         if key not in variants:
             ends = [e for e, here in zip((stem, head), key, strict=True) if here]
             allowed = upper if ends else nonempty
-            tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends)
+            tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends) + launch
             aa = intervals.activation + sum(np.asarray(e[1])[:, None, None] for e in ends)
             xx = intervals.temp
             for e in ends:
                 xx = np.maximum(xx, np.asarray(e[2])[:, None, None])
             ss = intervals.state + sum(e[3] for e in ends)
             uu = -INF if intervals.update is None else intervals.update
-            uu = uu + sum(e[4] for e in ends if len(e) > 4)
+            uu = uu + sum(e[4] for e in ends if len(e) > 4) + update_temp
+            ff = -INF
+            if key[1] and intervals.fused is not None:  # the last stage's fused F and B
+                ff = intervals.fused + sum(np.asarray(e[5])[:, None, None] for e in ends[-1:])
+            uu = np.maximum(uu, ss + ff)
             variants[key] = (np.where(allowed, tt, INF), aa, xx, ss, uu, allowed)
         tt, aa, xx, ss, uu, allowed = variants[key]
         times[s] = tt
-        peaks[s] = np.where(allowed, xx + np.maximum(ss + in_flight[s] * aa, uu), INF)
+        peaks[s] = np.where(allowed, np.maximum(ss + in_flight[s] * aa + xx, uu), INF)
     return StageTables(times, peaks, tuple(policies))
 
 

@@ -1,6 +1,8 @@
 """predict: bubble and step against mm.simulate, in-flight activation sets against the
 schedules' known counts, parameter bytes against the placed model, scaling, bad plans."""
 
+import dataclasses
+
 import jax
 import optax
 import pytest
@@ -80,16 +82,40 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
     assert prediction.sources["step_time"] is Source.DERIVED
 
 
+def test_a_stage_pays_one_launch_per_program(gpt_profile):
+    # the runtime runs a stage's units as one program per phase: each unit's time counts
+    # without its own program's launch, the stage's once
+    phases = ("forward", "backward", "update")
+    launch = min(getattr(c, f).seconds for c in gpt_profile.costs for f in phases) / 2
+    launched = dataclasses.replace(gpt_profile, launch_seconds=launch)
+    plan = Plan((1, 3), microbatches=4)
+    plain = mm.predict(plan, gpt_profile, transfer=FREE).stages
+    stages = mm.predict(plan, launched, transfer=FREE).stages
+    for s, (units, updated) in enumerate([(2, 2), (4, 4)]):  # stage 0: the stem and a block
+        for f in ("forward", "backward"):
+            got, alone = getattr(stages[s], f).seconds, getattr(plain[s], f).seconds
+            assert got == pytest.approx(alone - (units - 1) * launch)
+        assert stages[s].update.seconds == pytest.approx(
+            plain[s].update.seconds - (updated - 1) * launch
+        )
+
+
 def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):
     prediction = mm.predict(Plan((2, 2), microbatches=4), gpt_profile)
     c = gpt_profile.cost
     act = c(0).activation_bytes + 2 * c(1).activation_bytes
-    temp = [max(c(0).temp_bytes, c(1).temp_bytes), max(c(1).temp_bytes, c(2).temp_bytes)]
+    # each moment with its own programs' scratch: the backward's is gone at the update
+    temp = [max(c(u).pipeline_temp_bytes for u in us) for us in ([0, 1], [1, 2])]
+    update_temp = [max(c(u).update.temp_bytes for u in us) for us in ([0, 1], [1, 2])]
     grads = [s.param_bytes for s in prediction.stages]
     # 1F1B, row 0: F F B F B F B B. Two sets and two gradients' worth at the second B (the
     # sum of the first and its own), one set and three in the accumulation after it.
-    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating.
-    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0]), 3 * grads[1]]
+    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating,
+    # and while the fused op runs, two beside its scratch (its units' residuals inside)
+    fused = 2 * c(1).fused_temp_bytes + c(2).fused_temp_bytes
+    assert fused > temp[1]  # the residuals do not fit in the largest unit's scratch
+    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0])]
+    pipeline.append(max(3 * grads[1], 2 * grads[1] + fused - temp[1]))
     assert prediction.peak_in_flight == (2, 1)
     for row in (0, 1):
         stage = prediction.stages[row]
@@ -98,7 +124,9 @@ def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):
         assert prediction.state_bytes[row] == state
         assert prediction.activation_bytes[row] == pipeline[row]
         assert prediction.update_bytes[row] == update
-        assert prediction.peak_bytes[row] == state + max(pipeline[row], update) + temp[row]
+        assert prediction.peak_bytes[row] == state + max(
+            pipeline[row] + temp[row], update + update_temp[row]
+        )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,10 @@ def test_dense_flops_equal_xla_on_one_device(mlp_profile):
     expected = _xla_flops(lambda p, x: dense.apply({"params": p}, x), params, x)
     cost = mlp_profile.cost(0)
     assert cost.forward.flops == expected
+    # and it returns what the runtime's forward fragment does: the output alone, not copies
+    # of the input and the kernel it was given (the vjp's residuals; the backward reads them)
+    plain = jax.jit(lambda p, x: dense.apply({"params": p}, x)).lower(params, x).compile()
+    assert cost.forward.bytes_accessed == plain.cost_analysis()["bytes accessed"]
     # the weight gradient x^T g and the input gradient g W^T are one matmul each
     matmul = 2 * 8 * 16 * 16
     assert cost.backward_weight.flops >= matmul and cost.backward_input.flops >= matmul
@@ -108,6 +112,9 @@ def test_measured_mode_times_the_programs(mlp_profile):
     cost = measured.cost(0)
     assert measured.mode is Source.MEASURED and cost.forward.source is Source.MEASURED
     assert cost.forward.seconds > 0 and cost.backward_weight.seconds > 0
+    # the empty program's launch, timed with them (one more compile); none when analytic
+    assert measured.launch_seconds > 0 and mlp_profile.launch_seconds == 0
+    assert measured.compiles == mlp_profile.compiles + 1
     assert cost.forward.flops == mlp_profile.cost(0).forward.flops  # FLOPs stay analytic
 
 

@@ -98,8 +98,10 @@ def test_memory_tables_equal_predicts_peaks(gpt_profile):
             for s in range(3):
                 peak = stage_tables.peak[s, k, bounds[s], bounds[s + 1]]
                 # a bound of predict's: the tables keep every in-flight set to its backward,
-                # predict none past the last stage's fused forward and backward
+                # predict none past the last stage's fused forward and backward; the tables
+                # add the largest update scratch of any unit, predict the stage's own
                 slack = prediction.stages[s].activation_bytes if s == 2 else 0
+                slack += tables._unit(dict(config.mesh), 8)[6]
                 assert prediction.peak_bytes[s] <= peak <= prediction.peak_bytes[s] + slack
                 stage = prediction.stages[s]
                 seconds = stage.forward.seconds + stage.backward.seconds
