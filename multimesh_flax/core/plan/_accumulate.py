@@ -251,10 +251,20 @@ def bundle_sums(
     for members in bundles.values():
         if len(members) > 1:
             replaced.update({i: [] for i in members})
-            replaced[members[0]] = [_bundle([eqns[i] for i in members])]
+            ordered = sorted(members, key=lambda i: _operand_rank(eqns, producer, i))
+            replaced[members[0]] = [_bundle([eqns[i] for i in ordered])]
     if not replaced:
         return traced, plan
     return _rebuild(traced, plan, replaced)
+
+
+def _operand_rank(eqns: Any, producer: dict[Any, int], i: int) -> int:
+    """Where the sum ``eqns[i]``'s new operand (its second) is among its producer's results:
+    the same for every link of a chain, so each microbatch's bundle lists its sums in the
+    same order (the links run inside their units, ``fragment._sums``, and a unit's copies
+    must stay one program) whatever order the plan's rewrites left them in."""
+    v = eqns[i].invars[1]
+    return eqns[producer[v]].outvars.index(v)
 
 
 def is_bundle(eqn: Any) -> bool:

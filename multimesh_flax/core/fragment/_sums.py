@@ -1,0 +1,131 @@
+"""Running sums over microbatches into the units that produce their operands.
+
+Under a schedule the plan rewrites each gradient sum over microbatches as a chain in the
+order the microbatches' backwards finish, one bundled addition per link
+(``plan._accumulate``): ``acc_k = acc_{k-1} + g_k``, where ``g_k`` are one block's
+gradients from the backward (or, zero-bubble, the weight-gradient) unit of microbatch ``k``
+and ``acc_{k-1}`` comes from the same unit of the previous microbatch on the same submesh.
+As glue, each link would be a fragment of its own: one more program per microbatch and
+stage to dispatch, with every gradient and running sum a boundary buffer.
+
+:func:`sums_into_units` moves such a link into the unit fragment that produces its operands,
+at the unit's end, when every other operand is made earlier on the same submesh -- the
+previous link, now in the previous microbatch's unit, or that unit's gradients for the
+first link. A submesh runs its fragments in dispatch order, so the unit already starts
+after those operands exist: the move adds no ordering constraint, and the sum runs on the
+same values in the same order (bit for bit). What it changes: the link no longer waits for
+a dispatch of its own, and the unit's results that go to another submesh (the activation
+gradients for the previous stage) leave once the additions are done too -- inside one
+program they cost a pass over the gradients, not a dispatch. A link whose operands meet
+from two submeshes (a tied table's partial sums) stays where it was.
+
+Programs: the unit whose gradients start a chain keeps no link, every later one gets one of
+the same shape, so a stage's backward compiles as two programs (without and with the
+link) where it was one program plus the glue link: no more executables. The running sum a
+link reads is *donated* to the unit (``Fragment.donate``) when nothing else reads it, so
+the sum's buffer is reused for the next one and memory does not grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax.extend.core as jex
+
+from multimesh_flax.core.plan import is_bundle
+from multimesh_flax.core.trace import TracedProgram, is_sum
+
+ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
+
+
+def _running_sums(traced: TracedProgram) -> set[int]:
+    """Ids of the equations that may move: sums over microbatches the plan made (bundles,
+    and single additions outside every microbatch that it left unbundled)."""
+    found = set()
+    for equation in traced.equations:
+        eqn = equation.eqn
+        glue = equation.label is None or equation.mixed
+        if glue and equation.microbatch is None and (is_bundle(eqn) or is_sum(eqn)):
+            found.add(id(eqn))
+    return found
+
+
+def _target(order: Sequence[Any], made_at: dict[Any, int], eqn: Any, pos: int) -> int | None:
+    """The position of the unit ``eqn`` (in the glue fragment at ``pos``) may run at the end
+    of, or ``None``: the latest producer of its operands, a unit on the same place before
+    ``pos``, every other operand made on that place no later."""
+    producers = [made_at.get(v) for v in eqn.invars if not isinstance(v, jex.Literal)]
+    if not producers or None in producers or eqn.effects:
+        return None
+    place = order[pos].place
+    target = max(producers)
+    if target >= pos or order[target].unit is None:
+        return None
+    if any(order[q].place != place for q in producers):
+        return None
+    return target
+
+
+def sums_into_units(traced: TracedProgram, order: Sequence[Any]) -> list[Any] | None:
+    """``order`` (fragments in dispatch order) with each running sum over microbatches moved
+    to the end of the unit producing its operands, where that adds no ordering constraint
+    (see module doc).
+
+    Returns ``None`` when nothing moves; otherwise a new list, with new fragments where
+    equations moved (their boundaries for the caller to recompute, then
+    :func:`donate_running_sums`); ``order`` is not edited.
+    """
+    movable = _running_sums(traced) if ENABLED else set()
+    if not movable:
+        return None
+    made_at = {v: p for p, frag in enumerate(order) for e in frag.eqns for v in e.outvars}
+    moves: dict[int, list[Any]] = {}  # target position -> equations, in order
+    for pos, frag in enumerate(order):
+        if frag.unit is not None:
+            continue
+        for eqn in frag.eqns:
+            target = _target(order, made_at, eqn, pos) if id(eqn) in movable else None
+            if target is None:
+                continue
+            moves.setdefault(target, []).append(eqn)
+            made_at.update((v, target) for v in eqn.outvars)
+    if not moves:
+        return None
+    moved = {id(e) for eqns in moves.values() for e in eqns}
+    new = list(order)
+    for pos, frag in enumerate(order):
+        if pos in moves or any(id(e) in moved for e in frag.eqns):
+            kept = [e for e in frag.eqns if id(e) not in moved]
+            new[pos] = dataclasses.replace(frag, eqns=[*kept, *moves.get(pos, ())])
+    return new
+
+
+def donate_running_sums(traced: TracedProgram, fragments: Sequence[Any]) -> list[Any]:
+    """``fragments`` (boundaries set) with, in each unit, the operands of its running sums
+    that an earlier fragment made and that nothing else reads nor the program returns
+    marked as donated (``Fragment.donate``): the unit may reuse their buffers."""
+    movable = _running_sums(traced)
+    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    made = {v for frag in fragments for v in frag.outvars}
+    readers: dict[Any, int] = {}
+    for frag in fragments:
+        for v in frag.invars:
+            readers[v] = readers.get(v, 0) + 1
+    result = []
+    for frag in fragments:
+        inputs = set(frag.invars)
+        donate = tuple(
+            dict.fromkeys(
+                v
+                for e in (frag.eqns if frag.unit is not None else ())
+                if id(e) in movable
+                for v in e.invars
+                if not isinstance(v, jex.Literal)
+                and v in inputs
+                and v in made and v not in outputs and readers[v] == 1
+            )
+        )
+        result.append(dataclasses.replace(frag, donate=donate) if donate else frag)
+    return result
