@@ -124,7 +124,9 @@ def donate_running_sums(traced: TracedProgram, fragments: Sequence[Any]) -> list
                 for v in e.invars
                 if not isinstance(v, jex.Literal)
                 and v in inputs
-                and v in made and v not in outputs and readers[v] == 1
+                and v in made
+                and v not in outputs
+                and readers[v] == 1
             )
         )
         result.append(dataclasses.replace(frag, donate=donate) if donate else frag)
