@@ -357,7 +357,8 @@ def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list
     moved = _sums.sums_into_units(traced, fused)
     if moved is None:
         return fused
-    return _sums.donate_running_sums(traced, _rebuild_boundaries(traced, moved))
+    order, links = moved
+    return _sums.donate_running_sums(traced, _rebuild_boundaries(traced, order), links)
 
 
 def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Partition:

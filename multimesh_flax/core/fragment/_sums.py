@@ -29,10 +29,14 @@ the sum's buffer is reused for the next one and memory does not grow.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import jax.extend.core as jex
+import jax.numpy as jnp
+from jax.extend.core import primitives
 
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.trace import TracedProgram, is_sum
@@ -68,14 +72,17 @@ def _target(order: Sequence[Any], made_at: dict[Any, int], eqn: Any, pos: int) -
     return target
 
 
-def sums_into_units(traced: TracedProgram, order: Sequence[Any]) -> list[Any] | None:
+def sums_into_units(
+    traced: TracedProgram, order: Sequence[Any]
+) -> tuple[list[Any], set[int]] | None:
     """``order`` (fragments in dispatch order) with each running sum over microbatches moved
-    to the end of the unit producing its operands, where that adds no ordering constraint
-    (see module doc).
+    to the end of the unit producing its operands, where that adds no ordering constraint,
+    and each chain started from zeros (see module doc).
 
-    Returns ``None`` when nothing moves; otherwise a new list, with new fragments where
-    equations moved (their boundaries for the caller to recompute, then
-    :func:`donate_running_sums`); ``order`` is not edited.
+    Returns ``None`` when nothing moves; otherwise the new list, with new fragments where
+    equations moved or a chain's zeros are made (their boundaries for the caller to
+    recompute, then :func:`donate_running_sums`), and the ids of the links now in units.
+    ``order`` is not edited.
     """
     movable = _running_sums(traced) if ENABLED else set()
     if not movable:
@@ -96,17 +103,88 @@ def sums_into_units(traced: TracedProgram, order: Sequence[Any]) -> list[Any] | 
     moved = {id(e) for eqns in moves.values() for e in eqns}
     new = list(order)
     for pos, frag in enumerate(order):
-        if pos in moves or any(id(e) in moved for e in frag.eqns):
-            kept = [e for e in frag.eqns if id(e) not in moved]
-            new[pos] = dataclasses.replace(frag, eqns=[*kept, *moves.get(pos, ())])
-    return new
+        if any(id(e) in moved for e in frag.eqns):
+            new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
+    starts = _start_from_zeros(order, made_at, moves)
+    for pos, eqns in moves.items():
+        new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
+    return _with_zeros(new, starts), {id(e) for eqns in moves.values() for e in eqns}
 
 
-def donate_running_sums(traced: TracedProgram, fragments: Sequence[Any]) -> list[Any]:
+def _left(eqn: Any) -> list[Any]:
+    """The running-sum operands of a link (the first half of a bundle's, an addition's
+    first)."""
+    return list(eqn.invars[: max(1, len(eqn.invars) // 2)])
+
+
+def _start_from_zeros(
+    order: Sequence[Any], made_at: dict[Any, int], moves: dict[int, list[Any]]
+) -> dict[int, list[Any]]:
+    """Gives the unit each moved chain starts in a first link ``zeros + g``, so every unit
+    of the chain runs the same program (edits ``moves``).
+
+    A chain's first link adds the gradients of two units (``g_0 + g_1``): its running-sum
+    operands come from a unit, not from a link. It becomes ``acc_0 + g_1``, ``acc_0 = zeros
+    + g_0`` running at the end of ``g_0``'s unit. Returns, per position of such a unit, the
+    zeros variables it reads (made by a fragment dispatched right before it).
+    """
+    made_by_link = {v for eqns in moves.values() for e in eqns for v in e.outvars}
+    starts: dict[int, list[Any]] = {}
+    for pos, eqns in list(moves.items()):
+        for k, eqn in enumerate(eqns):
+            left = _left(eqn)
+            first = {made_at.get(v) for v in left}
+            if len(first) != 1 or any(v in made_by_link for v in left):
+                continue
+            (unit,) = first
+            if unit is None or unit >= pos or order[unit].unit is None:
+                continue
+            zeros = [jex.Var(v.aval) for v in left]
+            acc = [jex.Var(v.aval) for v in left]
+            moves.setdefault(unit, []).append(eqn.replace(invars=[*zeros, *left], outvars=acc))
+            eqns[k] = eqn.replace(invars=[*acc, *eqn.invars[len(left) :]])
+            starts.setdefault(unit, []).extend(zeros)
+    return starts
+
+
+def _with_zeros(order: list[Any], starts: dict[int, list[Any]]) -> list[Any]:
+    """``order`` with, right before each unit position in ``starts``, a glue fragment that
+    makes its zeros (no inputs: the compiler pins its results to the place, replicated)."""
+    if not starts:
+        return order
+    index = 1 + max(p.index for f in order for p in f.parts or (f,))
+    result = []
+    for pos, frag in enumerate(order):
+        if pos in starts:
+            zeros = starts[pos]
+            eqn = _zeros_eqn(tuple((v.aval.shape, v.aval.dtype) for v in zeros), zeros)
+            result.append(type(frag)(index=index, place=frag.place, label=None, eqns=[eqn]))
+            index += 1
+        result.append(frag)
+    return result
+
+
+def _zeros_eqn(signature: tuple[Any, ...], outvars: list[Any]) -> Any:
+    return jex.new_jaxpr_eqn(
+        [], outvars, primitives.closed_call_p, _zeros_params(signature), frozenset()
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_params(signature: tuple[Any, ...]) -> dict[str, Any]:
+    """The parameters of a call making zeros of each ``(shape, dtype)`` (one dict per
+    signature, so the zeros of every step's chains share one program)."""
+    closed = jax.make_jaxpr(lambda: tuple(jnp.zeros(s, d) for s, d in signature))()
+    return {"call_jaxpr": closed}
+
+
+def donate_running_sums(
+    traced: TracedProgram, fragments: Sequence[Any], links: set[int]
+) -> list[Any]:
     """``fragments`` (boundaries set) with, in each unit, the operands of its running sums
-    that an earlier fragment made and that nothing else reads nor the program returns
-    marked as donated (``Fragment.donate``): the unit may reuse their buffers."""
-    movable = _running_sums(traced)
+    (``links``: equation ids) that an earlier fragment made and that nothing else reads nor
+    the program returns marked as donated (``Fragment.donate``): the unit may reuse their
+    buffers."""
     outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     made = {v for frag in fragments for v in frag.outvars}
     readers: dict[Any, int] = {}
@@ -120,7 +198,7 @@ def donate_running_sums(traced: TracedProgram, fragments: Sequence[Any]) -> list
             dict.fromkeys(
                 v
                 for e in (frag.eqns if frag.unit is not None else ())
-                if id(e) in movable
+                if id(e) in links
                 for v in e.invars
                 if not isinstance(v, jex.Literal)
                 and v in inputs
