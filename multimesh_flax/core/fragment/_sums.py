@@ -1,29 +1,39 @@
-"""Running sums over microbatches into the units that produce their operands.
+"""Running sums over microbatches inside the units that produce their operands.
 
 Under a schedule the plan rewrites each gradient sum over microbatches as a chain in the
 order the microbatches' backwards finish, one bundled addition per link
 (``plan._accumulate``): ``acc_k = acc_{k-1} + g_k``, where ``g_k`` are one block's
 gradients from the backward (or, zero-bubble, the weight-gradient) unit of microbatch ``k``
 and ``acc_{k-1}`` comes from the same unit of the previous microbatch on the same submesh.
-As glue, each link would be a fragment of its own: one more program per microbatch and
-stage to dispatch, with every gradient and running sum a boundary buffer.
+As glue, each link is a fragment of its own: one more op per microbatch and stage to
+dispatch, with 2n arguments and n results for n gradients.
 
-:func:`sums_into_units` moves such a link into the unit fragment that produces its operands,
-at the unit's end, when every other operand is made earlier on the same submesh -- the
-previous link, now in the previous microbatch's unit, or that unit's gradients for the
-first link. A submesh runs its fragments in dispatch order, so the unit already starts
-after those operands exist: the move adds no ordering constraint, and the sum runs on the
-same values in the same order (bit for bit). What it changes: the link no longer waits for
-a dispatch of its own, and the unit's results that go to another submesh (the activation
-gradients for the previous stage) leave once the additions are done too -- inside one
-program they cost a pass over the gradients, not a dispatch. A link whose operands meet
-from two submeshes (a tied table's partial sums) stays where it was.
+:func:`sums_into_units` moves such a link to the end of the unit fragment that produces its
+operands when every other operand is made earlier on the same submesh -- by the previous
+microbatch's unit. A submesh runs its fragments in dispatch order, so the unit already
+starts after those operands exist: the move adds no ordering constraint, and the sums add
+the same values in the same order. What it changes: the link no longer costs an op, and
+the unit's results that go to another submesh (the activation gradients for the previous
+stage) leave once the additions are done too. A link whose operands meet from two submeshes
+(a tied table's partial sums) stays where it was.
 
-Programs: the unit whose gradients start a chain keeps no link, every later one gets one of
-the same shape, so a stage's backward compiles as two programs (without and with the
-link) where it was one program plus the glue link: no more executables. The running sum a
-link reads is *donated* to the unit (``Fragment.donate``) when nothing else reads it, so
-the sum's buffer is reused for the next one and memory does not grow.
+*One program per unit.* A chain's first link adds two units' gradients (``g_0 + g_1``); moved
+as it is, the first unit would run without a link and the others with one: two programs
+of every backward (a full backward compile more each, measured 1.5-2 s for gpt-tiny's
+stages). So each chain starts from zeros: ``acc_0 = zeros + g_0`` runs in the first unit,
+the zeros made by a small glue fragment with no inputs dispatched right before it
+(replicated on its submesh: the compiler pins a fragment without inputs there). Every copy
+of the unit then runs one program, and the glue programs of the links are gone. ``0 + g`` is
+``g`` for every float but ``-0.0``, which becomes ``+0.0``: a final sum differs from the
+unmoved chain's only where every microbatch's gradient element is ``-0.0`` (it is then
+``+0.0``, an equal value); everywhere else it is the same bit for bit. Where
+a unit gives its sums a sharding other than replicated (a tensor-parallel stage), the first
+unit receives its zeros in another sharding than the others receive their running sum, and
+``jax.jit`` compiles that unit a second time -- the cost of the link-free first unit, no more.
+
+The running sum a link reads (the zeros, for the first) is *donated* to the unit
+(``Fragment.donate``) when nothing else reads it, so the sum's buffer is reused for the next
+one and memory does not grow.
 """
 
 from __future__ import annotations

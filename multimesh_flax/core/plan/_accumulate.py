@@ -23,6 +23,9 @@ whose body holds those additions. They are one unit of work anyway -- same input
 so the same place and the same ready time -- and the passes after it, the runtime's op list
 and the fragments' jaxprs then carry a few equations per microbatch instead of one per
 parameter (70 of gpt-tiny's 135 per microbatch). The values are the same bit for bit.
+Once the fragments are in dispatch order, each bundle runs at the end of the backward unit
+that makes its gradients (``fragment._sums``); a bundle lists its sums in the order of
+its gradients among the unit's results, so every microbatch's bundle has one body.
 """
 
 from __future__ import annotations
