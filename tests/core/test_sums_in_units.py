@@ -146,11 +146,15 @@ def test_each_microbatch_sums_its_gradients_in_the_unit_making_them(schedule, st
     assert len(units) == stages
     for key, frags in units.items():
         assert len(frags) == M, (key, [f.index for f in frags])
-        # Every unit adds its three gradients to the running sum (one bundle), consuming
-        # the running sum the previous unit returned; the first one starts from zeros made
-        # by a glue fragment right before it.
-        counts = [sum(is_bundle(e) for e in f.eqns) for f in frags]
-        assert counts == [1] * M, (key, counts)
+        # Every unit adds its three gradients to the running sums (in bundles, one per
+        # block making some of them), consuming the running sums the previous unit returned;
+        # the first one starts from zeros made by a glue fragment right before it. (The
+        # loss's scalar sum is a bundle of its own.)
+        counts = [
+            sum(len(e.outvars) for e in f.eqns if is_bundle(e) and e.outvars[0].aval.shape)
+            for f in frags
+        ]
+        assert counts == [3] * M, (key, counts)
         for before, after in zip(frags, frags[1:], strict=False):
             assert len(set(after.donate) & set(before.outvars)) == 3, (key, after.index)
         zeros = on.partition.fragments[on.partition.fragments.index(frags[0]) - 1]

@@ -31,6 +31,11 @@ a unit gives its sums a sharding other than replicated (a tensor-parallel stage)
 unit receives its zeros in another sharding than the others receive their running sum, and
 ``jax.jit`` compiles that unit a second time -- the cost of the link-free first unit, no more.
 
+Inside the unit a link's gradients pass an optimization barrier before the additions
+(``plan.behind_barrier``): otherwise XLA may fuse an addition into the computation of its
+gradient (a tensor-parallel stage's matrix product accumulating onto the running sum), which
+rounds differently; with the barrier the sums stay the same bit for bit.
+
 The running sum a link reads (the zeros, for the first) is *donated* to the unit
 (``Fragment.donate``) when nothing else reads it, so the sum's buffer is reused for the next
 one and memory does not grow.
@@ -48,7 +53,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.extend.core import primitives
 
-from multimesh_flax.core.plan import is_bundle
+from multimesh_flax.core.plan import behind_barrier, is_bundle
 from multimesh_flax.core.trace import TracedProgram, is_sum
 
 ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
@@ -116,9 +121,10 @@ def sums_into_units(
         if any(id(e) in moved for e in frag.eqns):
             new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
     starts = _start_from_zeros(order, made_at, moves)
-    for pos, eqns in moves.items():
+    links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
+    for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
-    return _with_zeros(new, starts), {id(e) for eqns in moves.values() for e in eqns}
+    return _with_zeros(new, starts), {id(e) for eqns in links.values() for e in eqns}
 
 
 def _left(eqn: Any) -> list[Any]:

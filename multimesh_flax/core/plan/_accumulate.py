@@ -34,6 +34,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
@@ -291,17 +292,47 @@ def _bundle(sums: list[Any]) -> Any:
     )
 
 
+def behind_barrier(eqn: Any) -> Any:
+    """The sum or bundle of sums ``eqn`` as a bundle whose second operands pass an
+    optimization barrier first: the same additions, which the compiler cannot fuse into the
+    computation of those operands (a matrix product accumulating onto the running sum would
+    round differently). For sums that run inside the program making their operands
+    (``fragment._sums``)."""
+    if is_bundle(eqn):
+        body = eqn.params["call_jaxpr"].jaxpr
+        signature = tuple(
+            (e.primitive, tuple(v.aval for v in e.invars), e.outvars[0].aval) for e in body.eqns
+        )
+    else:
+        signature = ((eqn.primitive, tuple(v.aval for v in eqn.invars), eqn.outvars[0].aval),)
+    return eqn.replace(
+        primitive=primitives.closed_call_p, params=_bundle_params(signature, barrier=True)
+    )
+
+
 @functools.lru_cache(maxsize=256)
-def _bundle_params(signature: tuple[Any, ...]) -> dict[str, Any]:
+def _bundle_params(signature: tuple[Any, ...], barrier: bool = False) -> dict[str, Any]:
     """The parameters of a bundle of sums (its body), one dict per signature: bundles of the
     same parameters' gradients (one per microbatch) share it, as the copies of a block share
-    theirs, and later passes that remember a parameter dict by identity see them as one."""
+    theirs, and later passes that remember a parameter dict by identity see them as one.
+    ``barrier``: the second operands pass an optimization barrier first."""
     lefts = [jex.Var(ins[0]) for _, ins, _ in signature]
     rights = [jex.Var(ins[1]) for _, ins, _ in signature]
     outs = [jex.Var(out) for _, _, out in signature]
-    eqns = [
+    eqns = []
+    operands = rights
+    if barrier:
+        operands = [jex.Var(v.aval) for v in rights]
+        eqns.append(jex.new_jaxpr_eqn(rights, operands, _barrier_primitive(), {}, frozenset()))
+    eqns += [
         jex.new_jaxpr_eqn([a, b], [c], prim, {}, frozenset())
-        for (prim, _, _), a, b, c in zip(signature, lefts, rights, outs, strict=True)
+        for (prim, _, _), a, b, c in zip(signature, lefts, operands, outs, strict=True)
     ]
     body = make_jaxpr_object([], lefts + rights, outs, eqns, _BUNDLE)
     return {"call_jaxpr": jex.ClosedJaxpr(body, [])}
+
+
+@functools.cache
+def _barrier_primitive() -> Any:
+    """``lax.optimization_barrier``'s primitive (``jax.extend`` does not name it)."""
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive
