@@ -124,8 +124,10 @@ def test_each_microbatch_sums_a_stage_gradients_in_one_bundle(schedule, make_ste
     part = step.executable(params, x).partition
     placed = {v: f.place for f in part.fragments for e in f.eqns for v in e.outvars}
     bundles = [(e, f.place) for f in part.fragments for e in f.eqns if is_bundle(e)]
-    # Per stage, M - 1 additions of its 3 gradients: one bundle each, not one sum each.
-    assert sorted(len(e.outvars) for e, _ in bundles) == [3] * (2 * (M - 1))
+    # Per stage, M additions of its 3 gradients (M - 1, and the first onto zeros: see
+    # ``fragment._sums``): one bundle each, not one sum each. (Inside its units the loss's
+    # sum over microbatches is a bundle of one.)
+    assert sorted(len(e.outvars) for e, _ in bundles if len(e.outvars) > 1) == [3] * (2 * M)
     for eqn, place in bundles:  # a bundle runs where its gradients were made
         assert {placed.get(v, place) for v in eqn.invars} == {place}
     sums = _sums_of_two_calls(part)

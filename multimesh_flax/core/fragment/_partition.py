@@ -20,7 +20,9 @@ Three passes, each a value in and a value out (placement, the pass before them, 
   (``_sink``).
 * :func:`fuse_fragments` (*fuse*, scheduled programs) runs a fragment and the next one on
   its place as one fragment where that changes no value or order and adds no executable
-  (``_fuse``: the last stage's ``F_k`` and ``B_k``).
+  (``_fuse``: the last stage's ``F_k`` and ``B_k``), then runs each microbatch's gradient
+  accumulation at the end of the unit that produces the gradients, the running sum donated
+  (``_sums``).
 
 :func:`make_partition` then records where every value is produced and every program input
 must arrive: the :class:`Partition` the runtime compiles.
@@ -40,7 +42,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax.core.declare import Place, make_auto_mesh
-from multimesh_flax.core.fragment import _fuse, _sink
+from multimesh_flax.core.fragment import _fuse, _sink, _sums
 from multimesh_flax.core.fragment._place import PlacedProgram
 from multimesh_flax.core.plan import PipelinePlan, Unit, dispatch_order, equation_order
 from multimesh_flax.core.trace import Equation, Label, TracedProgram
@@ -59,6 +61,7 @@ class Fragment:
     unit: Unit | None = None  # (region, stage, microbatch, phase) when pipelined
     microbatch: int | None = None
     parts: tuple[Fragment, ...] = ()  # the fragments fused into this one (``_fuse``), if any
+    donate: tuple[Any, ...] = ()  # inputs whose buffers it may reuse (``_sums``), if any
 
 
 @dataclasses.dataclass
@@ -343,12 +346,19 @@ def _rebuild_boundaries(traced: TracedProgram, fragments: list[Fragment]) -> lis
 def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list[Fragment]:
     """The *fuse* pass (scheduled programs): a fragment and the next one on its place run as
     one where that delays nothing and adds no executable (``_fuse.fuse_adjacent``, its
-    contract there)."""
+    contract there); then each running sum over microbatches runs at the end of the unit
+    producing its operands, its running sum donated (``_sums``, where that adds no ordering
+    constraint)."""
     if placed.plan is None or not placed.plan.scheduled:
         return list(fragments)
     traced = placed.traced
     outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
-    return _fuse.fuse_adjacent(fragments, outputs)
+    fused = _fuse.fuse_adjacent(fragments, outputs)
+    moved = _sums.sums_into_units(traced, fused)
+    if moved is None:
+        return fused
+    order, links = moved
+    return _sums.donate_running_sums(traced, _rebuild_boundaries(traced, order), links)
 
 
 def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Partition:

@@ -6,6 +6,7 @@ sums over microbatches into that order; ``_simulator`` simulates a schedule (als
 tool). Later stages import the names below from this package, never its modules.
 """
 
+from multimesh_flax.core.plan._accumulate import behind_barrier as behind_barrier
 from multimesh_flax.core.plan._accumulate import bundle_sums as bundle_sums
 from multimesh_flax.core.plan._accumulate import is_bundle as is_bundle
 from multimesh_flax.core.plan._accumulate import reassociate_sums as reassociate_sums

@@ -23,6 +23,9 @@ whose body holds those additions. They are one unit of work anyway -- same input
 so the same place and the same ready time -- and the passes after it, the runtime's op list
 and the fragments' jaxprs then carry a few equations per microbatch instead of one per
 parameter (70 of gpt-tiny's 135 per microbatch). The values are the same bit for bit.
+Once the fragments are in dispatch order, each bundle runs at the end of the backward unit
+that makes its gradients (``fragment._sums``); a bundle lists its sums in the order of
+its gradients among the unit's results, so every microbatch's bundle has one body.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import dataclasses
 import functools
 from typing import Any
 
+import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
@@ -251,10 +255,20 @@ def bundle_sums(
     for members in bundles.values():
         if len(members) > 1:
             replaced.update({i: [] for i in members})
-            replaced[members[0]] = [_bundle([eqns[i] for i in members])]
+            ordered = sorted(members, key=lambda i: _operand_rank(eqns, producer, i))
+            replaced[members[0]] = [_bundle([eqns[i] for i in ordered])]
     if not replaced:
         return traced, plan
     return _rebuild(traced, plan, replaced)
+
+
+def _operand_rank(eqns: Any, producer: dict[Any, int], i: int) -> int:
+    """Where the sum ``eqns[i]``'s new operand (its second) is among its producer's results:
+    the same for every link of a chain, so each microbatch's bundle lists its sums in the
+    same order (the links run inside their units, ``fragment._sums``, and a unit's copies
+    must stay one program) whatever order the plan's rewrites left them in."""
+    v = eqns[i].invars[1]
+    return eqns[producer[v]].outvars.index(v)
 
 
 def is_bundle(eqn: Any) -> bool:
@@ -278,17 +292,47 @@ def _bundle(sums: list[Any]) -> Any:
     )
 
 
+def behind_barrier(eqn: Any) -> Any:
+    """The sum or bundle of sums ``eqn`` as a bundle whose second operands pass an
+    optimization barrier first: the same additions, which the compiler cannot fuse into the
+    computation of those operands (a matrix product accumulating onto the running sum would
+    round differently). For sums that run inside the program making their operands
+    (``fragment._sums``)."""
+    if is_bundle(eqn):
+        body = eqn.params["call_jaxpr"].jaxpr
+        signature = tuple(
+            (e.primitive, tuple(v.aval for v in e.invars), e.outvars[0].aval) for e in body.eqns
+        )
+    else:
+        signature = ((eqn.primitive, tuple(v.aval for v in eqn.invars), eqn.outvars[0].aval),)
+    return eqn.replace(
+        primitive=primitives.closed_call_p, params=_bundle_params(signature, barrier=True)
+    )
+
+
 @functools.lru_cache(maxsize=256)
-def _bundle_params(signature: tuple[Any, ...]) -> dict[str, Any]:
+def _bundle_params(signature: tuple[Any, ...], barrier: bool = False) -> dict[str, Any]:
     """The parameters of a bundle of sums (its body), one dict per signature: bundles of the
     same parameters' gradients (one per microbatch) share it, as the copies of a block share
-    theirs, and later passes that remember a parameter dict by identity see them as one."""
+    theirs, and later passes that remember a parameter dict by identity see them as one.
+    ``barrier``: the second operands pass an optimization barrier first."""
     lefts = [jex.Var(ins[0]) for _, ins, _ in signature]
     rights = [jex.Var(ins[1]) for _, ins, _ in signature]
     outs = [jex.Var(out) for _, _, out in signature]
-    eqns = [
+    eqns = []
+    operands = rights
+    if barrier:
+        operands = [jex.Var(v.aval) for v in rights]
+        eqns.append(jex.new_jaxpr_eqn(rights, operands, _barrier_primitive(), {}, frozenset()))
+    eqns += [
         jex.new_jaxpr_eqn([a, b], [c], prim, {}, frozenset())
-        for (prim, _, _), a, b, c in zip(signature, lefts, rights, outs, strict=True)
+        for (prim, _, _), a, b, c in zip(signature, lefts, operands, outs, strict=True)
     ]
     body = make_jaxpr_object([], lefts + rights, outs, eqns, _BUNDLE)
     return {"call_jaxpr": jex.ClosedJaxpr(body, [])}
+
+
+@functools.cache
+def _barrier_primitive() -> Any:
+    """``lax.optimization_barrier``'s primitive (``jax.extend`` does not name it)."""
+    return jax.make_jaxpr(jax.lax.optimization_barrier)(0.0).eqns[0].primitive

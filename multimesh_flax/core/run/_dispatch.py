@@ -321,6 +321,7 @@ class MpmdExecutable:
         params_keys: dict[int, Any] = {}  # shared by the fragments' structural keys
         runs: list[RunOp] = []
         for frag in self.fragments:
+            consumed = set(frag.donate)  # intermediates only this fragment reads (``_sums``)
             for v in frag.invars:
                 if part.home[v] != frag.place:
                     hint = first_constraint(frag.eqns, v) or self._fragment_mesh(frag)
@@ -330,7 +331,11 @@ class MpmdExecutable:
                     if all(source is not e[0] for e in entries):
                         entries.append((source, hint))
             ins = tuple(self._slot(v, frag.place) for v in frag.invars)
-            don = tuple(i for i, s in enumerate(ins) if s in donated_slots)
+            don = tuple(
+                i
+                for i, (v, s) in enumerate(zip(frag.invars, ins, strict=True))
+                if s in donated_slots or (v in consumed and reads.get(s) == 1)
+            )
             program = compile_fragment(frag, part.place_meshes[frag.place], don, params_keys)
             outs = tuple(self._slot(v, frag.place) for v in frag.outvars)
             units = tuple(

@@ -1,0 +1,227 @@
+"""Running sums over microbatches inside the units that produce their operands.
+
+Under a schedule the plan rewrites each gradient sum over microbatches as a chain in the
+order the microbatches' backwards finish, one bundled addition per link
+(``plan._accumulate``): ``acc_k = acc_{k-1} + g_k``, where ``g_k`` are one block's
+gradients from the backward (or, zero-bubble, the weight-gradient) unit of microbatch ``k``
+and ``acc_{k-1}`` comes from the same unit of the previous microbatch on the same submesh.
+As glue, each link is a fragment of its own: one more op per microbatch and stage to
+dispatch, with 2n arguments and n results for n gradients.
+
+:func:`sums_into_units` moves such a link to the end of the unit fragment that produces its
+operands when every other operand is made earlier on the same submesh -- by the previous
+microbatch's unit. A submesh runs its fragments in dispatch order, so the unit already
+starts after those operands exist: the move adds no ordering constraint, and the sums add
+the same values in the same order. What it changes: the link no longer costs an op, and
+the unit's results that go to another submesh (the activation gradients for the previous
+stage) leave once the additions are done too. A link whose operands meet from two submeshes
+(a tied table's partial sums) stays where it was.
+
+*One program per unit.* A chain's first link adds two units' gradients (``g_0 + g_1``); moved
+as it is, the first unit would run without a link and the others with one: two programs
+of every backward (a full backward compile more each, measured 1.5-2 s for gpt-tiny's
+stages). So each chain starts from zeros: ``acc_0 = zeros + g_0`` runs in the first unit,
+the zeros made by a small glue fragment with no inputs dispatched right before it
+(replicated on its submesh: the compiler pins a fragment without inputs there). Every copy
+of the unit then runs one program, and the glue programs of the links are gone. ``0 + g`` is
+``g`` for every float but ``-0.0``, which becomes ``+0.0``: a final sum differs from the
+unmoved chain's only where every microbatch's gradient element is ``-0.0`` (it is then
+``+0.0``, an equal value); everywhere else it is the same bit for bit. Where
+a unit gives its sums a sharding other than replicated (a tensor-parallel stage), the first
+unit receives its zeros in another sharding than the others receive their running sum, and
+``jax.jit`` compiles that unit a second time -- the cost of the link-free first unit, no more.
+
+Inside the unit a link's gradients pass an optimization barrier before the additions
+(``plan.behind_barrier``): otherwise XLA may fuse an addition into the computation of its
+gradient (a tensor-parallel stage's matrix product accumulating onto the running sum), which
+rounds differently; with the barrier the sums stay the same bit for bit.
+
+The running sum a link reads (the zeros, for the first) is *donated* to the unit
+(``Fragment.donate``) when nothing else reads it, so the sum's buffer is reused for the next
+one and memory does not grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+from jax.extend.core import primitives
+
+from multimesh_flax.core.plan import behind_barrier, is_bundle
+from multimesh_flax.core.trace import TracedProgram, is_sum
+
+ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
+
+
+def _running_sums(traced: TracedProgram) -> set[int]:
+    """Ids of the equations that may move: sums over microbatches the plan made (bundles,
+    and single additions outside every microbatch that it left unbundled)."""
+    found = set()
+    for equation in traced.equations:
+        eqn = equation.eqn
+        glue = equation.label is None or equation.mixed
+        if glue and equation.microbatch is None and (is_bundle(eqn) or is_sum(eqn)):
+            found.add(id(eqn))
+    return found
+
+
+def _target(order: Sequence[Any], made_at: dict[Any, int], eqn: Any, pos: int) -> int | None:
+    """The position of the unit ``eqn`` (in the glue fragment at ``pos``) may run at the end
+    of, or ``None``: the latest producer of its operands, a unit on the same place before
+    ``pos``, every other operand made on that place no later."""
+    producers = [made_at.get(v) for v in eqn.invars if not isinstance(v, jex.Literal)]
+    if not producers or None in producers or eqn.effects:
+        return None
+    place = order[pos].place
+    target = max(producers)
+    if target >= pos or order[target].unit is None:
+        return None
+    if any(order[q].place != place for q in producers):
+        return None
+    return target
+
+
+def sums_into_units(
+    traced: TracedProgram, order: Sequence[Any]
+) -> tuple[list[Any], set[int]] | None:
+    """``order`` (fragments in dispatch order) with each running sum over microbatches moved
+    to the end of the unit producing its operands, where that adds no ordering constraint,
+    and each chain started from zeros (see module doc).
+
+    Returns ``None`` when nothing moves; otherwise the new list, with new fragments where
+    equations moved or a chain's zeros are made (their boundaries for the caller to
+    recompute, then :func:`donate_running_sums`), and the ids of the links now in units.
+    ``order`` is not edited.
+    """
+    movable = _running_sums(traced) if ENABLED else set()
+    if not movable:
+        return None
+    made_at = {v: p for p, frag in enumerate(order) for e in frag.eqns for v in e.outvars}
+    moves: dict[int, list[Any]] = {}  # target position -> equations, in order
+    for pos, frag in enumerate(order):
+        if frag.unit is not None:
+            continue
+        for eqn in frag.eqns:
+            target = _target(order, made_at, eqn, pos) if id(eqn) in movable else None
+            if target is None:
+                continue
+            moves.setdefault(target, []).append(eqn)
+            made_at.update((v, target) for v in eqn.outvars)
+    if not moves:
+        return None
+    moved = {id(e) for eqns in moves.values() for e in eqns}
+    new = list(order)
+    for pos, frag in enumerate(order):
+        if any(id(e) in moved for e in frag.eqns):
+            new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
+    starts = _start_from_zeros(order, made_at, moves)
+    links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
+    for pos, eqns in links.items():
+        new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
+    return _with_zeros(new, starts), {id(e) for eqns in links.values() for e in eqns}
+
+
+def _left(eqn: Any) -> list[Any]:
+    """The running-sum operands of a link (the first half of a bundle's, an addition's
+    first)."""
+    return list(eqn.invars[: max(1, len(eqn.invars) // 2)])
+
+
+def _start_from_zeros(
+    order: Sequence[Any], made_at: dict[Any, int], moves: dict[int, list[Any]]
+) -> dict[int, list[Any]]:
+    """Gives the unit each moved chain starts in a first link ``zeros + g``, so every unit
+    of the chain runs the same program (edits ``moves``).
+
+    A chain's first link adds the gradients of two units (``g_0 + g_1``): its running-sum
+    operands come from a unit, not from a link. It becomes ``acc_0 + g_1``, ``acc_0 = zeros
+    + g_0`` running at the end of ``g_0``'s unit. Returns, per position of such a unit, the
+    zeros variables it reads (made by a fragment dispatched right before it).
+    """
+    made_by_link = {v for eqns in moves.values() for e in eqns for v in e.outvars}
+    starts: dict[int, list[Any]] = {}
+    for pos, eqns in list(moves.items()):
+        for k, eqn in enumerate(eqns):
+            left = _left(eqn)
+            first = {made_at.get(v) for v in left}
+            if len(first) != 1 or any(v in made_by_link for v in left):
+                continue
+            (unit,) = first
+            if unit is None or unit >= pos or order[unit].unit is None:
+                continue
+            zeros = [jex.Var(v.aval) for v in left]
+            acc = [jex.Var(v.aval) for v in left]
+            moves.setdefault(unit, []).append(eqn.replace(invars=[*zeros, *left], outvars=acc))
+            eqns[k] = eqn.replace(invars=[*acc, *eqn.invars[len(left) :]])
+            starts.setdefault(unit, []).extend(zeros)
+    return starts
+
+
+def _with_zeros(order: list[Any], starts: dict[int, list[Any]]) -> list[Any]:
+    """``order`` with, right before each unit position in ``starts``, a glue fragment that
+    makes its zeros (no inputs: the compiler pins its results to the place, replicated)."""
+    if not starts:
+        return order
+    index = 1 + max(p.index for f in order for p in f.parts or (f,))
+    result = []
+    for pos, frag in enumerate(order):
+        if pos in starts:
+            zeros = starts[pos]
+            eqn = _zeros_eqn(tuple((v.aval.shape, v.aval.dtype) for v in zeros), zeros)
+            result.append(type(frag)(index=index, place=frag.place, label=None, eqns=[eqn]))
+            index += 1
+        result.append(frag)
+    return result
+
+
+def _zeros_eqn(signature: tuple[Any, ...], outvars: list[Any]) -> Any:
+    return jex.new_jaxpr_eqn(
+        [], outvars, primitives.closed_call_p, _zeros_params(signature), frozenset()
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_params(signature: tuple[Any, ...]) -> dict[str, Any]:
+    """The parameters of a call making zeros of each ``(shape, dtype)`` (one dict per
+    signature, so the zeros of every step's chains share one program)."""
+    closed = jax.make_jaxpr(lambda: tuple(jnp.zeros(s, d) for s, d in signature))()
+    return {"call_jaxpr": closed}
+
+
+def donate_running_sums(
+    traced: TracedProgram, fragments: Sequence[Any], links: set[int]
+) -> list[Any]:
+    """``fragments`` (boundaries set) with, in each unit, the operands of its running sums
+    (``links``: equation ids) that an earlier fragment made and that nothing else reads nor
+    the program returns marked as donated (``Fragment.donate``): the unit may reuse their
+    buffers."""
+    outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    made = {v for frag in fragments for v in frag.outvars}
+    readers: dict[Any, int] = {}
+    for frag in fragments:
+        for v in frag.invars:
+            readers[v] = readers.get(v, 0) + 1
+    result = []
+    for frag in fragments:
+        inputs = set(frag.invars)
+        donate = tuple(
+            dict.fromkeys(
+                v
+                for e in (frag.eqns if frag.unit is not None else ())
+                if id(e) in links
+                for v in e.invars
+                if not isinstance(v, jex.Literal)
+                and v in inputs
+                and v in made
+                and v not in outputs
+                and readers[v] == 1
+            )
+        )
+        result.append(dataclasses.replace(frag, donate=donate) if donate else frag)
+    return result

@@ -1,0 +1,181 @@
+"""Gradient sums over microbatches run inside the units that make the gradients
+(``fragment._sums``).
+
+A two-stage model of three parameters per stage (devices 0 and 1), trained with SGD and
+momentum, the state donated. Each program is built with the move on and off
+(``_sums.ENABLED``): the moved one must train like the unparallelized step (no
+microbatching, ``ignore_transforms``) and bit for bit like the unmoved one, run each
+microbatch's additions in the unit that made its gradients, with one op fewer per
+addition that ran as glue of its own, and compile no more programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import multimesh_flax as mm
+from multimesh_flax.core.declare import Phase
+from multimesh_flax.core.fragment import _sums
+from multimesh_flax.core.plan import is_bundle
+from multimesh_flax.core.run import OpKind
+
+TOL = {"rtol": 2e-5, "atol": 2e-6}
+M = 4
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+
+
+def _stage(p, x):
+    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
+
+
+def _loss(stages):
+    """``stages`` stages, stage ``s`` on device ``s % 2``."""
+    tasks = [
+        mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s % 2])) for s in range(stages)
+    ]
+
+    def loss(params, x):
+        for task, p in zip(tasks, params, strict=True):
+            x = task(p, x)
+        return jnp.mean(x**2)
+
+    return loss
+
+
+def _data(stages):
+    keys = iter(jax.random.split(jax.random.key(3), 3 * stages + 1))
+    params = [
+        {
+            "w1": jax.random.normal(next(keys), (6, 6)) / 3,
+            "b": jax.random.normal(next(keys), (6,)) / 3,
+            "w2": jax.random.normal(next(keys), (6, 6)) / 3,
+        }
+        for _ in range(stages)
+    ]
+    return params, jax.random.normal(next(keys), (16, 6))
+
+
+def _train_step(loss):
+    def step(params, opt_state, x):
+        value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _build(schedule, stages, enabled, monkeypatch):
+    monkeypatch.setattr(_sums, "ENABLED", enabled)
+    loss = _loss(stages)
+    options = {"interleave": 2} if schedule == "interleaved-1f1b" else {}
+    mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean", **options)
+    step = mm.jit(_train_step(mb_loss), donate_argnums=(0, 1))
+    params, x = _data(stages)
+    return step, step.executable(params, OPTIMIZER.init(params), x), loss
+
+
+def _train(step, stages, steps=2):
+    params, x = _data(stages)
+    state = OPTIMIZER.init(params)
+    results = []
+    for _ in range(steps):
+        value, params, state = step(params, state, x)
+        results.append(jax.tree.map(np.asarray, (value, params, state)))
+    return results
+
+
+def _reference(loss, stages, steps=2):
+    params, x = _data(stages)
+    state = OPTIMIZER.init(params)
+    results = []
+    with mm.ignore_transforms():
+        for _ in range(steps):
+            value, params, state = _train_step(loss)(params, state, x)
+            results.append(jax.tree.map(np.asarray, (value, params, state)))
+    return results
+
+
+def _gradient_units(partition, schedule):
+    """Per ``(place, stage)``, in dispatch order, the fragments running a unit that makes
+    the stage's weight gradients: B, or W where the schedule splits the backward."""
+    phase = Phase.W if schedule.startswith("zero-bubble") else Phase.B
+    units: dict[tuple, list] = {}
+    for f in partition.fragments:
+        for p in f.parts or (f,):
+            if p.unit is not None and p.unit.phase is phase:
+                units.setdefault((f.place, p.unit.stage), []).append(f)
+    return units
+
+
+def _running_sum_glue(partition):
+    """Glue fragments that hold only sums over microbatches, bundles among them."""
+    return [
+        f
+        for f in partition.fragments
+        if f.unit is None
+        and all(is_bundle(e) or e.primitive.name in ("add", "add_any") for e in f.eqns)
+        and any(is_bundle(e) for e in f.eqns)
+    ]
+
+
+def _programs(executable):
+    return len({(id(op.program), op.place) for op in executable.ops if op.kind is OpKind.RUN})
+
+
+LAYOUTS = [("gpipe", 2), ("1f1b", 2), ("zero-bubble-h1", 2), ("interleaved-1f1b", 4)]
+
+
+@pytest.mark.parametrize(("schedule", "stages"), LAYOUTS)
+def test_each_microbatch_sums_its_gradients_in_the_unit_making_them(schedule, stages, monkeypatch):
+    step_off, off, _ = _build(schedule, stages, False, monkeypatch)
+    step, on, loss = _build(schedule, stages, True, monkeypatch)
+    trained = _train(step, stages)
+    reference = _reference(loss, stages)
+    for got, want in zip(jax.tree.leaves(trained), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+    unmoved = _train(step_off, stages)
+    for got, want in zip(jax.tree.leaves(trained), jax.tree.leaves(unmoved), strict=True):
+        np.testing.assert_array_equal(got, want)  # the same additions in the same order
+    assert _running_sum_glue(off.partition)
+    assert not _running_sum_glue(on.partition)
+    units = _gradient_units(on.partition, schedule)
+    assert len(units) == stages
+    for key, frags in units.items():
+        assert len(frags) == M, (key, [f.index for f in frags])
+        # Every unit adds its three gradients to the running sums (in bundles, one per
+        # block making some of them), consuming the running sums the previous unit returned;
+        # the first one starts from zeros made by a glue fragment right before it. (The
+        # loss's scalar sum is a bundle of its own.)
+        counts = [
+            sum(len(e.outvars) for e in f.eqns if is_bundle(e) and e.outvars[0].aval.shape)
+            for f in frags
+        ]
+        assert counts == [3] * M, (key, counts)
+        for before, after in zip(frags, frags[1:], strict=False):
+            assert len(set(after.donate) & set(before.outvars)) == 3, (key, after.index)
+        zeros = on.partition.fragments[on.partition.fragments.index(frags[0]) - 1]
+        assert zeros.unit is None and not zeros.invars, zeros.index
+        assert len(set(frags[0].donate) & set(zeros.outvars)) == 3, key
+    # Every microbatch's copy of a unit runs one program, as before.
+    programs: dict[tuple, set] = {}
+    for op in on.ops:
+        if op.kind is OpKind.RUN and op.units:
+            key = (op.place, tuple((u.stage, u.phase) for u in op.units))
+            programs.setdefault(key, set()).add(id(op.program))
+    assert all(len(p) == 1 for p in programs.values()), programs
+    runs_off = [op for op in off.ops if op.kind is OpKind.RUN]
+    runs_on = [op for op in on.ops if op.kind is OpKind.RUN]
+    # One op fewer per addition that ran on its own, one more per chain's zeros.
+    donated = {v for f in on.partition.fragments for v in f.donate}
+    zeros = [
+        f
+        for f in on.partition.fragments
+        if f.unit is None and not f.invars and f.outvars and set(f.outvars) <= donated
+    ]
+    assert len(zeros) >= stages, [f.index for f in zeros]
+    assert len(runs_on) == len(runs_off) - len(_running_sum_glue(off.partition)) + len(zeros)
+    assert _programs(on) <= _programs(off)
