@@ -17,8 +17,9 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    step time is the latest row's end. The bubble is the simulator's.
    An unsplit schedule's ``B`` costs the unit's whole backward (one program: the
    cotangents are computed once), a split one's ``B`` and ``W`` the halves the runtime
-   runs; the op that makes a stage's gradients also pays ``(m - 1) / m`` of one gradient
-   accumulation (the runtime's glue after every backward but the first).
+   runs; with several microbatches, the op that makes a stage's gradients also pays one
+   gradient accumulation (the runtime adds each microbatch's gradients into the running
+   sum inside that op, the first onto zeros: ``core/fragment/_sums.py``).
 3. **Peak bytes per device**, per row (submesh), as the runtime holds them: the state of
    its stages (parameters and optimizer state; exact, from the shapes and the logical
    rules on the stage's submesh shape; optimizer state that mirrors no parameter, such as
@@ -30,11 +31,13 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
      ``weight_kept_bytes`` until its ``W``; an ``F`` fused with the next op (the same
      microbatch's ``B``, as the runtime does on the last stage) keeps nothing beyond it,
      its residuals being the fused program's temporaries (`StageCost.fused_temp_bytes`);
-     gradients are alive from the stage's first backward on (their running sum), twice
-     while a backward makes the next microbatch's, three times in the accumulation;
+     with several microbatches the running gradient sum is alive from the stage's first
+     backward on (made as zeros right before it), and each backward holds one more
+     microbatch's gradients and the new sum beside it (the old sum is donated to the op
+     but counts until it ends, as in B4's walk); with one microbatch the backward holds the
+     gradients once;
    * at the optimizer update (`update_bytes`): the new parameters and optimizer state
-     beside the old ones (a step's inputs stay alive), the gradient sum and, with several
-     microbatches, the last microbatch's gradients.
+     beside the old ones (a step's inputs stay alive), and the gradient sum.
 
    Each moment adds the largest temporary of the programs that run in it: the forward and
    backward programs' while the pipeline runs, the optimizer updates' at the update (a
@@ -433,12 +436,14 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
     (the same microbatch's ``B``) keeps nothing beyond that op: its residuals are the fused
     program's temporaries, ``fused_temp_bytes``, counted here beyond the row's largest
     other temporary (which the caller adds to every moment). The op that makes a stage's
-    gradients (``B`` unsplit, else ``W``) holds them beside the running sum of the earlier
-    microbatches' (from the first backward on), and the accumulation that follows holds the
-    old sum, the new gradients and the new sum at once.
+    gradients (``B`` unsplit, else ``W``) holds them beside the running sum, which with
+    several microbatches exists from the stage's first such op on (zeros made right before
+    it), and the new sum it returns. The old sum is donated to the op, but counts until the
+    op ends, as B4's walk (the reference) counts every input.
     """
     split = schedule.split_backward
     grad_op = "W" if split else "B"
+    accumulates = schedule.num_microbatches > 1
     out = []
     for ops in schedule.rows:
         row_temp = max((stages[op.stage].temp_bytes for op in ops), default=0)
@@ -455,18 +460,19 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
                     live += c.activation_bytes
                     peak = max(peak, live + sums)
             if op.phase == grad_op:
+                if accumulates and op.stage not in summed:  # the zeros of its running sum
+                    summed.add(op.stage)
+                    sums += c.param_bytes
                 extra = max(c.fused_temp_bytes - row_temp, 0) if i in fused_b else 0
-                peak = max(peak, live + sums + c.param_bytes + extra)
+                made = (2 if accumulates else 1) * c.param_bytes  # gradients (and new sum)
+                peak = max(peak, live + sums + made + extra)
             if op.phase == "B":
                 live += kept if i in fused_b else kept - c.activation_bytes
             elif op.phase == "W":
                 live -= kept
-            if op.phase == grad_op:
-                if op.stage in summed:  # the accumulation glue: old sum + gradients + new sum
-                    peak = max(peak, live + sums + 2 * c.param_bytes)
-                else:
-                    summed.add(op.stage)
-                    sums += c.param_bytes
+            if op.phase == grad_op and not accumulates and op.stage not in summed:
+                summed.add(op.stage)  # one microbatch: its gradients are the sum
+                sums += c.param_bytes
         out.append(max(peak, 0))
     return tuple(out)
 
@@ -474,11 +480,11 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
 def update_bytes(stages: Sequence[StageCost], microbatches: int) -> int:
     """Beyond one row's parameters and optimizer state, the most bytes its optimizer updates
     hold at once: every stage's gradient sum, and while a stage updates, its new parameters
-    and optimizer state (the old ones stay: a step's inputs) and, with several
-    microbatches, its last microbatch's gradients (added in by the update)."""
+    and optimizer state (the old ones stay: a step's inputs). Every microbatch's gradients,
+    the last one's too, are already in the sum (``microbatches`` does not change that)."""
+    del microbatches
     sums = sum(c.param_bytes for c in stages)
-    last = 1 if microbatches > 1 else 0
-    return sums + max((1 + last) * c.param_bytes + c.opt_state_bytes for c in stages)
+    return sums + max(c.param_bytes + c.opt_state_bytes for c in stages)
 
 
 def _sources(profile: UnitProfile, stages: Sequence[StageCost], transfer: TransferCost) -> dict:
@@ -586,7 +592,7 @@ def _predict(
     link: TransferCost,
 ) -> Prediction:
     split = schedule.split_backward
-    share = (plan.microbatches - 1) / plan.microbatches  # accumulations per backward
+    share = 1.0 if plan.microbatches > 1 else 0.0  # each backward adds into the running sum
 
     def cost(stage: int, phase: str) -> float:
         c = costs[stage]

@@ -170,8 +170,8 @@ class Tables:
                 c = p.cost(u, self.policies[0])
                 params = state_bytes(c.params, mesh, p.rules)
                 opt = state_bytes([o for o in c.opt_state if not o.shared], mesh, p.rules)
-                s[u] = 3 * params + opt  # resident state, the gradient sum and one more
-                up[u] = 2 * (params + opt) + 2 * params  # old and new state, two gradients
+                s[u] = 4 * params + opt  # resident state, the old and new sums, one more
+                up[u] = 2 * (params + opt) + params  # old and new state, the gradient sum
                 profiled = max(state_bytes(c.params, dict(p.mesh_shape), p.rules), 1)
                 scratch = max(scratch, math.ceil(c.update.temp_bytes * params / profiled))
             shared = [o for o in p.cost(self.first, self.policies[0]).opt_state if o.shared]

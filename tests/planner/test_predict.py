@@ -60,12 +60,12 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
         units = [gpt_profile.cost(u, policies[stage]) for u in stage_units[stage]]
         if phase == "transfer":
             return link.seconds(units[-1].output_bytes)
-        # an unsplit backward is one program; the gradient op pays 3 of 4 accumulations
+        # an unsplit backward is one program; the gradient op adds into the running sum
         attr = {"F": "forward", "B": "backward_input" if split else "backward"}
         attr["W"] = "backward_weight" if split else None
         seconds = sum(getattr(u, attr[phase]).seconds for u in units) if attr[phase] else 0.0
         if phase == ("W" if split else "B"):
-            seconds += 3 / 4 * sum(u.accumulate.seconds for u in units)
+            seconds += sum(u.accumulate.seconds for u in units)
         return seconds
 
     reference = mm.simulate(mm.make_schedule(schedule, 2, 4), costs=cost)
@@ -108,19 +108,19 @@ def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):
     temp = [max(c(u).pipeline_temp_bytes for u in us) for us in ([0, 1], [1, 2])]
     update_temp = [max(c(u).update.temp_bytes for u in us) for us in ([0, 1], [1, 2])]
     grads = [s.param_bytes for s in prediction.stages]
-    # 1F1B, row 0: F F B F B F B B. Two sets and two gradients' worth at the second B (the
-    # sum of the first and its own), one set and three in the accumulation after it.
-    # Row 1 runs F+B fused: no set outlives an op; three gradients' worth accumulating,
-    # and while the fused op runs, two beside its scratch (its units' residuals inside)
+    # 1F1B, row 0: F F B F B F B B. Two sets and three gradients' worth at every B but the
+    # last: the running sum (zeros before the first), the microbatch's own and the new sum
+    # (the old one is donated, but counts until the op ends). Row 1 runs F+B fused: no set
+    # outlives an op; three gradients' worth beside the fused program's scratch (its
+    # units' residuals)
     fused = 2 * c(1).fused_temp_bytes + c(2).fused_temp_bytes
     assert fused > temp[1]  # the residuals do not fit in the largest unit's scratch
-    pipeline = [max(2 * act + 2 * grads[0], act + 3 * grads[0])]
-    pipeline.append(max(3 * grads[1], 2 * grads[1] + fused - temp[1]))
+    pipeline = [2 * act + 3 * grads[0], 3 * grads[1] + fused - temp[1]]
     assert prediction.peak_in_flight == (2, 1)
     for row in (0, 1):
         stage = prediction.stages[row]
         state = stage.param_bytes + stage.opt_state_bytes
-        update = state + 2 * grads[row]  # the new state beside the old, two gradients
+        update = state + grads[row]  # the new state beside the old, and the gradient sum
         assert prediction.state_bytes[row] == state
         assert prediction.activation_bytes[row] == pipeline[row]
         assert prediction.update_bytes[row] == update
