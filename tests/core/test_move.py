@@ -93,6 +93,19 @@ def test_equal_shardings_in_new_objects_keep_the_direct_copy(monkeypatch):
     _assert_same_arrays(retyped, jax.device_put(fresh, targets))
 
 
+def test_prng_key_arrays_go_through_device_put():
+    # A typed key array is no array of JAX's C++ type: its copy is device_put's, every call.
+    a, b = _mesh(0), _mesh(2)
+    keys = [jax.device_put(jax.random.split(jax.random.key(0), 4), NamedSharding(a, P("x")))]
+    targets = [NamedSharding(b, P("x"))]
+    move = Move(keys, targets, jax.device_put(keys, targets))
+    assert not move.direct
+    again = [jax.device_put(jax.random.split(jax.random.key(1), 4), NamedSharding(a, P("x")))]
+    got, want = move(again)[0], jax.device_put(again, targets)[0]
+    assert got.sharding == want.sharding and got.dtype == want.dtype
+    np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
+
+
 def test_a_move_to_another_layout_goes_through_device_put():
     values, b = _values(), _mesh(2)
     targets = [NamedSharding(b, P()), NamedSharding(b, P()), NamedSharding(b, P())]

@@ -34,11 +34,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from multimesh_flax.core.declare import Sentinel
 
-try:  # JAX's private modules: the PJRT client, result handlers (see Move)
+try:  # JAX's private modules: the PJRT client, result handlers, its array (see Move)
+    from jax._src.array import ArrayImpl as _ArrayImpl
     from jax._src.interpreters import pxla as _pxla
     from jax._src.lib import xla_client as _xc
 except ImportError:  # pragma: no cover -- depends on the installed JAX: jax.device_put
-    _pxla = _xc = None
+    _ArrayImpl = _pxla = _xc = None
 
 
 class OpKind(enum.IntEnum):
@@ -218,7 +219,7 @@ class Move:
             _xc is not None
             and _pxla is not None
             and jax.process_count() == 1
-            and all(isinstance(x, jax.Array) for x in values)
+            and all(type(x) is _ArrayImpl for x in values)  # not PRNG key arrays
             and all(map(_one_to_one, self.sources, self.shardings))
         )
         self.devices: list[Any] = []
@@ -268,11 +269,10 @@ class Move:
         """Whether ``values`` arrive typed and sharded as at the first call, in other
         sharding objects (a step's inputs come from the caller at the first call, from the
         previous step's outputs after it): then later calls compare against these objects."""
-        try:
-            have = list(map(_SHARDING, values))
-            avals = [x.aval for x in values]
-        except AttributeError:  # not an array
+        if not all(type(x) is _ArrayImpl for x in values):
             return False
+        have = list(map(_SHARDING, values))
+        avals = [x.aval for x in values]
         if avals != self.avals or have != self.sources:
             return False
         self.sources = have
