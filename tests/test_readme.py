@@ -159,11 +159,11 @@ def _planning(r: Ran) -> None:
     assert prediction.peak_in_flight == (2, 1)
     stages = prediction.stages
 
-    def cost(stage, phase):  # 1F1B: the whole backward and 3 of 4 accumulations per B op
+    def cost(stage, phase):  # 1F1B: the whole backward and one accumulation per B op
         if phase == "transfer":
             return stages[stage].transfer
         s = stages[stage]
-        backward = s.backward.seconds + 3 / 4 * s.accumulate.seconds
+        backward = s.backward.seconds + s.accumulate.seconds
         return {"F": s.forward.seconds, "B": backward, "W": 0.0}[phase]
 
     reference = mm.simulate(mm.make_schedule("1f1b", 2, 4), costs=cost)
