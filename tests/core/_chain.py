@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import multimesh_flax as mm
 
@@ -38,3 +39,14 @@ def assert_matches_unparallelized(step, loss, params, batch, tol=TOL):
     np.testing.assert_allclose(value, ref_value, **tol)
     for g, r in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(g, r, **tol)
+
+
+def train_step(loss: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
+    """``(params, opt_state, batch) -> (loss, new params, new opt_state)``: one optax step."""
+
+    def step(params: Any, opt_state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        value, grads = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    return step

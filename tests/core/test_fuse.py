@@ -20,7 +20,7 @@ import multimesh_flax as mm
 from multimesh_flax.core import ScheduleOp
 from multimesh_flax.core.fragment import _fuse
 from multimesh_flax.core.run import OpKind, Timeline, TimelineEvent
-from tests.core._chain import chain_loss
+from tests.core._chain import chain_loss, train_step
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 BATCH = 16
@@ -37,15 +37,6 @@ def _loss_fn():
     return chain_loss(tasks)
 
 
-def _train_step(loss):
-    def step(params, opt_state, batch):
-        value, grads = jax.value_and_grad(loss)(params, batch)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-        return value, optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
 def _data():
     keys = jax.random.split(jax.random.key(7), 4)
     params = [jax.random.normal(k, (8, 8)) / 2 for k in keys[:2]]
@@ -58,7 +49,7 @@ def _program(schedule, m, fuse, monkeypatch):
     monkeypatch.setattr(_fuse, "ENABLED", fuse)
     loss = _loss_fn()
     mb_loss = mm.microbatch(loss, 0, BATCH // m, argnum=1, schedule=schedule, reduce="mean")
-    step = mm.jit(_train_step(mb_loss), donate_argnums=(0, 1))
+    step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
     params, batch = _data()
     return step, step.executable(params, OPTIMIZER.init(params), batch), loss
 
@@ -90,7 +81,9 @@ def _assert_trains_like_reference(step, loss, steps=2):
         value, params, state = jax.block_until_ready(step(params, state, batch))
         consumed.append([x.is_deleted() for x in jax.tree.leaves(given)])
         with mm.ignore_transforms():
-            ref_value, ref_params, ref_state = _train_step(loss)(ref_params, ref_state, batch)
+            ref_value, ref_params, ref_state = train_step(loss, OPTIMIZER)(
+                ref_params, ref_state, batch
+            )
         for a, e in zip(
             jax.tree.leaves((value, params, state)),
             jax.tree.leaves((ref_value, ref_params, ref_state)),

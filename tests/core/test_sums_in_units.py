@@ -22,6 +22,7 @@ from multimesh_flax.core.declare import Phase
 from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
+from tests.core._chain import train_step
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -59,21 +60,12 @@ def _data(stages):
     return params, jax.random.normal(next(keys), (16, 6))
 
 
-def _train_step(loss):
-    def step(params, opt_state, x):
-        value, grads = jax.value_and_grad(loss)(params, x)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, params)
-        return value, optax.apply_updates(params, updates), opt_state
-
-    return step
-
-
 def _build(schedule, stages, enabled, monkeypatch):
     monkeypatch.setattr(_sums, "ENABLED", enabled)
     loss = _loss(stages)
     options = {"interleave": 2} if schedule == "interleaved-1f1b" else {}
     mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean", **options)
-    step = mm.jit(_train_step(mb_loss), donate_argnums=(0, 1))
+    step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
     params, x = _data(stages)
     return step, step.executable(params, OPTIMIZER.init(params), x), loss
 
@@ -94,7 +86,7 @@ def _reference(loss, stages, steps=2):
     results = []
     with mm.ignore_transforms():
         for _ in range(steps):
-            value, params, state = _train_step(loss)(params, state, x)
+            value, params, state = train_step(loss, OPTIMIZER)(params, state, x)
             results.append(jax.tree.map(np.asarray, (value, params, state)))
     return results
 
