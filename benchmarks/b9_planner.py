@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import time
 from typing import Any
@@ -129,6 +130,8 @@ def _op_durations(timeline: Any) -> dict[str, float]:
 
 
 def _predicted_ops(prediction: Any, split_backward: bool) -> dict[str, float]:
+    """Per op kind, its predicted seconds; for an ``F`` and ``B`` the runtime fuses
+    (``"3F+3B"``), the simulated pair (one program: ``predict`` prices it as such)."""
     out = {}
     for s, stage in enumerate(prediction.stages):
         out[f"{s}F"] = stage.forward.seconds
@@ -137,10 +140,20 @@ def _predicted_ops(prediction: Any, split_backward: bool) -> dict[str, float]:
             out[f"{s}W"] = stage.backward_weight.seconds
         else:
             out[f"{s}B"] = stage.backward.seconds
+    rows: dict[int, list] = {}
+    for row, op, start, end in sorted(prediction.simulation.timeline, key=lambda t: (t[0], t[2])):
+        rows.setdefault(row, []).append((op, end - start))
+    for ops in rows.values():
+        for (f, f_seconds), (b, b_seconds) in itertools.pairwise(ops):
+            same = (f.stage, f.microbatch) == (b.stage, b.microbatch)
+            if same and (f.phase, b.phase) == ("F", "B"):
+                out.setdefault(f"{f.stage}F+{f.stage}B", f_seconds + b_seconds)
     return out
 
 
 def _predicted(key: str, predicted: dict[str, float]) -> float | None:
+    if key in predicted:
+        return predicted[key]
     parts = key.split("+")
     return sum(predicted[p] for p in parts) if all(p in predicted for p in parts) else None
 

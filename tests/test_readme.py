@@ -164,9 +164,11 @@ def _planning(r: Ran) -> None:
             return stages[stage].transfer
         s = stages[stage]
         backward = s.backward.seconds + s.accumulate.seconds
-        return {"F": s.forward.seconds, "B": backward, "W": 0.0}[phase]
+        apart = s.forward.seconds + s.backward.seconds  # the last stage's F and B: one program
+        fused = min(s.fused.seconds, apart) + s.accumulate.seconds
+        return {"F": s.forward.seconds, "B": backward, "W": 0.0, "F+B": fused}[phase]
 
-    reference = mm.simulate(mm.make_schedule("1f1b", 2, 4), costs=cost)
+    reference = mm.simulate(mm.make_schedule("1f1b", 2, 4), costs=cost, fused=True)
     assert prediction.bubble == pytest.approx(reference.bubble_fraction)
     assert str(ns["wide"].sources["unit times"]) == "derived"
 

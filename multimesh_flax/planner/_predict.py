@@ -20,6 +20,13 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    runs; with several microbatches, the op that makes a stage's gradients also pays one
    gradient accumulation (the runtime adds each microbatch's gradients into the running
    sum inside that op, the first onto zeros: ``core/fragment/_sums.py``).
+   Where a row's ``F`` is followed by the same microbatch's ``B`` (the last stage's in
+   1F1B and zero-bubble schedules) the runtime runs the two as one program, and the
+   simulator prices the pair (``simulate(..., fused=True)``) as the stage's fused program
+   (`StageCost.fused`: ``F`` and the whole backward as one) plus the accumulation; a split
+   ``B`` (input gradient only) gets the fused program's share of ``F`` and the whole
+   backward apart, applied to ``F + B``. Fusing saves the residuals' round trip, one
+   launch, and under recomputation the forward recomputed.
 3. **Peak bytes per device**, per row (submesh), as the runtime holds them: the state of
    its stages (parameters and optimizer state; exact, from the shapes and the logical
    rules on the stage's submesh shape; optimizer state that mirrors no parameter, such as
@@ -146,6 +153,9 @@ class StageCost:
         fused_temp_bytes: The temporary bytes of the stage's ``F`` and ``B`` run as one
             program (the last stage's, fused by the runtime): the sum of its units'
             (`UnitCost.fused_temp_bytes`; each unit's residuals stay inside it).
+        fused: The stage's ``F`` and whole backward as one program, summed over its units'
+            `UnitCost.fused` (one launch): what the runtime runs where a row's ``F`` is
+            followed by the same microbatch's ``B``. Zero when not profiled.
     """
 
     forward: PhaseCost
@@ -161,6 +171,7 @@ class StageCost:
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
     fused_temp_bytes: int = 0
+    fused: PhaseCost = PhaseCost()
 
     @property
     def state_bytes(self) -> int:
@@ -340,7 +351,7 @@ def _stage_cost(
 ) -> StageCost:
     time, memory = _scales(profile, mesh, rows)
     shape = dict(profile.mesh_shape)
-    total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u", "bw", "a")}
+    total = {k: PhaseCost(source=profile.mode) for k in ("f", "b", "w", "u", "bw", "a", "fb")}
     params, opt = 0, 0
     tensor, replica = collective_per_byte(profile, mesh, transfer)
     launch = profile.launch_seconds
@@ -353,11 +364,13 @@ def _stage_cost(
         total["w"] += _work(c.backward_weight, launch).scaled(time, memory)
         total["bw"] += _work(c.backward, launch).scaled(time, memory)
         total["u"] += _work(c.update, launch).scaled(update_scale, update_scale)
-        total["a"] += _work(c.accumulate, launch).scaled(update_scale, update_scale)
+        total["a"] += c.accumulate.scaled(update_scale, update_scale)  # inside the backward
+        total["fb"] += _work(c.fused, launch).scaled(time, memory)
         if tensor and c.params:  # one all-reduce of the output in the forward, one back
-            total["f"] += _derived(tensor * c.output_bytes * memory)
-            total["b"] += _derived(tensor * c.output_bytes * memory)
-            total["bw"] += _derived(tensor * c.output_bytes * memory)
+            reduce = tensor * c.output_bytes * memory
+            for key in ("f", "b", "bw"):
+                total[key] += _derived(reduce)
+            total["fb"] += _derived(2 * reduce)
         if replica and params_here:  # the gradients' all-reduce over the replicas
             total["u"] += _derived(replica * params_here)
         params += params_here
@@ -367,7 +380,7 @@ def _stage_cost(
         opt += state_bytes(shared, mesh, profile.rules)
     out_bytes = costs[-1].output_bytes * memory if costs else 0
     phases = {"f": "forward", "b": "backward_input", "w": "backward_weight", "bw": "backward"}
-    phases |= {"u": "update", "a": "accumulate"}
+    phases |= {"u": "update", "fb": "fused"}
     for key, name in phases.items():  # one program per stage and phase: one launch
         if any(getattr(c, name).seconds > 0 for c in costs):
             total[key] = dataclasses.replace(total[key], seconds=total[key].seconds + launch)
@@ -385,6 +398,7 @@ def _stage_cost(
         accumulate=total["a"],
         weight_kept_bytes=int(round(sum(c.weight_kept_bytes for c in costs) * memory)),
         fused_temp_bytes=int(round(sum(c.fused_temp_bytes for c in costs) * memory)),
+        fused=total["fb"],
     )
 
 
@@ -584,6 +598,18 @@ def _schedule(plan: Plan) -> Schedule:
         ) from e
 
 
+def _fused_pair(c: StageCost, split: bool, accumulate: float) -> float:
+    """An ``F`` and the same microbatch's ``B`` run as one program: the share of the two
+    apart that the stage's fused program (`StageCost.fused`: ``F`` and the whole backward)
+    takes of its ``F`` and whole backward, applied to the pair (a split ``B`` computes the
+    input gradient only), plus the gradient accumulation an unsplit ``B`` pays."""
+    apart = c.forward.seconds + c.backward.seconds
+    share = min(c.fused.seconds / apart, 1.0) if c.fused.seconds and apart else 1.0
+    if split:
+        return share * (c.forward.seconds + c.backward_input.seconds)
+    return share * apart + accumulate
+
+
 def _predict(
     plan: Plan,
     profile: UnitProfile,
@@ -597,6 +623,8 @@ def _predict(
     def cost(stage: int, phase: str) -> float:
         c = costs[stage]
         accumulate = share * c.accumulate.seconds
+        if phase == "F+B":
+            return _fused_pair(c, split, accumulate)
         return {
             "F": c.forward.seconds,
             "B": c.backward_input.seconds if split else c.backward.seconds + accumulate,
@@ -604,7 +632,7 @@ def _predict(
             "transfer": c.transfer,
         }[phase]
 
-    result = simulate(schedule, costs=cost)
+    result = simulate(schedule, costs=cost, fused=True)
     rows = range(schedule.num_submeshes)
     on_row = [[s for s in range(plan.num_stages) if schedule.stage_to_row[s] == r] for r in rows]
     ends = [0.0] * schedule.num_submeshes

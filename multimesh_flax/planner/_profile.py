@@ -18,15 +18,20 @@ rules map ``"batch"`` to:
 * the **whole backward** (the inputs F's residuals name, F's returned residuals and the
   output cotangent in, the gradients of the parameters and of the unit's floating-point
   inputs out): what an unsplit schedule runs.
-* **F and B as one program**, compiled only: its temporary bytes, what the runtime's fused
-  forward and backward of one microbatch on the last stage holds inside.
+* **F and B as one program**: what the runtime's fused forward and backward of one
+  microbatch on the last stage costs (timed in measured mode) and holds inside (its
+  temporary bytes).
 * **B**, the activation gradient, and **W**, the weight gradient: the two halves of a split
   backward, cut from the whole backward's jaxpr the way the runtime cuts it
   (`_split_backward`): B computes what the input gradient needs and returns the cotangents
   W reads; W computes the weight gradients from them. Those cotangents and the residuals W
   reads are the *weight-kept bytes*, what a microbatch holds from its B to its W.
-* **accumulate**, one microbatch's weight gradients added into a running sum (the
-  runtime's glue after every backward but the first).
+* **accumulate**, one microbatch's weight gradients added into a running sum, as the
+  runtime adds them: at the end of the backward that makes them, in the same program. It is
+  priced as what that costs the program: the whole backward compiled once more with the sum
+  added in, and (measured mode) the median over rounds of the two programs' difference in
+  the same round (a program of its own would pay a launch and an output buffer per
+  parameter, several times what the addition costs inside the backward).
 * **update**, the optax optimizer's ``update`` and ``apply_updates`` on the unit's
   parameters, gradients and optimizer state (mirroring the parameters' shardings).
 
@@ -96,6 +101,7 @@ _PHASE_FIELDS = (
     "backward",
     "update",
     "accumulate",
+    "fused",
 )
 
 
@@ -113,15 +119,18 @@ class UnitCost:
             cotangents W reads; W computes the weight gradients from them.
         backward: The whole backward as one program (what an unsplit schedule runs: it
             computes the cotangents once, where ``B + W`` alone would not share them).
-        accumulate: Adding one microbatch's weight gradients into the running sum (the
-            runtime's glue after every backward but the first).
+        accumulate: What adding one microbatch's weight gradients into the running sum
+            adds to the backward that makes them (the runtime adds them inside it): the
+            whole backward with the sum added against the whole backward alone.
         activation_bytes: Bytes a microbatch keeps from F to its backward (the residuals
             that are not parameters), per device.
         weight_kept_bytes: Bytes a microbatch keeps from a split backward's B to its W
             (the residuals W reads and the cotangents B hands it), per device.
-        fused_temp_bytes: The temporary bytes of the unit's forward and whole backward
-            compiled as one program (what the runtime runs on the last stage, the same
-            microbatch's F and B fused): its residuals never leave the program.
+        fused: The unit's forward and whole backward as one program (what the runtime runs
+            where a row's F is followed by the same microbatch's B, the last stage's in
+            1F1B and zero-bubble schedules): its residuals never leave the program, and
+            under recomputation XLA need not recompute what the program still holds.
+        fused_temp_bytes: ``fused.temp_bytes`` (the fused program's scratch).
         output_bytes: Bytes of the unit's output per device: what a stage boundary after it
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
@@ -144,6 +153,7 @@ class UnitCost:
     accumulate: PhaseCost = PhaseCost()
     weight_kept_bytes: int = 0
     fused_temp_bytes: int = 0
+    fused: PhaseCost = PhaseCost()
 
     @property
     def pipeline_temp_bytes(self) -> int:
@@ -179,10 +189,10 @@ class UnitProfile:
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
-            backward, the two as one program (its temporary bytes only) and, for a unit
-            with both input and weight gradients, its B and W halves; per unit with
-            parameters one gradient accumulation and, with an optimizer, one update; in
-            measured mode also one empty program (the launch).
+            backward, the two as one program, for a unit with parameters the whole
+            backward with the gradient sum added in and, for a unit with both input and
+            weight gradients, its B and W halves; per unit with parameters and an
+            optimizer one update; in measured mode also one empty program (the launch).
         launch_seconds: Measured mode: the median time of an empty program on the
             profiled mesh (adding one to one element per device), timed in the same rounds as
             the units' programs: what every program pays however little it computes. A
@@ -326,9 +336,11 @@ class _Profiler:
         self.mode, self.device, self.repeats = mode, device, repeats
         self.compiles = 0
         self.shape = dict(mesh.shape)
-        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost, PhaseCost]] = {}
+        self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
         self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
         self.seconds: dict[int, float] = {}  # measured: by id of the PhaseCost, once timed
+        # measured: (cost, minuend, subtrahend) whose seconds are a difference of two timed
+        self.differences: list[tuple[PhaseCost, PhaseCost, PhaseCost]] = []
 
     # -- building blocks -------------------------------------------------------------------
 
@@ -394,7 +406,11 @@ class _Profiler:
         seconds = {
             id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
         }
-        self.pending, self.seconds = [], seconds
+        rounds = {id(c): t for (c, _, _), t in zip(self.pending, times, strict=True)}
+        for cost, minuend, subtrahend in self.differences:  # round by round: the same load
+            pairs = zip(rounds[id(minuend)], rounds[id(subtrahend)], strict=True)
+            seconds[id(cost)] = max(statistics.median(a - b for a, b in pairs), 0.0)
+        self.pending, self.seconds, self.differences = [], seconds, []
 
         def fill(phase: PhaseCost) -> PhaseCost:
             if id(phase) not in seconds:
@@ -498,17 +514,28 @@ class _Profiler:
             p_, d_, f_ = (self._concrete(t, s) for s, t in enumerate(abstract_in))
             inputs = (p_, d_, f_)
         forward_cost = self._phase(fwd, inputs)
-        backward_in = None
+        backward_in = fused_in = None
         if inputs is not None:
             out_v, kept_v = fwd(*inputs)
             flat_v = jax.tree_util.tree_leaves(inputs)
             ct_v = jax.tree_util.tree_map(jnp.ones_like, out_v)
             backward_in = ([flat_v[i] for i in reads], list(kept_v), ct_v)
+            fused_in = (*inputs, ct_v)
 
         def backward(ins: Sequence[Any], kept: Sequence[Any], ct: Any) -> Any:
             value = {"in": lambda i: ins[reads.index(i)], "made": lambda v: kept[position[v]]}
             res = [value[kind](i) if kind in value else i for kind, i in sources]
             return tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct))
+
+        def fused(p: Any, d: Any, f: Any, ct: Any) -> Any:
+            """F and the whole backward in one program, as the runtime fuses them: under
+            recomputation XLA may then share the forward with the backward's recompute."""
+            out, kept = forward_kept(p, d, f)
+            flat = jax.tree_util.tree_leaves((p, d, f))
+            return out, backward([flat[i] for i in reads], kept, ct)
+
+        grads = bool(diff) or n_params > 0
+        fused_cost = self._fused(fused, (*abstract_in, ct_in), grads, fused_in)
 
         ct_bytes = [_sharded_bytes(x, x.sharding) for x in jax.tree_util.tree_leaves(ct_in)]
         whole, b_cost, w_cost, weight_kept = self._backward(
@@ -519,9 +546,13 @@ class _Profiler:
             backward_in,
             forward_cost.source,
         )
+        accumulate = PhaseCost(source=forward_cost.source)
+        if n_params:
+            backward_abs = (ins_in, kept_in, ct_in)
+            accumulate = self._accumulate(backward, backward_abs, params, whole, backward_in)
         if index not in self.updates:  # the same for every recomputation policy
             self.updates[index] = self._update(params, param_leaves)
-        opt_state, update, accumulate = self.updates[index]
+        opt_state, update = self.updates[index]
         return UnitCost(
             unit=index,
             recompute=policy,
@@ -536,21 +567,22 @@ class _Profiler:
             backward=whole,
             accumulate=accumulate,
             weight_kept_bytes=weight_kept,
-            fused_temp_bytes=self._fused_temp(apply, abstract_in, bool(diff) or n_params > 0),
+            fused_temp_bytes=fused_cost.temp_bytes,
+            fused=fused_cost,
         )
 
-    def _fused_temp(self, apply: Callable, abstract_in: tuple, grads: bool) -> int:
-        """Temporary bytes of the unit's forward and backward as one program (compiled
-        only: its memory analysis)."""
+    def _fused(
+        self, fused: Callable, abstract_in: tuple, grads: bool, inputs: tuple | None
+    ) -> PhaseCost:
+        """The cost of ``fused``, the unit's forward and whole backward as one program,
+        ``(params, inputs, fixed inputs, output cotangent) -> (output, gradients)``: the
+        cotangent an input (a constant one would let XLA turn the matmuls it feeds into
+        sums), the output returned (the next unit reads it). Timed with the others in
+        measured mode (``inputs``)."""
         if not grads:
-            return 0
-
-        def fused(p: Any, d: Any, f: Any) -> Any:
-            out, vjp = jax.vjp(lambda p, d: apply(p, d, f), p, d)
-            return vjp(jax.tree_util.tree_map(jnp.ones_like, out))
-
+            return PhaseCost(source=Source.ANALYTIC if inputs is None else Source.MEASURED)
         _, compiled = self._compile(fused, *abstract_in)
-        return int(compiled.memory_analysis().temp_size_in_bytes)
+        return self._phase(compiled, inputs)
 
     def _backward(
         self,
@@ -613,16 +645,11 @@ class _Profiler:
 
         return jax.tree_util.tree_map(one, boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
-    def _update(
-        self, params: Any, param_leaves: list[StateLeaf]
-    ) -> tuple[list, PhaseCost, PhaseCost]:
-        """(optimizer-state leaves, the update, one gradient accumulation)."""
+    def _update(self, params: Any, param_leaves: list[StateLeaf]) -> tuple[list, PhaseCost]:
+        """(optimizer-state leaves, the update)."""
         none = PhaseCost(source=Source.ANALYTIC if self.mode == "analytic" else Source.MEASURED)
-        if not param_leaves:
-            return [], none, none
-        accumulate = self._accumulate(params)
-        if self.optimizer is None:
-            return [], none, accumulate
+        if not param_leaves or self.optimizer is None:
+            return [], none
         opt = self.optimizer
         state_abs = jax.eval_shape(opt.init, params)
         state_leaves = _mirror(state_abs, params, param_leaves)
@@ -651,16 +678,32 @@ class _Profiler:
                 self._concrete(params, 8),
                 self._concrete(state_in, 9),
             )
-        return state_leaves, self._phase(compiled, inputs), accumulate
+        return state_leaves, self._phase(compiled, inputs)
 
-    def _accumulate(self, params: Any) -> PhaseCost:
-        """One microbatch's weight gradients added into the running sum."""
-        add = lambda total, grads: jax.tree_util.tree_map(jnp.add, total, grads)  # noqa: E731
-        compiled = self._compile(add, params, params)[1]
-        inputs = None
-        if self.mode == "measured":
-            inputs = (self._concrete(params, 10), self._concrete(params, 11))
-        return self._phase(compiled, inputs)
+    def _accumulate(
+        self, run: Callable, abstract: tuple, params: Any, whole: PhaseCost, concrete: Any
+    ) -> PhaseCost:
+        """What adding the weight gradients into a running sum adds to the whole backward
+        ``run`` (``whole``: its cost): the backward compiled with the sum added in, against
+        it (analytic: the difference of the two costs; measured: of their times, per round)."""
+
+        def summed(ins: Any, kept: Any, ct: Any, total: Any) -> Any:
+            grads = run(ins, kept, ct)
+            return (jax.tree_util.tree_map(jnp.add, total, grads[0]), *grads[1:])
+
+        _, compiled = self._compile(summed, *abstract, params)
+        inputs = None if concrete is None else (*concrete, self._concrete(params, 10))
+        with_sum = self._phase(compiled, inputs)
+        cost = PhaseCost(
+            max(with_sum.seconds - whole.seconds, 0.0),
+            with_sum.flops - whole.flops,
+            with_sum.bytes_accessed - whole.bytes_accessed,
+            0,
+            with_sum.source,
+        )
+        if inputs is not None:  # its seconds come with the timing rounds
+            self.differences.append((cost, with_sum, whole))
+        return cost
 
 
 def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:

@@ -106,6 +106,42 @@ def test_split_and_unsplit_backward_compare_on_equal_terms():
     assert split.busy_time == unsplit.busy_time
 
 
+@pytest.mark.parametrize("name, split", [("1f1b", False), ("zero-bubble-h1", True)])
+def test_fused_pairs_cost_their_program(name, split):
+    # 1F1B and ZB-H1 run each of the last stage's F right before its B: priced as one
+    # program of 1.5, each B takes what is left (0.5), the other ops their own costs
+    p, m = 2, 4
+    costs = {"F": 1.0, "B": 1.0, "W": 0.5 if split else 0.0, "F+B": 1.5}
+    apart = simulate(make_schedule(name, p, m), costs=costs)
+    fused = simulate(make_schedule(name, p, m), costs=costs, fused=True)
+    durations = {op: end - start for _, op, start, end in fused.timeline}
+    for op, seconds in durations.items():
+        expected = 0.5 if (op.stage, op.phase) == (p - 1, "B") else costs[op.phase]
+        assert seconds == pytest.approx(expected, abs=EXACT), op
+    assert fused.makespan < apart.makespan
+    # without an "F+B" cost, fusing prices the pair as its two ops apart
+    no_price = {k: v for k, v in costs.items() if k != "F+B"}
+    same = simulate(make_schedule(name, p, m), costs=no_price, fused=True)
+    assert same.timeline == simulate(make_schedule(name, p, m), costs=no_price).timeline
+
+
+def test_fused_asks_a_callable_for_the_pair_only_when_told():
+    asked = []
+
+    def cost(stage, phase):
+        asked.append(phase)
+        return 0.0 if phase == "transfer" else 1.0
+
+    simulate(make_schedule("1f1b", 2, 2), costs=cost)
+    assert "F+B" not in asked
+    simulate(make_schedule("1f1b", 2, 2), costs=cost, fused=True)
+    assert "F+B" in asked
+    # GPipe runs every F before the first B (microbatch 0's): no pair to fuse
+    gpipe = make_schedule("gpipe", 2, 4)
+    fused = simulate(gpipe, costs={"F+B": 0.0}, fused=True)
+    assert fused.timeline == simulate(gpipe).timeline
+
+
 def test_result_is_frozen_and_timeline_sorted():
     result = simulate(make_schedule("1f1b", 3, 3))
     assert isinstance(result, SimulationResult)

@@ -38,10 +38,16 @@ def test_interleaved_rows_weigh_each_stage_by_its_bytes():
     assert all(w <= c for w, c in zip(weighted, counts, strict=True))
 
 
+def _apart(profile):
+    """``profile`` without its fused programs: a fused F and B priced as the two apart."""
+    costs = tuple(dataclasses.replace(c, fused=mm.planner.PhaseCost()) for c in profile.costs)
+    return dataclasses.replace(profile, costs=costs)
+
+
 def test_equal_stages_bubble_is_p_minus_1_over_m_plus_p_minus_1(mlp_profile):
     for schedule, p, m in [("1f1b", 2, 4), ("gpipe", 4, 4)]:
         plan = Plan((4 // p,) * p, microbatches=m, schedule=schedule)
-        bubble = mm.predict(plan, mlp_profile, transfer=FREE).bubble
+        bubble = mm.predict(plan, _apart(mlp_profile), transfer=FREE).bubble
         assert bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
@@ -60,6 +66,12 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
         units = [gpt_profile.cost(u, policies[stage]) for u in stage_units[stage]]
         if phase == "transfer":
             return link.seconds(units[-1].output_bytes)
+        if phase == "F+B":  # one program: the fused one's share of F and the whole backward
+            fused = sum(u.fused.seconds for u in units)
+            share = fused / sum(u.forward.seconds + u.backward.seconds for u in units)
+            accumulate = 0.0 if split else sum(u.accumulate.seconds for u in units)
+            backward = cost(stage, "B") - accumulate
+            return min(share, 1.0) * (cost(stage, "F") + backward) + accumulate
         # an unsplit backward is one program; the gradient op adds into the running sum
         attr = {"F": "forward", "B": "backward_input" if split else "backward"}
         attr["W"] = "backward_weight" if split else None
@@ -68,7 +80,7 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
             seconds += sum(u.accumulate.seconds for u in units)
         return seconds
 
-    reference = mm.simulate(mm.make_schedule(schedule, 2, 4), costs=cost)
+    reference = mm.simulate(mm.make_schedule(schedule, 2, 4), costs=cost, fused=True)
     assert prediction.bubble == pytest.approx(reference.bubble_fraction)
     update = [
         sum(gpt_profile.cost(u, p).update.seconds for u in us)

@@ -38,6 +38,10 @@ def test_dense_flops_equal_xla_on_one_device(mlp_profile):
     assert cost.backward_weight.flops >= matmul and cost.backward_input.flops >= matmul
     # the whole backward is both; W keeps the input (8 x 16) and the output cotangent
     assert cost.backward.flops >= 2 * matmul
+    # the gradient sum, added inside the backward: one addition per parameter
+    assert cost.accumulate.flops == 16 * 16 + 16
+    # F and B as one program do the work of both apart
+    assert cost.fused.flops >= cost.forward.flops + 2 * matmul
     assert cost.weight_kept_bytes == 2 * 8 * 16 * 4
 
 
@@ -112,6 +116,9 @@ def test_measured_mode_times_the_programs(mlp_profile):
     cost = measured.cost(0)
     assert measured.mode is Source.MEASURED and cost.forward.source is Source.MEASURED
     assert cost.forward.seconds > 0 and cost.backward_weight.seconds > 0
+    assert cost.fused.seconds > 0 and cost.fused.source is Source.MEASURED
+    # the sum's share of the backward: a per-round difference of two timed programs
+    assert 0 <= cost.accumulate.seconds < cost.backward.seconds
     # the empty program's launch, timed with them (one more compile); none when analytic
     assert measured.launch_seconds > 0 and mlp_profile.launch_seconds == 0
     assert measured.compiles == mlp_profile.compiles + 1

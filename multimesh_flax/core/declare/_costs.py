@@ -3,7 +3,9 @@
 :func:`make_cost_fn` turns what a user passes as ``costs`` (to ``simulate`` or to
 ``make_schedule("zero-bubble-auto", ...)``) into one checked function: a mapping of phase
 to duration, the same for every stage, or a callable per stage and phase. Phase
-``"transfer"`` is the time to send a stage's output to another row.
+``"transfer"`` is the time to send a stage's output to another row; phase ``"F+B"`` (asked
+only by ``simulate(..., fused=True)``) the time of a stage's ``F`` and the same microbatch's
+``B`` run as one program.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ def make_cost_fn(costs: Mapping[str, float] | CostFn | None) -> CostFn:
     """Turns ``costs`` into a checked ``(stage, phase) -> float``.
 
     Args:
-      costs: ``None`` (unit costs), a mapping with any of the keys ``"F"``, ``"B"``, ``"W"``
-        and ``"transfer"`` (defaults 1, 1, 1 and 0), or a callable ``(stage, phase) ->
+      costs: ``None`` (unit costs), a mapping with any of the keys ``"F"``, ``"B"``, ``"W"``,
+        ``"transfer"`` (defaults 1, 1, 1 and 0) and ``"F+B"`` (no default: ``simulate`` then
+        prices a fused pair as its two ops apart), or a callable ``(stage, phase) ->
         float``.
 
     Returns:
@@ -39,10 +42,10 @@ def make_cost_fn(costs: Mapping[str, float] | CostFn | None) -> CostFn:
       (1.0, 0.5, 0.0)
     """
     if costs is None or isinstance(costs, Mapping):
-        unknown = set(costs or {}) - set(_DEFAULT_COSTS)
+        unknown = set(costs or {}) - {*_DEFAULT_COSTS, "F+B"}
         if unknown:
             raise errors.InvalidScheduleError(
-                f"Unknown keys {sorted(unknown)} in `costs`; use {sorted(_DEFAULT_COSTS)}."
+                f"Unknown keys {sorted(unknown)} in `costs`; use {sorted(_DEFAULT_COSTS)} or 'F+B'."
             )
         table = {**_DEFAULT_COSTS, **(costs or {})}
         return lambda stage, phase: _checked(table[phase], stage, phase)

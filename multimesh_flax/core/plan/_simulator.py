@@ -10,11 +10,17 @@ activation sets each row keeps alive.
 Costs are per phase. A split backward runs ``B`` (activation gradient) and ``W`` (weight
 gradient) as separate ops; an unsplit ``B`` op is the whole backward and costs
 ``B + W``, so split and unsplit schedules of the same model compare on equal terms.
+
+With ``fused=True`` the simulator prices what the runtime does with an ``F`` followed on its
+row by the same microbatch's ``B`` (the last stage's, in 1F1B and zero-bubble schedules): it
+runs the two as one program, which keeps the residuals inside and pays one launch, so the
+pair costs ``cost(stage, "F+B")``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 
@@ -82,6 +88,7 @@ def simulate(
     costs: Mapping[str, float] | CostFn | None = None,
     activation_bytes: float | Sequence[float] | None = None,
     w_memory: float = 1.0,
+    fused: bool = False,
 ) -> SimulationResult:
     """Predicts when every op of ``schedule`` runs, given per-op costs.
 
@@ -97,6 +104,11 @@ def simulate(
         or one per stage. Gives ``peak_bytes``.
       w_memory: The share of a set's bytes still held between its ``B`` and its ``W``
         when the backward is split (the Zero Bubble paper's ``M_W / M_B``); default 1.
+      fused: Price an ``F`` and the next op on its row, when that is the ``B`` of the same
+        stage and microbatch, as one program: the pair costs ``cost(stage, "F+B")`` (``F``
+        and the whole backward when it is not split, ``F`` and ``B`` when it is), the
+        ``F`` its own cost and the ``B`` the rest (never below 0). A callable ``costs`` is
+        then also asked for phase ``"F+B"``; a mapping may give it (default: the sum).
 
     Returns:
       A :class:`SimulationResult`.
@@ -126,6 +138,16 @@ def simulate(
       >>> zb = simulate(make_schedule("zero-bubble-h2", 4, 8), activation_bytes=2**20)
       >>> zb.steady_bubble_fraction, zb.peak_in_flight, zb.peak_bytes[0] / 2**20
       (0.0, (7, 7, 7, 7), 7.0)
+
+      1F1B's last stage runs each microbatch's F and B back to back; fused, a pair costing
+      1.5 instead of 2 shortens the step:
+
+      >>> one_f_one_b = make_schedule("1f1b", num_stages=2, num_microbatches=4)
+      >>> apart = {"F": 1.0, "B": 1.0, "W": 0.0}
+      >>> simulate(one_f_one_b, costs=apart).makespan
+      10.0
+      >>> simulate(one_f_one_b, costs=apart | {"F+B": 1.5}, fused=True).makespan
+      9.0
     """
     order = validated_order(schedule)
     cost = make_cost_fn(costs)
@@ -139,7 +161,9 @@ def simulate(
             f"Expected `w_memory` to be a number in [0, 1] (the share of an activation set "
             f"kept from B to W), got {w_memory!r}."
         )
-    return _simulate(schedule, order, cost, sizes, float(w_memory))
+    priced = costs is not None and (not isinstance(costs, Mapping) or "F+B" in costs)
+    pairs = _fused_backwards(schedule) if fused and priced else frozenset()
+    return _simulate(schedule, order, cost, sizes, float(w_memory), pairs)
 
 
 def _activation_bytes(value: object, num_stages: int) -> tuple[float, ...] | None:
@@ -166,8 +190,10 @@ def _simulate(
     cost: CostFn,
     sizes: tuple[float, ...] | None,
     w_share: float = 1.0,
+    fused: frozenset[ScheduleOp] = frozenset(),
 ) -> SimulationResult:
-    """Times ``order`` (a dependency-respecting order of all ops) as early as possible."""
+    """Times ``order`` (a dependency-respecting order of all ops) as early as possible;
+    a ``B`` in ``fused`` runs as one program with the ``F`` before it."""
     rows = schedule.num_submeshes
     free = [0.0] * rows
     first = [math.inf] * rows
@@ -180,6 +206,8 @@ def _simulate(
             crossing = schedule.stage_to_row[dep.stage] != row
             start = max(start, end[dep] + (cost(dep.stage, "transfer") if crossing else 0.0))
         duration = _duration(schedule, op, cost)
+        if op in fused:
+            duration = max(cost(op.stage, "F+B") - cost(op.stage, "F"), 0.0)
         end[op] = free[row] = start + duration
         busy[row] += duration
         first[row] = min(first[row], start)
@@ -210,6 +238,17 @@ def _duration(schedule: Schedule, op: ScheduleOp, cost: CostFn) -> float:
     if op.phase == "B" and not schedule.split_backward:
         return cost(op.stage, "B") + cost(op.stage, "W")
     return cost(op.stage, op.phase)
+
+
+def _fused_backwards(schedule: Schedule) -> frozenset[ScheduleOp]:
+    """The ``B`` ops that directly follow, on their row, the ``F`` of the same stage and
+    microbatch (the pairs the runtime fuses into one program)."""
+    return frozenset(
+        b
+        for ops in schedule.rows
+        for f, b in itertools.pairwise(ops)
+        if f.phase == "F" and b.phase == "B" and (f.stage, f.microbatch) == (b.stage, b.microbatch)
+    )
 
 
 def _peak_live(
