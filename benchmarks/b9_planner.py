@@ -8,15 +8,18 @@ parallel over ``8 / S``):
   stage's own submesh shape and microbatch size (so nothing is scaled), the loss appended to
   the head, one transfer measured between two stages' first devices
   (``mm.measure_transfer``); ``mm.predict`` of the plan. The profile is taken for each
-  pipeline after it is built and right before its steps are recorded, so that the drifting
-  load of a shared host weighs on both alike;
+  pipeline after it is built, between the halves of its recorded steps, so that the
+  drifting load of a shared host weighs on both alike;
 * **peak bytes per device**: B4's method -- the step run op by op as the runtime runs it,
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
   ``prediction.peak_bytes``;
-* **per-op durations**: ``CALLS`` (5) steps under ``mm.record_timeline()`` (each op alone: real
-  durations); per (stage, phase) the median recorded duration of the unfused ops against the
-  predicted F, B (B + W when the schedule does not split the backward) and W;
+* **per-op durations**: ``CALLS`` (6) steps under ``mm.record_timeline()`` (each op alone: real
+  durations), half right before the profile and half right after it, so that a load that
+  drifts while the pipeline is measured weighs on both sides alike; per (stage, phase) the
+  median recorded duration against the predicted F, B (B + W when the schedule does not
+  split the backward) and W, and for an F and B the runtime fused into one op, against
+  the simulated pair;
 * **makespan**: the recorded ops replayed with their real dependencies
   (``replay_timeline``, B6's method) against ``step_time``: each op with its median
   duration over the recorded calls (the same op of every call does the same work; a loaded
@@ -72,7 +75,7 @@ CONFIGS = [
     (GPT, (1,) * 8, "1f1b", None),
 ]
 QUICK = (2, 3, 4)  # --quick: indices into CONFIGS
-CALLS = 5  # recorded steps per pipeline
+CALLS = 6  # recorded steps per pipeline: half before its profile, half after
 PEAK_TARGET, OP_TARGET, MAKESPAN_TARGET = 0.10, 0.20, 0.10
 
 
@@ -181,6 +184,20 @@ def _replayed_makespans(timeline: Any, calls: int) -> tuple[float, float]:
     return _makespan(_median_call(timeline, calls), 0), per_call
 
 
+def _recorded(runner: Any, calls: int) -> Any:
+    """``calls`` steps of ``runner`` under ``mm.record_timeline()``."""
+    with mm.record_timeline() as timeline:
+        for _ in range(calls):
+            runner.step()
+    return timeline
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """One timeline of ``first``'s calls, then ``second``'s (renumbered after them)."""
+    later = [dataclasses.replace(e, call=e.call + first.calls) for e in second.events]
+    return mm.core.Timeline(first.events + later, calls=first.calls + second.calls)
+
+
 def _error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured if measured else float("nan")
 
@@ -191,17 +208,16 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
     walked = b4_memory._walk_step(runner)
     peaks = {int(d): v for d, v in walked["peak_with_temp_per_device"].items()}
     measured_peak = [max(peaks[d] for d in range(s * data, (s + 1) * data)) for s in range(stages)]
-    # profiled right before the recorded steps (not minutes earlier, for another pipeline):
-    # on a shared host the load drifts, and both sides of the comparison should see it alike
+    # the recorded steps straddle the profile (not minutes away, for another pipeline): on a
+    # shared host the load drifts, and both sides of the comparison should see it alike
+    before = _recorded(runner, CALLS // 2)
     profile = _profile.__wrapped__(workload, data, policy)
     transfer = mm.measure_transfer(0, data, repeats=5)
+    timeline = _joined(before, _recorded(runner, CALLS - CALLS // 2))
+    calls = timeline.calls
     plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
                    stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
     prediction = mm.predict(plan, profile, transfer=transfer)
-    calls = CALLS
-    with mm.record_timeline() as timeline:
-        for _ in range(calls):
-            runner.step()
     recorded = _op_durations(timeline)
     split_backward = "W" in runner.executable.schedule.phases
     predicted = _predicted_ops(prediction, split_backward)

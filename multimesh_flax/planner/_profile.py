@@ -459,8 +459,9 @@ class _Profiler:
             out = unit.module.apply({"params": p}, *args, **kwargs)
             return loss_fn(out) if loss_fn is not None else out
 
-        if policy is not None:
-            apply = jax.checkpoint(apply, policy=POLICIES[policy])
+        if policy is not None:  # as the runtime's trace, which inlines checkpoint's jaxpr: no
+            # barrier keeps XLA from sharing a fused F and B's forward with the recompute
+            apply = jax.checkpoint(apply, policy=POLICIES[policy], prevent_cse=False)
         vjp_tree: dict[str, Any] = {}
 
         def forward(p: Any, d: Any, f: Any) -> Any:
