@@ -6,10 +6,10 @@ parallel over ``8 / S``):
 
 * **prediction**: ``mm.profile_units(..., mode="measured")`` of the unstaged model on the
   stage's own submesh shape and microbatch size (so nothing is scaled), the loss appended to
-  the head, one transfer measured between two stages' first devices
-  (``mm.measure_transfer``); ``mm.predict`` of the plan. The profile is taken for each
-  pipeline after it is built, between the halves of its recorded steps, so that the
-  drifting load of a shared host weighs on both alike;
+  the head, one transfer measured from the first stage's submesh to the second's, as the
+  runtime moves a stage's output (``mm.measure_transfer``); ``mm.predict`` of the plan.
+  The profile is taken for each pipeline after it is built, between the halves of its
+  recorded steps, so that the drifting load of a shared host weighs on both alike;
 * **peak bytes per device**: B4's method -- the step run op by op as the runtime runs it,
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
@@ -212,7 +212,7 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
     # shared host the load drifts, and both sides of the comparison should see it alike
     before = _recorded(runner, CALLS // 2)
     profile = _profile.__wrapped__(workload, data, policy)
-    transfer = mm.measure_transfer(0, data, repeats=5)
+    transfer = mm.measure_transfer(range(data), range(data, 2 * data), repeats=5)
     timeline = _joined(before, _recorded(runner, CALLS - CALLS // 2))
     calls = timeline.calls
     plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
@@ -277,7 +277,7 @@ def heavy_head(stages: int = 4, schedule: str = "1f1b") -> dict[str, Any]:
     replayed makespans of both."""
     data = _common.DEVICES // stages
     profile = _profile(HEAVY, data, None)
-    transfer = mm.measure_transfer(0, data, repeats=5)
+    transfer = mm.measure_transfer(range(data), range(data, 2 * data), repeats=5)
     tokens = np.zeros((HEAVY.batch, HEAVY.length), np.int32)
     plans = mm.plan(None, None, tokens, devices=_common.DEVICES, profile=profile,
                     stages=stages, tensor=1, schedules=schedule, microbatches=M,

@@ -93,7 +93,7 @@ else:
         loss_fn=head_loss,
         mode="measured",
     )
-    transfer = mm.measure_transfer(0, DATA)
+    transfer = mm.measure_transfer(range(DATA), range(DATA, 2 * DATA))  # stage 0 to stage 1
 for unit in profile.units.units:
     cost = next(c for c in profile.costs if c.unit == profile.units.units.index(unit))
     seconds = cost.forward.seconds + cost.backward_input.seconds + cost.backward_weight.seconds

@@ -5,7 +5,8 @@
 * `profile_units` (``_profile``): each distinct unit compiled on one submesh shape; its
   forward, activation-gradient, weight-gradient and optimizer-update programs analysed by
   XLA (``analytic``) or also timed (``measured``); state, activation and temporary bytes
-  per device. `measure_transfer` times moves between two devices.
+  per device. `measure_transfer` times moves between two devices or submeshes
+  (``_transfer``), as the runtime moves a stage's output.
 * `predict` (``_predict``): a `Plan` (blocks per stage, submesh per stage, schedule,
   microbatches, recomputation per stage) turned into a `Prediction`: step time and bubble
   from the simulator over the unit costs, peak bytes per device, each number tagged with
@@ -36,10 +37,10 @@ from multimesh_flax.planner._predict import peak_activation_bytes as peak_activa
 from multimesh_flax.planner._predict import predict as predict
 from multimesh_flax.planner._profile import UnitCost as UnitCost
 from multimesh_flax.planner._profile import UnitProfile as UnitProfile
-from multimesh_flax.planner._profile import measure_transfer as measure_transfer
 from multimesh_flax.planner._profile import profile_units as profile_units
 from multimesh_flax.planner._synthetic import CostSpec as CostSpec
 from multimesh_flax.planner._synthetic import profile_from_costs as profile_from_costs
+from multimesh_flax.planner._transfer import measure_transfer as measure_transfer
 from multimesh_flax.planner._units import Instance as Instance
 from multimesh_flax.planner._units import Unit as Unit
 from multimesh_flax.planner._units import UnitSet as UnitSet

@@ -77,7 +77,6 @@ from multimesh_flax.planner._costs import (
     PhaseCost,
     Source,
     StateLeaf,
-    TransferCost,
     bytes_per_device,
 )
 from multimesh_flax.planner._split_backward import SplitBackward, split_backward
@@ -878,52 +877,3 @@ def _device_spec(device: DeviceSpec | str) -> DeviceSpec:
         f"{device!r}. Build `DeviceSpec(name, flops_per_second, bytes_per_second, "
         "link_bytes_per_second)` for another device."
     )
-
-
-def measure_transfer(
-    source: int = 0,
-    destination: int = 1,
-    sizes: Sequence[int] = (1 << 12, 1 << 20),
-    repeats: int = 5,
-) -> TransferCost:
-    """Measures moving float32 arrays from one local device to another (``jax.device_put``).
-
-    Fits ``latency + bytes * seconds_per_byte`` through the medians at two sizes.
-
-    Args:
-        source, destination: Positions in ``jax.devices()``.
-        sizes: Two sizes in bytes.
-        repeats: Timed moves per size (after one warm-up).
-
-    Returns:
-        A measured `TransferCost`.
-
-    Raises:
-        ProfileArgumentError: positions outside the local devices or equal, or not two sizes.
-
-    Example:
-        >>> from multimesh_flax.planner import measure_transfer
-        >>> cost = measure_transfer(0, 1, repeats=2)
-        >>> cost.seconds_per_byte >= 0 and cost.latency >= 0, str(cost.source)
-        (True, 'measured')
-    """
-    devices = jax.devices()
-    n = len(devices)
-    if not (0 <= source < n and 0 <= destination < n) or source == destination or len(sizes) != 2:
-        raise errors.ProfileArgumentError(
-            f"Expected two different device positions below {n} and two sizes, got "
-            f"source={source!r}, destination={destination!r}, sizes={tuple(sizes)!r}."
-        )
-    medians = []
-    for nbytes in sizes:
-        x = jax.device_put(jnp.ones(max(int(nbytes) // 4, 1), jnp.float32), devices[source])
-        jax.block_until_ready(jax.device_put(x, devices[destination]))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(jax.device_put(x, devices[destination]))
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times))
-    per_byte = max((medians[1] - medians[0]) / (sizes[1] - sizes[0]), 0.0)
-    latency = max(medians[0] - per_byte * sizes[0], 0.0)
-    return TransferCost(latency, per_byte, Source.MEASURED)

@@ -17,6 +17,7 @@ from multimesh_flax.core.run._dispatch import compile_program as compile_program
 from multimesh_flax.core.run._dispatch import record_timeline as record_timeline
 from multimesh_flax.core.run._explicit import jaxpr_as_auto_fun as jaxpr_as_auto_fun
 from multimesh_flax.core.run._ops import DispatchState as DispatchState
+from multimesh_flax.core.run._ops import Move as Move
 from multimesh_flax.core.run._ops import Op as Op
 from multimesh_flax.core.run._ops import OpKind as OpKind
 from multimesh_flax.core.run._ops import OpProgram as OpProgram
