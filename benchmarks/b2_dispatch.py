@@ -1,7 +1,8 @@
 """B2 dispatch overhead: what the MPMD runtime adds per fragment and per step.
 
-A GPT so small that compute is small (4 blocks of width 32, batch 8, length 8), so a step's
-wall time is mostly dispatch. Per configuration, three things are timed alternately:
+A GPT so small that compute is small (4 blocks of width 32, batch 8, length 8; 2 blocks
+in a smoke run), so a step's wall time is mostly dispatch. Per configuration, three things
+are timed alternately:
 
 * ``call`` -- the ``parallelize_step`` step function, as a user calls it;
 * ``replay`` -- the same jitted fragments and transfers (each op's ``state.fns``: the
@@ -52,7 +53,12 @@ WORKLOAD = _common.Workload(
     "gpt-tiny",
     batch=8,
     length=8,
-    overrides=(("num_layers", 4), ("embed_dim", 32), ("mlp_dim", 64), ("dtype", jnp.float32)),
+    overrides=(
+        ("num_layers", _common.TINY_LAYERS),  # 4 blocks (smoke: 2, like its gpt-tiny)
+        ("embed_dim", 32),
+        ("mlp_dim", 64),
+        ("dtype", jnp.float32),
+    ),
 )
 
 

@@ -280,7 +280,8 @@ def sweep_child(layers: int, m: int, scan_first: bool) -> dict[str, Any]:
 def sweep(quick: bool) -> list[dict[str, Any]]:
     """The sweep points, each the median of fresh processes (``--quick``: m in 1, 4 at 4
     blocks, one process each)."""
-    points = [(4, m) for m in ((2,) if _common.SMOKE else (1, 4) if quick else SWEEP_M)]
+    ms = (2,) if _common.SMOKE else (1, 4) if quick else SWEEP_M
+    points = [(_common.TINY_LAYERS, m) for m in ms]  # TINY's blocks: 4 (smoke: 2)
     if not quick:
         points += [(layers, 8) for layers in SWEEP_LAYERS if layers != 4]
     reps = 1 if quick or _common.SMOKE else SWEEP_REPS
