@@ -183,10 +183,12 @@ class Tables:
         if not units and not extra:
             return None
         t, a, x, s, _, up, _, f = arrays
+        summed = np.array([p is not None for p in self.policies])  # recomputed: they add up
+        temp = np.where(summed, x[:, units].sum(axis=1), x[:, units].max(axis=1, initial=0.0))
         return (
             t[:, units].sum(axis=1),
             a[:, units].sum(axis=1),
-            x[:, units].max(axis=1, initial=0.0),
+            temp,
             float(s[units].sum()) + extra,
             float(up[units].sum()) + 2 * extra,
             f[:, units].sum(axis=1),
@@ -209,7 +211,13 @@ class Tables:
                 state[0] += shared
                 update[0] += 2 * shared
             self._cache[key] = interval_arrays(
-                t[:, layers], a[:, layers], state, x[:, layers], update, f[:, layers]
+                t[:, layers],
+                a[:, layers],
+                state,
+                x[:, layers],
+                update,
+                f[:, layers],
+                summed_temp=[p is not None for p in self.policies],
             )
         return compose(
             self._cache[key],

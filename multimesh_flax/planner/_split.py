@@ -206,14 +206,22 @@ def interval_arrays(
     temp: np.ndarray,
     update: np.ndarray | None = None,
     fused: np.ndarray | None = None,
+    summed_temp: Sequence[bool] | None = None,
 ) -> Intervals:
     """`Intervals` of per-block arrays (``[policy, block]``; ``state``, ``update``:
     ``[block]``; ``fused``: ``[policy, block]``, the temporaries of a block's F and B as
-    one program)."""
+    one program). ``summed_temp``: per policy, whether a stage's temporaries add up over
+    its blocks (recomputation: the backward recomputes them all) rather than the largest."""
+    summed = [False] * len(temp) if summed_temp is None else list(summed_temp)
     return Intervals(
         np.stack([_interval_sums(t) for t in time]),
         np.stack([_interval_sums(a) for a in activation]),
-        np.stack([_interval_max(x) for x in temp]),
+        np.stack(
+            [
+                _interval_sums(x) if add else _interval_max(x)
+                for x, add in zip(temp, summed, strict=True)
+            ]
+        ),
         _interval_sums(state),
         None if update is None else _interval_sums(update),
         None if fused is None else np.stack([_interval_sums(f) for f in fused]),
@@ -258,8 +266,10 @@ def compose(
             tt = intervals.time + sum(np.asarray(e[0])[:, None, None] for e in ends) + launch
             aa = intervals.activation + sum(np.asarray(e[1])[:, None, None] for e in ends)
             xx = intervals.temp
-            for e in ends:
-                xx = np.maximum(xx, np.asarray(e[2])[:, None, None])
+            summed = np.array([p is not None for p in policies])[:, None, None]
+            for e in ends:  # under recomputation a stage's temporaries add up
+                end_temp = np.asarray(e[2])[:, None, None]
+                xx = np.where(summed, xx + end_temp, np.maximum(xx, end_temp))
             ss = intervals.state + sum(e[3] for e in ends)
             uu = -INF if intervals.update is None else intervals.update
             uu = uu + sum(e[4] for e in ends if len(e) > 4) + update_temp

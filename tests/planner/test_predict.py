@@ -201,3 +201,15 @@ def test_optimizer_state_bytes_equal_adams_state_of_the_whole_model(gpt_profile)
     stages = mm.predict(Plan((2, 2)), gpt_profile).stages
     assert stages[0].opt_state_bytes == 2 * stages[0].param_bytes + 4
     assert stages[1].opt_state_bytes == 2 * stages[1].param_bytes
+
+
+def test_recomputed_stages_hold_every_units_scratch(gpt_profile):
+    # the runtime inlines jax.checkpoint: a stage's backward recomputes all its units'
+    # forwards before XLA frees any, so their scratch adds up; without recomputation the
+    # largest unit's program bounds it
+    plan = Plan((1, 3), microbatches=4, recompute=(None, "full"))
+    stages = mm.predict(plan, gpt_profile, transfer=FREE).stages
+    plain = [gpt_profile.cost(u, None).pipeline_temp_bytes for u in (0, 1)]
+    full = [gpt_profile.cost(u, "full").pipeline_temp_bytes for u in (1, 1, 1, 2)]
+    assert stages[0].temp_bytes == max(plain)
+    assert stages[1].temp_bytes == sum(full)

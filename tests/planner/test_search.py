@@ -11,7 +11,7 @@ import multimesh_flax as mm
 from multimesh_flax import errors
 from multimesh_flax.planner import CostSpec, Plan, TransferCost, _search, profile_from_costs
 from multimesh_flax.planner._planning import make_space, search_plans
-from multimesh_flax.planner._split import best_split
+from multimesh_flax.planner._split import best_split, interval_arrays
 
 pytestmark = pytest.mark.xdist_group("planner")
 
@@ -188,3 +188,12 @@ def test_a_given_profile_bounds_the_policies(mlp_profile):
     assert {p.plan.policies() for p in plans} == {(None, None)}
     with pytest.raises(errors.PlanArgumentError, match="'full'"):
         mm.plan(None, None, x, devices=2, profile=mlp_profile, recompute="full")
+
+
+def test_recomputed_intervals_add_their_blocks_scratch():
+    # per policy row: the largest block's temporary, or under recomputation their sum
+    temp = np.array([[1.0, 4.0, 2.0], [1.0, 4.0, 2.0]])
+    zeros = np.zeros_like(temp)
+    intervals = interval_arrays(zeros, zeros, np.zeros(3), temp, summed_temp=[False, True])
+    assert intervals.temp[0, 0, 3] == 4.0 and intervals.temp[1, 0, 3] == 7.0  # blocks 0-2
+    assert intervals.temp[0, 1, 3] == 4.0 and intervals.temp[1, 1, 3] == 6.0  # blocks 1-2
