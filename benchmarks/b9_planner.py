@@ -8,15 +8,16 @@ parallel over ``8 / S``):
   stage's own submesh shape and microbatch size (so nothing is scaled), the loss appended to
   the head, one transfer measured from the first stage's submesh to the second's, as the
   runtime moves a stage's output (``mm.measure_transfer``); ``mm.predict`` of the plan.
-  The profile is taken for each pipeline after it is built, between the halves of its
-  recorded steps, so that the drifting load of a shared host weighs on both alike;
+  The profile is taken for each pipeline after it is built, its timing rounds interleaved
+  with the recorded steps (below);
 * **peak bytes per device**: B4's method -- the step run op by op as the runtime runs it,
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
   ``prediction.peak_bytes``;
-* **per-op durations**: ``CALLS`` (6) steps under ``mm.record_timeline()`` (each op alone: real
-  durations), half right before the profile and half right after it, so that a load that
-  drifts while the pipeline is measured weighs on both sides alike; per (stage, phase) the
+* **per-op durations**: ``CALLS`` (5) steps under ``mm.record_timeline()`` (each op alone: real
+  durations), one after each of the profile's 5 timing rounds
+  (``profile_units(between_rounds=...)``), so that a host whose speed drifts from second to
+  second weighs on both sides alike; per (stage, phase) the
   median recorded duration against the predicted F, B (B + W when the schedule does not
   split the backward) and W, and for an F and B the runtime fused into one op, against
   the simulated pair;
@@ -75,7 +76,8 @@ CONFIGS = [
     (GPT, (1,) * 8, "1f1b", None),
 ]
 QUICK = (2, 3, 4)  # --quick: indices into CONFIGS
-CALLS = 6  # recorded steps per pipeline: half before its profile, half after
+PROFILE_ROUNDS = 5  # the profile's timing rounds, each followed by one recorded step
+CALLS = PROFILE_ROUNDS  # recorded steps per pipeline
 PEAK_TARGET, OP_TARGET, MAKESPAN_TARGET = 0.10, 0.20, 0.10
 
 
@@ -85,7 +87,9 @@ def _head_loss(logits: jax.Array) -> jax.Array:
 
 
 @functools.lru_cache(maxsize=16)
-def _profile(workload: _common.Workload, data: int, policy: str | None) -> Any:
+def _profile(
+    workload: _common.Workload, data: int, policy: str | None, between_rounds: Any = None
+) -> Any:
     rows = workload.batch // M
     tokens = jnp.zeros((rows, workload.length), jnp.int32)
     return mm.profile_units(
@@ -97,7 +101,8 @@ def _profile(workload: _common.Workload, data: int, policy: str | None) -> Any:
         loss_fn=_head_loss,
         recompute=policy,
         mode="measured",
-        repeats=5,
+        repeats=PROFILE_ROUNDS,
+        between_rounds=between_rounds,
     )
 
 
@@ -208,12 +213,13 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
     walked = b4_memory._walk_step(runner)
     peaks = {int(d): v for d, v in walked["peak_with_temp_per_device"].items()}
     measured_peak = [max(peaks[d] for d in range(s * data, (s + 1) * data)) for s in range(stages)]
-    # the recorded steps straddle the profile (not minutes away, for another pipeline): on a
-    # shared host the load drifts, and both sides of the comparison should see it alike
-    before = _recorded(runner, CALLS // 2)
-    profile = _profile.__wrapped__(workload, data, policy)
+    # one step recorded after each of the profile's timing rounds: this host's speed drifts
+    # from second to second, and both sides should see it alike
+    timelines: list[Any] = []
+    between = lambda: timelines.append(_recorded(runner, 1))  # noqa: E731
+    profile = _profile.__wrapped__(workload, data, policy, between)
     transfer = mm.measure_transfer(range(data), range(data, 2 * data), repeats=5)
-    timeline = _joined(before, _recorded(runner, CALLS - CALLS // 2))
+    timeline = functools.reduce(_joined, timelines)
     calls = timeline.calls
     plan = mm.Plan(split, microbatches=M, batch_size=workload.batch, schedule=schedule,
                    stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip

@@ -333,6 +333,7 @@ class _Profiler:
         self.mesh, self.rules, self.data_axes = mesh, tuple(rules), data_axes
         self.rows, self.optimizer, self.loss_fn = rows, optimizer, loss_fn
         self.mode, self.device, self.repeats = mode, device, repeats
+        self.between_rounds: Callable[[], Any] | None = None
         self.compiles = 0
         self.shape = dict(mesh.shape)
         self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
@@ -402,6 +403,8 @@ class _Profiler:
                 start = time.perf_counter()
                 jax.block_until_ready(compiled(*inputs))
                 times[k].append(time.perf_counter() - start)
+            if self.between_rounds is not None:
+                self.between_rounds()
         seconds = {
             id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
         }
@@ -772,6 +775,7 @@ def profile_units(
     mode: str = "analytic",
     device: DeviceSpec | str = "cpu",
     repeats: int = 5,
+    between_rounds: Callable[[], Any] | None = None,
 ) -> UnitProfile:
     """Costs every distinct unit of ``model`` on a submesh of shape ``mesh_shape``.
 
@@ -804,6 +808,10 @@ def profile_units(
         device: A `DeviceSpec` or a name in `DEVICE_SPECS`: the roofline of analytic times
             and the default link of `predict`'s transfers.
         repeats: Timed runs per program in measured mode.
+        between_rounds: Measured mode: called after each timing round (every program run
+            once), e.g. to run the work the profile will be compared with, so that a host
+            whose speed drifts weighs on both alike (benchmark B9 records its pipeline's
+            steps so).
 
     Returns:
         A `UnitProfile`.
@@ -834,6 +842,11 @@ def profile_units(
             f"Expected `mode` in {MODES}, got {mode!r}. 'analytic' compiles only; "
             "'measured' also runs each program."
         )
+    if between_rounds is not None and not callable(between_rounds):
+        raise errors.ProfileArgumentError(
+            f"Expected `between_rounds` to be a callable taking no arguments (or None), got "
+            f"{type(between_rounds).__name__}."
+        )
     spec = _device_spec(device)
     policies = _policies(recompute)
     rules = tuple((str(name), axes) for name, axes in rules)
@@ -843,6 +856,7 @@ def profile_units(
     found = find_units(model, *inputs, patterns=patterns)
     data_axes = _data_axes(rules, shape)
     profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
+    profiler.between_rounds = between_rounds
     last = found.instances[-1].unit
     launch = profiler.launch() if mode == "measured" else None
     costs = profiler.timed(

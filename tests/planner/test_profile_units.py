@@ -110,9 +110,16 @@ def test_state_and_activation_bytes_on_a_submesh(gpt_profile):
 
 
 def test_measured_mode_times_the_programs(mlp_profile):
+    rounds = []
     measured = mm.profile_units(
-        MLP(), jnp.ones((8, 16)), patterns=[r"layer_\d+"], mode="measured", repeats=2
+        MLP(),
+        jnp.ones((8, 16)),
+        patterns=[r"layer_\d+"],
+        mode="measured",
+        repeats=2,
+        between_rounds=lambda: rounds.append(len(rounds)),
     )
+    assert rounds == [0, 1]  # after each of the 2 timing rounds
     cost = measured.cost(0)
     assert measured.mode is Source.MEASURED and cost.forward.source is Source.MEASURED
     assert cost.forward.seconds > 0 and cost.backward_weight.seconds > 0
@@ -131,6 +138,7 @@ def test_measured_mode_times_the_programs(mlp_profile):
     [
         (dict(mode="timed"), errors.ProfileArgumentError, "'timed'"),
         (dict(device="tpu9"), errors.ProfileArgumentError, "'tpu9'"),
+        (dict(between_rounds=3), errors.ProfileArgumentError, "callable"),
         (dict(mesh_shape={"data": 16}), errors.ProfileArgumentError, "at most the 8"),
         (dict(mesh_shape={"data": 0}), errors.ProfileArgumentError, "sizes >= 1"),
         (dict(recompute="all"), errors.RecomputePolicyError, "'all'"),
