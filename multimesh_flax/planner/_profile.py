@@ -188,10 +188,10 @@ class UnitProfile:
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
-            backward, the two as one program, for a unit with parameters the whole
-            backward with the gradient sum added in and, for a unit with both input and
-            weight gradients, its B and W halves; per unit with parameters and an
-            optimizer one update; in measured mode also one empty program (the launch).
+            backward, the two as one program and, for a unit with both input and weight
+            gradients, its B and W halves; per unit with parameters the whole backward
+            with the gradient sum added in (under the first policy) and, with an
+            optimizer, one update; in measured mode also one empty program (the launch).
         launch_seconds: Measured mode: the median time of an empty program on the
             profiled mesh (adding one to one element per device), timed in the same rounds as
             the units' programs: what every program pays however little it computes. A
@@ -337,6 +337,7 @@ class _Profiler:
         self.compiles = 0
         self.shape = dict(mesh.shape)
         self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
+        self.accumulates: dict[int, PhaseCost] = {}  # by unit: the sum's cost in its backward
         self.pending: list[tuple[PhaseCost, Any, Sequence[Any]]] = []  # measured: to time
         self.seconds: dict[int, float] = {}  # measured: by id of the PhaseCost, once timed
         # measured: (cost, minuend, subtrahend) whose seconds are a difference of two timed
@@ -549,10 +550,12 @@ class _Profiler:
             backward_in,
             forward_cost.source,
         )
-        accumulate = PhaseCost(source=forward_cost.source)
-        if n_params:
+        if n_params and index not in self.accumulates:  # the same for every policy
             backward_abs = (ins_in, kept_in, ct_in)
-            accumulate = self._accumulate(backward, backward_abs, params, whole, backward_in)
+            self.accumulates[index] = self._accumulate(
+                backward, backward_abs, params, whole, backward_in
+            )
+        accumulate = self.accumulates.get(index, PhaseCost(source=forward_cost.source))
         if index not in self.updates:  # the same for every recomputation policy
             self.updates[index] = self._update(params, param_leaves)
         opt_state, update = self.updates[index]
