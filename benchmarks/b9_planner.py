@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import statistics
 import time
 from typing import Any
@@ -56,6 +55,7 @@ import multimesh_flax as mm
 from benchmarks import _common, b4_memory
 from models import cross_entropy_loss
 from models.pipeline import LOGICAL_RULES, make_multimesh
+from multimesh_flax.core.plan import fused_backwards
 from multimesh_flax.core.run._timeline_plot import replay_timeline
 from multimesh_flax.planner import CostSpec, profile_from_costs
 
@@ -137,25 +137,21 @@ def _op_durations(timeline: Any) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in durations.items()}
 
 
-def _predicted_ops(prediction: Any, split_backward: bool) -> dict[str, float]:
+def _predicted_ops(prediction: Any, schedule: Any) -> dict[str, float]:
     """Per op kind, its predicted seconds; for an ``F`` and ``B`` the runtime fuses
     (``"3F+3B"``), the simulated pair (one program: ``predict`` prices it as such)."""
     out = {}
     for s, stage in enumerate(prediction.stages):
         out[f"{s}F"] = stage.forward.seconds
-        if split_backward:
+        if schedule.split_backward:
             out[f"{s}B"] = stage.backward_input.seconds
             out[f"{s}W"] = stage.backward_weight.seconds
         else:
             out[f"{s}B"] = stage.backward.seconds
-    rows: dict[int, list] = {}
-    for row, op, start, end in sorted(prediction.simulation.timeline, key=lambda t: (t[0], t[2])):
-        rows.setdefault(row, []).append((op, end - start))
-    for ops in rows.values():
-        for (f, f_seconds), (b, b_seconds) in itertools.pairwise(ops):
-            same = (f.stage, f.microbatch) == (b.stage, b.microbatch)
-            if same and (f.phase, b.phase) == ("F", "B"):
-                out.setdefault(f"{f.stage}F+{f.stage}B", f_seconds + b_seconds)
+    seconds = {op: end - start for _, op, start, end in prediction.simulation.timeline}
+    for b in fused_backwards(schedule):  # the simulated pair: F, then what B adds to it
+        f = dataclasses.replace(b, phase="F")
+        out.setdefault(f"{b.stage}F+{b.stage}B", seconds[f] + seconds[b])
     return out
 
 
@@ -225,8 +221,7 @@ def measure(workload: _common.Workload, split: tuple, schedule: str, policy: str
                    stage_mesh={"data": data, "model": 1}, recompute=policy)  # fmt: skip
     prediction = mm.predict(plan, profile, transfer=transfer)
     recorded = _op_durations(timeline)
-    split_backward = "W" in runner.executable.schedule.phases
-    predicted = _predicted_ops(prediction, split_backward)
+    predicted = _predicted_ops(prediction, runner.executable.schedule)
     op_errors = {
         key: _error(_predicted(key, predicted), seconds)
         for key, seconds in recorded.items()

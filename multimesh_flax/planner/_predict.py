@@ -78,7 +78,7 @@ from typing import Any
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import Schedule, make_schedule
-from multimesh_flax.core.plan import SimulationResult, simulate
+from multimesh_flax.core.plan import SimulationResult, fused_backwards, simulate
 from multimesh_flax.planner._costs import PhaseCost, Source, TransferCost
 from multimesh_flax.planner._profile import UnitCost, UnitProfile, state_bytes
 
@@ -443,15 +443,6 @@ def peak_activation_bytes(schedule: Schedule, stage_bytes: Sequence[int]) -> tup
     return tuple(peaks)
 
 
-def _fused(ops: Sequence[Any], i: int) -> bool:
-    """Whether op ``i`` is an ``F`` the runtime fuses with the next op, the ``B`` of the same
-    stage and microbatch (adjacent fragments of one submesh: the last stage's)."""
-    if i + 1 >= len(ops) or ops[i].phase != "F":
-        return False
-    nxt = ops[i + 1]
-    return nxt.phase == "B" and (nxt.stage, nxt.microbatch) == (ops[i].stage, ops[i].microbatch)
-
-
 def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int, ...]:
     """Per row, the most bytes of activations and gradients alive at once along the row's
     op order (beyond parameters and optimizer state), the way the runtime holds them.
@@ -469,30 +460,28 @@ def pipeline_bytes(schedule: Schedule, stages: Sequence[StageCost]) -> tuple[int
     split = schedule.split_backward
     grad_op = "W" if split else "B"
     accumulates = schedule.num_microbatches > 1
+    fused_b = fused_backwards(schedule)  # the B of each fused F and B
     out = []
     for ops in schedule.rows:
         row_temp = max((stages[op.stage].temp_bytes for op in ops), default=0)
         live = peak = sums = 0
         summed: set[int] = set()
-        fused_b: set[int] = set()
         for i, op in enumerate(ops):
             c = stages[op.stage]
             kept = c.weight_kept_bytes if split else 0
-            if op.phase == "F":
-                if _fused(ops, i):
-                    fused_b.add(i + 1)
-                else:
-                    live += c.activation_bytes
-                    peak = max(peak, live + sums)
+            fused_f = i + 1 < len(ops) and ops[i + 1] in fused_b  # residuals stay inside
+            if op.phase == "F" and not fused_f:
+                live += c.activation_bytes
+                peak = max(peak, live + sums)
             if op.phase == grad_op:
                 if accumulates and op.stage not in summed:  # the zeros of its running sum
                     summed.add(op.stage)
                     sums += c.param_bytes
-                extra = max(c.fused_temp_bytes - row_temp, 0) if i in fused_b else 0
+                extra = max(c.fused_temp_bytes - row_temp, 0) if op in fused_b else 0
                 made = (2 if accumulates else 1) * c.param_bytes  # gradients (and new sum)
                 peak = max(peak, live + sums + made + extra)
             if op.phase == "B":
-                live += kept if i in fused_b else kept - c.activation_bytes
+                live += kept if op in fused_b else kept - c.activation_bytes
             elif op.phase == "W":
                 live -= kept
             if op.phase == grad_op and not accumulates and op.stage not in summed:

@@ -20,4 +20,5 @@ from multimesh_flax.core.plan._pipeline import microbatch_of as microbatch_of
 from multimesh_flax.core.plan._pipeline import stage_name as stage_name
 from multimesh_flax.core.plan._plan import plan_program as plan_program
 from multimesh_flax.core.plan._simulator import SimulationResult as SimulationResult
+from multimesh_flax.core.plan._simulator import fused_backwards as fused_backwards
 from multimesh_flax.core.plan._simulator import simulate as simulate

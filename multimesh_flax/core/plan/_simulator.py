@@ -162,7 +162,7 @@ def simulate(
             f"kept from B to W), got {w_memory!r}."
         )
     priced = costs is not None and (not isinstance(costs, Mapping) or "F+B" in costs)
-    pairs = _fused_backwards(schedule) if fused and priced else frozenset()
+    pairs = fused_backwards(schedule) if fused and priced else frozenset()
     return _simulate(schedule, order, cost, sizes, float(w_memory), pairs)
 
 
@@ -240,9 +240,18 @@ def _duration(schedule: Schedule, op: ScheduleOp, cost: CostFn) -> float:
     return cost(op.stage, op.phase)
 
 
-def _fused_backwards(schedule: Schedule) -> frozenset[ScheduleOp]:
+def fused_backwards(schedule: Schedule) -> frozenset[ScheduleOp]:
     """The ``B`` ops that directly follow, on their row, the ``F`` of the same stage and
-    microbatch (the pairs the runtime fuses into one program)."""
+    microbatch (the pairs the runtime fuses into one program).
+
+    Example:
+      >>> from multimesh_flax.core import make_schedule
+      >>> from multimesh_flax.core.plan import fused_backwards
+      >>> sorted(op.microbatch for op in fused_backwards(make_schedule("1f1b", 2, 3)))
+      [0, 1, 2]
+      >>> fused_backwards(make_schedule("gpipe", 2, 3))  # every F before the first B
+      frozenset()
+    """
     return frozenset(
         b
         for ops in schedule.rows
