@@ -108,6 +108,31 @@ def test_sweep_point_takes_medians_over_its_processes():
     assert [r["scan_first"] for r in point["repetitions"]] == [False, True, False]
 
 
+def test_planner_pipeline_takes_median_errors_over_its_passes():
+    from benchmarks import b9_planner
+
+    def measured(peak, op, makespan, op_errors):
+        return {
+            "worst_peak_error": peak,
+            "median_abs_op_error": op,
+            "makespan_error": makespan,
+            "op_errors": op_errors,
+            "predicted_step_s": 1.0 + makespan,
+        }
+
+    row = b9_planner.combined(
+        [
+            measured(0.03, 0.10, -0.16, {"0F": 0.1, "0B": -0.3}),
+            measured(0.05, 0.20, 0.13, {"0F": 0.3}),
+            measured(0.04, 0.30, -0.01, {"0F": 0.2, "0B": -0.1}),
+        ]
+    )
+    assert row["makespan_error"] == -0.01 and row["predicted_step_s"] == 0.99  # the median pass
+    assert row["worst_peak_error"] == 0.04 and row["median_abs_op_error"] == 0.20
+    assert row["op_errors"] == {"0F": 0.2, "0B": -0.2}  # each op over the passes that ran it
+    assert [p["makespan_error"] for p in row["passes"]] == [-0.16, 0.13, -0.01]
+
+
 def test_accumulating_baseline_computes_the_plain_step():
     # The microbatch-accumulating jax.jit baseline must train exactly like the plain one
     # (mean loss, mean gradients), or ratios against it would compare different work. Adam
