@@ -6,8 +6,11 @@ Runs only where JAX sees GPUs (``python -m benchmarks`` starts it in a child pro
 On ``n`` GPUs: plain ``jax.jit`` data parallel over all of them, against ``parallelize_step``
 of ``GPT(config, stages=S)`` with ``S = n`` stages (``S = 1`` on one GPU: the same model as
 one task, which measures the runtime's overhead) and ``m = 4`` microbatches (1F1B) when
-``S > 1``. Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding parameters, ``L``
-layers, ``T`` tokens per sequence, ``E`` width), against the datasheet's dense bf16 peak.
+``S > 1``; on one GPU also ``m = 8`` against ``jax.jit`` accumulating the same 8 microbatches,
+with the runtime's extra host time per dispatched op (issue 40: how many ops per step a GPU's
+host keeps ahead of). Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding
+parameters, ``L`` layers, ``T`` tokens per sequence, ``E`` width), against the datasheet's
+dense bf16 peak.
 
 Usage: ``python -m benchmarks.gpu --out results/gpu.json [--quick]``.
 """
@@ -49,28 +52,55 @@ def measure(quick: bool) -> dict[str, Any]:
     params = _common.param_count(workload)
     tokens = workload.batch * workload.length
     rounds = 5 if quick else 20
-    base = _common.build_jit(workload, "data-parallel 8", devices=n)
-    _common.warm(base, 3)
-    m = 4 if stages > 1 else 1
-    pipe = _common.build_mpmd(workload, stages, m, "1f1b", devices=n)
-    _common.warm(pipe, 3)
-    pipe_t, base_t = _common.interleaved([pipe.step, base.step], rounds)
     out: dict[str, Any] = {"gpus": n, "device_kind": gpus[0].device_kind, "stages": stages}
     peak = _peak(gpus[0])
     per_token = _flops_per_token(cfg, workload.length, params)
     rows = []
-    for name, t in (("jax.jit", base_t), (f"parallelize_step S={stages}", pipe_t)):
-        seconds = _common.median(t)
-        rate = tokens / seconds
-        mfu = rate * per_token / (peak * n) if peak else None
-        out[name] = {"step_ms": 1e3 * seconds, "tokens_per_s": rate, "mfu": mfu}
-        rows.append(_common.row("GPU", f"gpt-small {name}: tokens/s", round(rate)))
-        if mfu is not None:
-            rows.append(_common.row("GPU", f"gpt-small {name}: MFU", round(mfu, 3)))
-    ratio = _common.median(pipe_t) / _common.median(base_t)
-    rows.append(_common.row("GPU", "gpt-small step / jax.jit", round(ratio, 3)))
-    out.update(workload=workload.describe(), ratio=ratio, rows=rows)
+    for m in (1, 8) if stages == 1 else (4,):
+        pair = _pair(workload, stages, m, n, rounds)
+        for name in ("jax.jit", "parallelize_step"):
+            seconds = pair[name]["step_s"]
+            rate = tokens / seconds
+            mfu = rate * per_token / (peak * n) if peak else None
+            pair[name] |= {"tokens_per_s": rate, "mfu": mfu}
+            label = f"gpt-small m={m} {name}{f' S={stages}' if name != 'jax.jit' else ''}"
+            rows.append(_common.row("GPU", f"{label}: tokens/s", round(rate)))
+            if mfu is not None:
+                rows.append(_common.row("GPU", f"{label}: MFU", round(mfu, 3)))
+        rows.append(_common.row("GPU", f"gpt-small m={m} step / jax.jit", round(pair["ratio"], 3)))
+        extra = f"{pair['ops_per_step']}; {pair['extra_us_per_op']:.0f} us"
+        rows.append(_common.row("GPU", f"gpt-small m={m}: ops per step; extra time per op", extra))
+        out[f"m={m}"] = pair
+    out.update(workload=workload.describe(), ratio=out[f"m={1 if stages == 1 else 4}"]["ratio"],
+               rows=rows)  # fmt: skip
     return out
+
+
+def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, Any]:
+    """``parallelize_step`` (``stages`` stages, ``m`` microbatches, 1F1B) against ``jax.jit``
+    data parallel over the ``n`` GPUs, accumulating the same ``m`` microbatches in its one
+    program; interleaved rounds, medians. ``extra_us_per_op``: the step's time beyond
+    ``jax.jit``'s, over the ops the runtime dispatches per step (recorded once)."""
+    import multimesh_flax as mm
+    from benchmarks import _common
+
+    base = _common.build_jit(workload, "data-parallel 8", devices=n, microbatches=m)
+    _common.warm(base, 3)
+    pipe = _common.build_mpmd(workload, stages, m, "1f1b", devices=n)
+    _common.warm(pipe, 3)
+    with mm.record_timeline() as timeline:
+        pipe.step()
+    ops = sum(1 for e in timeline.events if e.kind == "run")
+    pipe_t, base_t = _common.interleaved([pipe.step, base.step], rounds)
+    ours, theirs = _common.median(pipe_t), _common.median(base_t)
+    _common.release(pipe)
+    return {
+        "jax.jit": {"step_s": theirs},
+        "parallelize_step": {"step_s": ours},
+        "ratio": ours / theirs,
+        "ops_per_step": ops,
+        "extra_us_per_op": 1e6 * (ours - theirs) / ops,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
