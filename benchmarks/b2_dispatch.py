@@ -203,6 +203,12 @@ def _rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     stubbed = f"{r['host_call_cpu_us_stubbed']:,.0f} / {r['host_replay_cpu_us_stubbed']:,.0f}"
     context = [
         ("runtime host work per step (JAX's calls stubbed)", round(r["host_us_per_step"]), "us"),
+        (
+            f"runtime host work per op, {r['fragments']} fragments + {r['transfers']} transfers "
+            "(JAX's calls stubbed)",
+            round(r["host_us_per_step"] / (r["fragments"] + r["transfers"]), 1),
+            "us",
+        ),
         ("host CPU per step with JAX's calls stubbed, step function / hand replay", stubbed, "us"),
         (
             "in real steps: runtime overhead per fragment (CPU outside JAX's calls, paired "

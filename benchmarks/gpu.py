@@ -12,7 +12,9 @@ host keeps ahead of). Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embed
 parameters, ``L`` layers, ``T`` tokens per sequence, ``E`` width), against the datasheet's
 dense bf16 peak.
 
-Usage: ``python -m benchmarks.gpu --out results/gpu.json [--quick]``.
+Usage: ``python -m benchmarks.gpu --out results/gpu.json [--quick] [--model gpt-tiny]``
+(``--model``: any preset of ``models``; gpt-tiny compiles in seconds where gpt-small's
+first compile on an H100 took minutes).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def _flops_per_token(cfg: Any, length: int, params: int) -> float:
     return 6 * (params - embedding) + 12 * cfg.num_layers * length * cfg.embed_dim
 
 
-def measure(quick: bool) -> dict[str, Any]:
+def measure(quick: bool, model: str = "gpt-small") -> dict[str, Any]:
     import jax
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -47,7 +49,8 @@ def measure(quick: bool) -> dict[str, Any]:
     n = len(gpus)
     stages = n if n > 1 and 12 % n == 0 else 1
     batch, length = (8, 256) if quick else (16, 1024)
-    workload = _common.Workload("gpt-small", batch=max(batch, 4 * n), length=length)
+    length = min(length, _common.Workload(model, batch=1, length=1).config().max_len)
+    workload = _common.Workload(model, batch=max(batch, 4 * n), length=length)
     cfg = workload.config()
     params = _common.param_count(workload)
     tokens = workload.batch * workload.length
@@ -63,13 +66,13 @@ def measure(quick: bool) -> dict[str, Any]:
             rate = tokens / seconds
             mfu = rate * per_token / (peak * n) if peak else None
             pair[name] |= {"tokens_per_s": rate, "mfu": mfu}
-            label = f"gpt-small m={m} {name}{f' S={stages}' if name != 'jax.jit' else ''}"
+            label = f"{model} m={m} {name}{f' S={stages}' if name != 'jax.jit' else ''}"
             rows.append(_common.row("GPU", f"{label}: tokens/s", round(rate)))
             if mfu is not None:
                 rows.append(_common.row("GPU", f"{label}: MFU", round(mfu, 3)))
-        rows.append(_common.row("GPU", f"gpt-small m={m} step / jax.jit", round(pair["ratio"], 3)))
+        rows.append(_common.row("GPU", f"{model} m={m} step / jax.jit", round(pair["ratio"], 3)))
         extra = f"{pair['ops_per_step']}; {pair['extra_us_per_op']:.0f} us"
-        rows.append(_common.row("GPU", f"gpt-small m={m}: ops per step; extra time per op", extra))
+        rows.append(_common.row("GPU", f"{model} m={m}: ops per step; extra time per op", extra))
         out[f"m={m}"] = pair
     out.update(workload=workload.describe(), ratio=out[f"m={1 if stages == 1 else 4}"]["ratio"],
                rows=rows)  # fmt: skip
@@ -107,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", default="gpt-small", help="a preset of models")
     args = parser.parse_args(argv)
     try:
-        result = measure(args.quick)
+        result = measure(args.quick, args.model)
     except ImportError as error:  # no usable JAX build on this machine
         result = {"skipped": f"JAX unavailable: {error}", "rows": []}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
