@@ -3,12 +3,13 @@
 Runs only where JAX sees GPUs (``python -m benchmarks`` starts it in a child process without
 ``JAX_PLATFORMS=cpu``); elsewhere it writes ``{"skipped": ...}`` and exits cleanly.
 
-On ``n`` GPUs: plain ``jax.jit`` data parallel over all of them, against ``parallelize_step``
+On ``n`` GPUs: plain ``jax.jit`` data parallel over all of them (accumulating the same
+microbatches in its one program), against ``parallelize_step``
 of ``GPT(config, stages=S)`` with ``S = n`` stages (``S = 1`` on one GPU: the same model as
 one task, which measures the runtime's overhead) and ``m = 4`` microbatches (1F1B) when
 ``S > 1``; on one GPU also ``m = 8`` against ``jax.jit`` accumulating the same 8 microbatches,
-with the runtime's extra host time per dispatched op (issue 40: how many ops per step a GPU's
-host keeps ahead of). Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding
+with the step's extra time over ``jax.jit`` per op the runtime dispatches (issue 40: what each
+op costs a GPU's host). Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding
 parameters, ``L`` layers, ``T`` tokens per sequence, ``E`` width), against the datasheet's
 dense bf16 peak.
 
@@ -93,10 +94,10 @@ def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, 
     _common.warm(pipe, 3)
     with mm.record_timeline() as timeline:
         pipe.step()
-    ops = sum(1 for e in timeline.events if e.kind == "run")
+    ops = len(timeline.events)  # fragments and transfers
     pipe_t, base_t = _common.interleaved([pipe.step, base.step], rounds)
     ours, theirs = _common.median(pipe_t), _common.median(base_t)
-    _common.release(pipe)
+    _common.release(pipe, base)
     return {
         "jax.jit": {"step_s": theirs},
         "parallelize_step": {"step_s": ours},
