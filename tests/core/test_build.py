@@ -104,3 +104,23 @@ def test_describe_names_the_compile_step():
     assert 0 < programs < runs and f"for {runs} fragments" in line
     step(params, batch)  # each program has an executable once it has run (or had one cached)
     assert executable.compile_count() >= programs
+
+
+def test_the_program_cache_forgets_the_least_recently_used():
+    from multimesh_flax.core.trace import BoundedCache
+
+    cache, made = BoundedCache(capacity=2), []
+
+    def make(key):
+        made.append(key)
+        return key.upper()
+
+    values = [cache.get_or_make(k, make) for k in "abaac"]  # a is hit twice, the newest
+    assert values == ["A", "B", "A", "A", "C"] and made == ["a", "b", "c"]
+    assert list(cache) == ["a", "c"]  # b, the least recently used, went
+    cache.get_or_make("c", make)  # the newest: nothing moves
+    cache.get_or_make("a", make)
+    cache.get_or_make("d", make)
+    assert list(cache) == ["a", "d"] and made == ["a", "b", "c", "d"]
+    cache.clear()
+    assert cache.get_or_make("a", make) == "A" and made[-1] == "a"
