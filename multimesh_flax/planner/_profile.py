@@ -329,11 +329,13 @@ def _keys(path: Any) -> tuple[str, ...]:
 class _Profiler:
     """Compiles (and in measured mode runs) one unit's programs on one mesh."""
 
-    def __init__(self, mesh, rules, data_axes, rows, optimizer, loss_fn, mode, device, repeats):
+    def __init__(
+        self, mesh, rules, data_axes, rows, optimizer, loss_fn, mode, device, repeats, between
+    ):
         self.mesh, self.rules, self.data_axes = mesh, tuple(rules), data_axes
         self.rows, self.optimizer, self.loss_fn = rows, optimizer, loss_fn
         self.mode, self.device, self.repeats = mode, device, repeats
-        self.between_rounds: Callable[[], Any] | None = None
+        self.between_rounds: Callable[[], Any] | None = between
         self.compiles = 0
         self.shape = dict(mesh.shape)
         self.updates: dict[int, tuple[list[StateLeaf], PhaseCost]] = {}
@@ -406,10 +408,8 @@ class _Profiler:
                 times[k].append(time.perf_counter() - start)
             if self.between_rounds is not None:
                 self.between_rounds()
-        seconds = {
-            id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, times, strict=True)
-        }
         rounds = {id(c): t for (c, _, _), t in zip(self.pending, times, strict=True)}
+        seconds = {key: statistics.median(t) for key, t in rounds.items()}
         for cost, minuend, subtrahend in self.differences:  # round by round: the same load
             pairs = zip(rounds[id(minuend)], rounds[id(subtrahend)], strict=True)
             seconds[id(cost)] = max(statistics.median(a - b for a, b in pairs), 0.0)
@@ -858,8 +858,9 @@ def profile_units(
     mesh = _make_mesh(shape)
     found = find_units(model, *inputs, patterns=patterns)
     data_axes = _data_axes(rules, shape)
-    profiler = _Profiler(mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats)
-    profiler.between_rounds = between_rounds
+    profiler = _Profiler(
+        mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats, between_rounds
+    )
     last = found.instances[-1].unit
     launch = profiler.launch() if mode == "measured" else None
     costs = profiler.timed(
