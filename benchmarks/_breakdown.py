@@ -37,8 +37,6 @@ from jax._src.lib import xla_client as _xc  # the C++ copy StubbedCpp stubs
 
 from benchmarks import _common
 
-PYTHON_CALLS = 3 if _common.SMOKE else 20  # stubbed steps per block of python_host_seconds
-
 
 class JaxClock:
     """Adds up this thread's CPU time inside an executable's fragment calls and transfers
@@ -175,15 +173,50 @@ class StubbedJax(_Stubs):
         super().__init__(exe, list(range(len(exe.state.fns))))
 
 
+# The host's speed comes in windows: on this shared host the same calls take 1.7x longer for
+# seconds at a time (another machine's work on the same cores), whatever the process. Host
+# work is therefore measured in short blocks sampled over a span of wall time long enough to
+# hold fast windows, and each measured thing gets its fastest block: load only ever adds.
+BLOCK_CALLS = 5 if _common.SMOKE else 40  # calls per block
+SPAN_SECONDS = 0.2 if _common.SMOKE else 10.0  # wall time the blocks are spread over
+
+
+def fastest_block_means(
+    fns: dict[str, Callable[[], Any]],
+    calls: int = BLOCK_CALLS,
+    span: float = SPAN_SECONDS,
+    min_blocks: int = 3,
+) -> dict[str, float]:
+    """This thread's CPU seconds per call of each of ``fns``: the least, over blocks of
+    ``calls`` calls, of a block's mean. The functions alternate block by block until
+    ``span`` seconds of wall time have passed (at least ``min_blocks`` blocks each).
+
+    Example:
+        >>> means = fastest_block_means({"noop": lambda: None}, calls=10, span=0.01)
+        >>> 0 <= means["noop"] < 1e-3
+        True
+    """
+    least = dict.fromkeys(fns, float("inf"))
+    start, blocks = time.perf_counter(), 0
+    while blocks < min_blocks or time.perf_counter() - start < span:
+        for name, fn in fns.items():
+            cpu = time.thread_time()
+            for _ in range(calls):
+                fn()
+            least[name] = min(least[name], (time.thread_time() - cpu) / calls)
+        blocks += 1
+    return least
+
+
 def stubbed_host_seconds(
-    runner: _common.MpmdRunner, calls: int, blocks: int = 7
+    runner: _common.MpmdRunner, span: float = SPAN_SECONDS
 ) -> dict[str, float]:
     """This thread's CPU seconds per step with JAX's calls stubbed (:class:`StubbedJax`):
     ``"call"`` for the step function, ``"replay"`` for the hand replay of the same ops
     (``_common.replay`` with the state flattened and the outputs unflattened, as a program
-    juggling these arrays must). Each is the least, over ``blocks`` blocks of ``calls``
-    calls, of a block's mean (the two alternate block by block): load on a shared host only
-    ever adds time. Runs one real step first (the runner's state advances by it)."""
+    juggling these arrays must), each its fastest block over ``span`` seconds
+    (:func:`fastest_block_means`). Runs one real step first (the runner's state advances by
+    it)."""
     exe = runner.executable
     stubs = StubbedJax(exe)
     loss, state = stubs.record(lambda: runner.step_fn(runner.state, runner.batch))
@@ -196,20 +229,11 @@ def stubbed_host_seconds(
         leaves = [*jax.tree_util.tree_leaves(state), *batch_leaves]
         return jax.tree_util.tree_unflatten(tree, _common.replay(exe, leaves)[1:])
 
-    def mean(fn: Callable[[], Any]) -> float:
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        return (time.thread_time() - start) / calls
-
     step_fn = runner.step_fn
-    fns = {"call": lambda: step_fn(state, batch), "replay": replay}
-    means: dict[str, list[float]] = {name: [] for name in fns}
     with stubs:
-        for _ in range(blocks):  # the two alternate, block by block
-            for name, fn in fns.items():
-                means[name].append(mean(fn))
-    return {name: min(m) for name, m in means.items()}
+        return fastest_block_means(
+            {"call": lambda: step_fn(state, batch), "replay": replay}, span=span
+        )
 
 
 class StubbedCpp(_Stubs):
@@ -227,22 +251,17 @@ class StubbedCpp(_Stubs):
         super().__init__(exe, [i for i, op in enumerate(exe.ops) if op.kind == 0])
 
 
-def python_host_seconds(runner: _common.MpmdRunner, calls: int, blocks: int = 5) -> float:
+def python_host_seconds(runner: _common.MpmdRunner, span: float = SPAN_SECONDS) -> float:
     """This thread's CPU seconds per step with only JAX's C++ work stubbed
-    (:class:`StubbedCpp`): the median over ``blocks`` blocks of ``calls`` calls of a block's
-    mean. Runs one real step first (the runner's state advances by it)."""
+    (:class:`StubbedCpp`): the fastest block over ``span`` seconds
+    (:func:`fastest_block_means`). Runs one real step first (the runner's state advances
+    by it)."""
     stubs = StubbedCpp(runner.executable)
     loss, state = stubs.record(lambda: runner.step_fn(runner.state, runner.batch))
     jax.block_until_ready((loss, state))
     runner.state, batch, step_fn = state, runner.batch, runner.step_fn
-    means = []
     with stubs:
-        for _ in range(blocks):
-            start = time.thread_time()
-            for _ in range(calls):
-                step_fn(state, batch)
-            means.append((time.thread_time() - start) / calls)
-    return _common.median(means)
+        return fastest_block_means({"step": lambda: step_fn(state, batch)}, span=span)["step"]
 
 
 def host_cpu_seconds(step: Callable[[], Any], rounds: int) -> float:
@@ -288,7 +307,7 @@ def runtime_cpu_seconds(runner: _common.MpmdRunner, rounds: int) -> tuple[float,
 def step_breakdown(runner: _common.MpmdRunner, step_s: float, rounds: int) -> dict[str, Any]:
     """The account of one pipelined step whose median wall time is ``step_s``."""
     ops = len(runner.executable.ops)
-    python = python_host_seconds(runner, PYTHON_CALLS)
+    python = python_host_seconds(runner)
     runtime, inside = runtime_cpu_seconds(runner, rounds)
     recorded = recorded_seconds(runner)
     busiest = max(recorded["compute_per_submesh_s"].values())
