@@ -178,7 +178,7 @@ class StubbedJax(_Stubs):
 # work is therefore measured in short blocks sampled over a span of wall time long enough to
 # hold fast windows, and each measured thing gets its fastest block: load only ever adds.
 BLOCK_CALLS = 5 if _common.SMOKE else 40  # calls per block
-SPAN_SECONDS = 0.2 if _common.SMOKE else 10.0  # wall time the blocks are spread over
+SPAN_SECONDS = 0.2 if _common.SMOKE else 20.0  # wall time the blocks are spread over
 
 
 def fastest_block_means(
