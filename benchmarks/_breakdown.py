@@ -173,10 +173,11 @@ class StubbedJax(_Stubs):
         super().__init__(exe, list(range(len(exe.state.fns))))
 
 
-# The host's speed comes in windows: on this shared host the same calls take 1.7x longer for
-# seconds at a time (another machine's work on the same cores), whatever the process. Host
-# work is therefore measured in short blocks sampled over a span of wall time long enough to
-# hold fast windows, and each measured thing gets its fastest block: load only ever adds.
+# The host's speed comes in stretches: on this shared host the same calls take 1.6-1.8x longer
+# for seconds to tens of seconds at a time, in any process (a busy loop on the other core does
+# not cause it; the machine under this one does). Host work is therefore measured in short
+# blocks sampled over a span of wall time long enough to hold fast stretches, and each
+# measured thing gets its fastest block: load only ever adds.
 BLOCK_CALLS = 5 if _common.SMOKE else 40  # calls per block
 SPAN_SECONDS = 0.2 if _common.SMOKE else 20.0  # wall time the blocks are spread over
 
