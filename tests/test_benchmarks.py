@@ -133,6 +133,32 @@ def test_planner_pipeline_takes_median_errors_over_its_passes():
     assert [p["makespan_error"] for p in row["passes"]] == [-0.16, 0.13, -0.01]
 
 
+def test_host_work_keeps_each_functions_fastest_block():
+    """A slow stretch (here: the first two blocks, 20 ms of CPU a call) does not count once a
+    fast block has been seen; with the span already over, ``min_blocks`` blocks each run."""
+    import time
+
+    from benchmarks import _breakdown
+
+    calls = {"slow then fast": 0, "steady": 0}
+
+    def slow_then_fast():
+        calls["slow then fast"] += 1
+        if calls["slow then fast"] <= 4:  # blocks 1 and 2 of 2 calls each
+            end = time.thread_time() + 0.02  # CPU time: a sleep would not count
+            while time.thread_time() < end:
+                pass
+
+    def steady():
+        calls["steady"] += 1
+
+    means = _breakdown.fastest_block_means(
+        {"slow then fast": slow_then_fast, "steady": steady}, calls=2, span=0.0, min_blocks=4
+    )
+    assert means["slow then fast"] < 0.005  # blocks 3 and 4 (fast), not 1 and 2 (20 ms)
+    assert calls == {"slow then fast": 8, "steady": 8}  # 4 blocks of 2 calls each
+
+
 def test_accumulating_baseline_computes_the_plain_step():
     # The microbatch-accumulating jax.jit baseline must train exactly like the plain one
     # (mean loss, mean gradients), or ratios against it would compare different work. Adam
