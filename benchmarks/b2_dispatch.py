@@ -109,7 +109,7 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
     spans = [_breakdown.stubbed_host_seconds(runner, span=half)]
     both = _Alternating(runner)
     calls, replays, jits = _common.interleaved([both.call, both.replay, base.step], rounds)
-    fragments = _common.fragment_count(exe)
+    fragments, transfers = _common.fragment_count(exe), _common.transfer_count(exe)
     call, rep, jit = (_common.median(t) for t in (calls, replays, jits))
     own, host = _common.median(both.own), _common.median(both.host)
     replay_own = _common.median(both.replay_own)
@@ -124,7 +124,7 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
         "microbatches": m,
         "schedule": schedule,
         "fragments": fragments,
-        "transfers": _common.transfer_count(exe),
+        "transfers": transfers,
         "call_us": 1e6 * call,
         "replay_us": 1e6 * rep,
         "jit_us": 1e6 * jit,
@@ -140,7 +140,7 @@ def measure(stages: int, m: int, schedule: str, rounds: int, base: Any) -> dict[
         "host_replay_cpu_us_stubbed": 1e6 * stubbed["replay"],
         "host_us_per_step": 1e6 * own_host,
         "host_us_per_fragment": 1e6 * own_host / fragments,
-        "host_us_per_op": 1e6 * own_host / (fragments + _common.transfer_count(exe)),
+        "host_us_per_op": 1e6 * own_host / (fragments + transfers),
         "whole_step_difference_us": 1e6 * (call - rep),
         "extra_us_per_step_vs_jit": 1e6 * (call - jit),
     }

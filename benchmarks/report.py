@@ -90,9 +90,8 @@ def _b1(data: dict[str, Any]) -> list[dict]:
 
 def _b2(data: dict[str, Any]) -> list[dict]:
     configs = data["configs"]
-    per_op = [c["host_us_per_step"] / (c["fragments"] + c["transfers"]) for c in configs]
-    worst = max(per_op)
-    worst_config = configs[per_op.index(worst)]
+    worst_config = max(configs, key=lambda c: c["host_us_per_op"])
+    worst = worst_config["host_us_per_op"]
     per_fragment = max(c["host_us_per_fragment"] for c in configs)
     steps = [c["host_us_per_step"] for c in configs]
     calls = [c["host_call_us_per_fragment"] for c in configs]
