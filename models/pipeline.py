@@ -191,8 +191,8 @@ def make_multimesh(
         MeshShapeError: the product of the sizes is not the number of devices.
 
     Example:
-        >>> make_multimesh(2, 2, 2).shape
-        OrderedDict([('stage', 2), ('data', 2), ('model', 2)])
+        >>> dict(make_multimesh(2, 2, 2).shape)
+        {'stage': 2, 'data': 2, 'model': 2}
     """
     pool = list(jax.devices() if devices is None else devices)
     if stages * data * model != len(pool):

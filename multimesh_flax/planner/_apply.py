@@ -50,8 +50,8 @@ class AppliedPlan:
         >>> applied = AppliedPlan((1, 3), (("stage", 2), ("data", 2), ("model", 2)),
         ...                       {"microbatches": 4, "schedule": "1f1b", "recompute": None},
         ...                       (("layer_0", 0, None), ("layer_1", 1, None)), ())
-        >>> applied.make_mesh().shape
-        OrderedDict([('stage', 2), ('data', 2), ('model', 2)])
+        >>> dict(applied.make_mesh().shape)
+        {'stage': 2, 'data': 2, 'model': 2}
     """
 
     layers_per_stage: tuple[int, ...]

@@ -220,7 +220,7 @@ def test_plain_with_sharding_constraint_under_set_mesh():
 
 
 def test_plain_with_sharding_constraint_matches_jax():
-    x = jnp.arange(32.0).reshape(8, 4)
+    x = jnp.arange(64.0).reshape(8, 8)
     sharding = NamedSharding(AUTO_MESH, P(None, "x"))
     ours = jax.jit(lambda a: mm.with_sharding_constraint(a, sharding))(x)
     theirs = jax.jit(lambda a: jax.lax.with_sharding_constraint(a, sharding))(x)

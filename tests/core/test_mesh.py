@@ -98,7 +98,7 @@ def test_task_mesh_default_names_for_several_axes():
 
 
 def test_task_mesh_from_abstract_mesh():
-    abstract = AbstractMesh((2, 2), ("p", "q"))
+    abstract = AbstractMesh((2, 2), ("p", "q"), axis_types=(AxisType.Auto,) * 2)
     tm = mm.TaskMesh(devices=[4, 5, 6, 7], abstract=abstract)
     assert tm.axis_sizes == (2, 2)
     assert tm.axis_names == ("p", "q")

@@ -28,7 +28,8 @@ DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 )
 def test_policy_forms(value, name, policy):
     made = make_recompute(value)
-    assert made.name == (repr(value) if name == "custom" else name)
+    custom = getattr(value, "__name__", repr(value))  # jax 0.10's checkpoint_dots has none
+    assert made.name == (custom if name == "custom" else name)
     assert made.policy is (value if policy == "same" else policy)
     assert made.enabled == (name != "none")
     assert mm.Task(recompute=value).recompute == made

@@ -26,12 +26,18 @@ TRACK = {"bf16": dict(rtol=0.1, atol=5e-3), "pure-bf16": dict(rtol=0.3, atol=5e-
 # The pipelined bf16 step and its one-device twin round the same operations, but XLA may
 # fuse (and so round) differently: a few bfloat16 ulps.
 SAME_BF16 = dict(rtol=2e-2, atol=2e-3)
+LEARNING_RATE = 1e-2
+# Adam moves each parameter by about the learning rate whatever its gradient's size, so an
+# element whose gradient is a few ulps from zero can step the other way when rounded
+# differently: 2 learning rates apart per step (on jax 0.12: 1 element of 512 in one leaf
+# and 2 in another differed by up to 0.02 after 3 steps).
+FLIPPED_AT_MOST = 0.1  # fraction of a leaf's elements
 
 
 def _run(precision, steps=STEPS):
     step, state, _ = mm.parallelize_step(
         Pipeline(),
-        optax.adam(1e-2),
+        optax.adam(LEARNING_RATE),
         global_batch=(X, Y),
         microbatches=2,
         schedule="1f1b",
@@ -88,7 +94,7 @@ def test_bf16_casts_stay_with_their_parameters(runs):
 def _one_device_bf16(params):
     """The bf16 step on one device under ``ignore_transforms``: parameters and batch cast
     to bfloat16, each of the 2 microbatches' gradients cast back to float32, averaged."""
-    model, optimizer = Pipeline(wrap=False), optax.adam(1e-2)
+    model, optimizer = Pipeline(wrap=False), optax.adam(LEARNING_RATE)
     opt_state = optimizer.init(params)
 
     def loss_of(p16, x, y):
@@ -121,7 +127,15 @@ def test_bf16_pipeline_matches_the_bf16_computation_on_one_device(runs):
     losses, params = _one_device_bf16(bf16["initial"])
     np.testing.assert_allclose(bf16["losses"][:EARLY], losses, **SAME_BF16)
     for got, want in zip(jax.tree.leaves(bf16["early"]), jax.tree.leaves(params), strict=True):
-        np.testing.assert_allclose(got, np.asarray(want), **SAME_BF16)
+        _assert_same_but_flipped_steps(np.asarray(got), np.asarray(want))
+
+
+def _assert_same_but_flipped_steps(got, want):
+    """``got`` equals ``want`` to ``SAME_BF16``, except at most ``FLIPPED_AT_MOST`` of the
+    elements, each within 2 learning rates per step (see ``FLIPPED_AT_MOST``)."""
+    off = ~np.isclose(got, want, **SAME_BF16)
+    assert off.mean() <= FLIPPED_AT_MOST, f"{off.sum()} of {off.size} elements differ"
+    np.testing.assert_allclose(got[off], want[off], rtol=0, atol=2 * LEARNING_RATE * EARLY)
 
 
 def test_pure_bf16_stores_bf16_and_tracks_fp32(runs):

@@ -217,6 +217,7 @@ def _rebuild(
         list(jaxpr.outvars),
         [e.eqn for e in equations],
         "program",
+        consts=traced.consts,
     )
     traced = dataclasses.replace(traced, jaxpr=program, equations=tuple(equations))
     return traced, dataclasses.replace(plan, equations=traced.equations)

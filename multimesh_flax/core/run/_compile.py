@@ -142,15 +142,22 @@ def _signature(args: Any) -> tuple[Any, Any]:
     holds the shardings themselves)."""
     key, devices = [], []
     for x in args:
-        aval = jax.typeof(x)
         sharding = x.sharding
         if not isinstance(sharding, NamedSharding):
-            return tuple((jax.typeof(a), a.sharding) for a in args), None
+            return tuple((_aval_key(a), a.sharding) for a in args), None
         mesh = sharding.mesh
         spec = canonical_spec(sharding.spec)  # P("x", None) lays out as P("x")
-        key.append((aval, mesh.axis_names, mesh.devices.shape, spec, sharding.memory_kind))
+        key.append((_aval_key(x), mesh.axis_names, mesh.devices.shape, spec, sharding.memory_kind))
         devices.append(mesh.devices.flat)
     return tuple(key), tuple(tuple(devs) for devs in devices)
+
+
+def _aval_key(x: Any) -> tuple[Any, ...]:
+    """What of ``x``'s type a fragment's executable depends on besides its sharding: shape,
+    dtype, weak type. (Newer JAX's avals also carry a layout object that compares unequal
+    between two arrays of one default layout, so the aval itself is not the key.)"""
+    aval = jax.typeof(x)
+    return aval.shape, aval.dtype, aval.weak_type
 
 
 def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
@@ -159,8 +166,8 @@ def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
     mapping: dict[int, Any] = {}
     for before, after in zip(old, new, strict=True):
         for d, e in zip(before, after, strict=True):
-            if mapping.setdefault(d.id, e) is not e:
-                return None
+            if mapping.setdefault(d.id, e).id != e.id:  # devices compare by id: two meshes
+                return None  # may hold different objects for one device
     targets = {e.id for e in mapping.values()}
     if len(targets) != len(mapping) or all(k == e.id for k, e in mapping.items()):
         return None

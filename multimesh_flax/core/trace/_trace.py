@@ -194,7 +194,8 @@ class _Inliner:
         params = eqn.params
         inner, body_consts = _open(params["jaxpr"])
         const_vars = [self._const(c) for c in body_consts]
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        n_consts, n_carry = _scan_counts(params)
+        length = params["length"]
         loop_consts, xs = values[:n_consts], values[n_consts + n_carry :]
         carry = [self._carried(v) for v in values[n_consts : n_consts + n_carry]]
         ys: list[list[Any]] = [[None] * length for _ in eqn.outvars[n_carry:]]
@@ -418,7 +419,9 @@ def colour_program(captured: CapturedProgram) -> TracedProgram:
     outs = [a if isinstance(a, jex.Literal) else renamed.get(a, a) for a in captured.outvars]
     consts = {**captured.consts, **expanded.consts}
     eqns = [e.eqn for e in equations]
-    jaxpr = make_jaxpr_object(list(consts), captured.invars, outs, eqns, "program")
+    jaxpr = make_jaxpr_object(
+        list(consts), captured.invars, outs, eqns, "program", consts=list(consts.values())
+    )
     return TracedProgram(
         jaxpr=jaxpr,
         consts=list(consts.values()),
@@ -442,3 +445,13 @@ def trace_program(
     leaves of the result, whose tree is ``out_tree``.
     """
     return colour_program(capture_program(fun, args, devices))
+
+
+def _scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """A ``scan`` equation's (constants, carried values) counts: jax 0.10 names them in its
+    params (``num_consts``, ``num_carry``); later versions pack the inputs as one flat tree
+    of (constants, carry, xs) in ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
