@@ -43,7 +43,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 #   end; never ~/.cache), so a program another test already compiled is loaded instead.
 #   A caller's own MMFLAX_COMPILATION_CACHE (a directory, or "off") is kept.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
-if _jaxlib_version() >= (0, 11):  # XLA dropped the older emitter (an unknown flag aborts)
+if _jaxlib_version() >= (0, 11):  # jaxlib 0.12's XLA lacks the flag; an unknown flag aborts
     TEST_XLA_FLAGS = TEST_XLA_FLAGS[:1]
 for _flag in TEST_XLA_FLAGS:
     if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):

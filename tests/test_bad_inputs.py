@@ -1442,7 +1442,7 @@ def env(tmp_path_factory):
 
 def _says(message: str, fragment: str, command_line: bool) -> bool:
     """``fragment`` is in ``message``; on the command line a choice may come unquoted
-    (argparse on Python >= 3.12 writes "choose from demo, train", earlier "'demo', 'train'")."""
+    (argparse on Python 3.13 writes "choose from demo, train", 3.11 "'demo', 'train'")."""
     return fragment in message or (command_line and fragment.replace("'", "") in message)
 
 
