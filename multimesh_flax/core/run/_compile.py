@@ -147,17 +147,19 @@ def _signature(args: Any) -> tuple[Any, Any]:
             return tuple((_aval_key(a), a.sharding) for a in args), None
         mesh = sharding.mesh
         spec = canonical_spec(sharding.spec)  # P("x", None) lays out as P("x")
-        key.append((_aval_key(x), mesh.axis_names, mesh.devices.shape, spec, sharding.memory_kind))
+        where = (mesh.axis_names, mesh.axis_types, mesh.devices.shape, spec, sharding.memory_kind)
+        key.append((_aval_key(x), *where))
         devices.append(mesh.devices.flat)
     return tuple(key), tuple(tuple(devs) for devs in devices)
 
 
 def _aval_key(x: Any) -> tuple[Any, ...]:
     """What of ``x``'s type a fragment's executable depends on besides its sharding: shape,
-    dtype, weak type. (Newer JAX's avals also carry a layout object that compares unequal
-    between two arrays of one default layout, so the aval itself is not the key.)"""
+    dtype, weak type and the manual axes it varies over. (Newer JAX's avals also carry a
+    layout object that compares unequal between two arrays of one default layout, so the
+    aval itself is not the key.)"""
     aval = jax.typeof(x)
-    return aval.shape, aval.dtype, aval.weak_type
+    return aval.shape, aval.dtype, aval.weak_type, getattr(aval, "vma", None)
 
 
 def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
