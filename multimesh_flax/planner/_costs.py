@@ -87,6 +87,10 @@ class PhaseCost:
         temp_bytes: ``memory_analysis().temp_size_in_bytes``: scratch while it runs.
         source: ``measured`` or ``analytic`` (``seconds``; the rest is always analytic),
             ``derived`` once scaled.
+        release_seconds: Measured mode: freeing the program's outputs (median), which
+            ``seconds`` leaves out. The runtime frees a value in the op that reads it last
+            (a forward's residuals in the backward), so `predict` charges it there; 0 in
+            analytic mode.
     """
 
     seconds: float = 0.0
@@ -94,6 +98,7 @@ class PhaseCost:
     bytes_accessed: float = 0.0
     temp_bytes: int = 0
     source: Source = Source.ANALYTIC
+    release_seconds: float = 0.0
 
     def scaled(self, time: float, memory: float) -> PhaseCost:
         """Times and FLOPs times ``time``, temporary bytes times ``memory`` (derived)."""
@@ -105,6 +110,7 @@ class PhaseCost:
             self.bytes_accessed * time,
             int(round(self.temp_bytes * memory)),
             Source.DERIVED,
+            self.release_seconds * time,
         )
 
     def __add__(self, other: PhaseCost) -> PhaseCost:
@@ -115,6 +121,7 @@ class PhaseCost:
             self.bytes_accessed + other.bytes_accessed,
             max(self.temp_bytes, other.temp_bytes),
             source,
+            self.release_seconds + other.release_seconds,
         )
 
 

@@ -10,7 +10,9 @@ recomputation policy of every stage. `predict` turns it and a `UnitProfile` into
    recomputation policy, scaled from the profiled shape to the stage's (the rule below).
    The runtime runs each of them as one program for all the stage's units, so each unit's
    time counts without its own program's launch (`UnitProfile.launch_seconds`, measured)
-   and the stage's sum pays one launch.
+   and the stage's sum pays one launch. The runtime frees a value in the op that reads it
+   last, so freeing the forward's residuals (``PhaseCost.release_seconds``, measured)
+   counts in the whole backward, or in a split backward's ``W``.
    The transfer after a stage moves its last unit's output: ``TransferCost.seconds(bytes)``.
 2. **Step time and bubble.** ``mm.simulate`` replays ``mm.make_schedule(...)`` with those
    costs. Each row then runs the optimizer updates of its stages after its last op: the
@@ -395,6 +397,9 @@ def _stage_cost(
     for key, name in phases.items():  # one program per stage and phase: one launch
         if any(getattr(c, name).seconds > 0 for c in costs):
             total[key] = dataclasses.replace(total[key], seconds=total[key].seconds + launch)
+    for key in ("bw", "w"):  # the op that reads the forward's residuals last frees them
+        freed = total[key].seconds + total["f"].release_seconds
+        total[key] = dataclasses.replace(total[key], seconds=freed)
     return StageCost(
         forward=total["f"],
         backward_input=total["b"],
@@ -603,7 +608,9 @@ def _fused_pair(c: StageCost, split: bool, accumulate: float) -> float:
     apart that the stage's fused program (`StageCost.fused`: ``F`` and the whole backward)
     takes of its ``F`` and whole backward, applied to the pair (a split ``B`` computes the
     input gradient only), plus the gradient accumulation an unsplit ``B`` pays."""
-    apart = c.forward.seconds + c.backward.seconds
+    # the programs apart (the whole backward less the residuals' release: fused, they stay
+    # inside the one program)
+    apart = c.forward.seconds + c.backward.seconds - c.forward.release_seconds
     share = min(c.fused.seconds / apart, 1.0) if c.fused.seconds and apart else 1.0
     if split:
         return share * (c.forward.seconds + c.backward_input.seconds)

@@ -41,12 +41,16 @@ temporary bytes from ``compiled.memory_analysis()``, seconds from a `DeviceSpec`
 (at least 3 and 20 ms), then ``repeats`` rounds in which every program of every unit runs
 once, and keeps each program's median wall time (round by round, so that a load coming and
 going on a shared host slows all programs alike; every program's inputs stay alive until
-the rounds end). An empty program on the mesh is timed in the same rounds: its median is
-the launch every program pays (`UnitProfile.launch_seconds`), which `predict` counts once
-per stage program rather than once per unit. Bytes of the training state per device
-(parameters, gradients as large as the parameters, optimizer state) are not measured: they
-follow from the shapes and the logical rules on the mesh shape, exactly, which is also how
-`predict` gets them for any other submesh shape without its devices.
+the rounds end). A program's time ends when its outputs are ready: freeing them is timed
+apart (``PhaseCost.release_seconds``), because the runtime frees a value in the op that
+reads it last -- a forward's residuals in its backward -- and `predict` charges it there
+(timed together, it made every measured forward 15-35% slower than the runtime's, and
+left the backward without it). An empty program on the mesh is timed in the same rounds:
+its median is the launch every program pays (`UnitProfile.launch_seconds`), which
+`predict` counts once per stage program rather than once per unit. Bytes of the training
+state per device (parameters, gradients as large as the parameters, optimizer state) are
+not measured: they follow from the shapes and the logical rules on the mesh shape, exactly,
+which is also how `predict` gets them for any other submesh shape without its devices.
 """
 
 from __future__ import annotations
@@ -399,17 +403,28 @@ class _Profiler:
     def timed(self, costs: Sequence[UnitCost]) -> tuple[UnitCost, ...]:
         """``costs`` with the measured seconds: every program run once per round, for
         ``repeats`` rounds, and its median kept. Round by round, a load that comes and goes
-        on a shared host slows every program alike, not the few timed while it lasted."""
+        on a shared host slows every program alike, not the few timed while it lasted.
+
+        A program's time ends when its outputs are ready; freeing them is timed apart
+        (``release_seconds``), since the runtime frees a value in the op that reads it
+        last, not in the one that makes it."""
         times: list[list[float]] = [[] for _ in self.pending]
+        releases: list[list[float]] = [[] for _ in self.pending]
         for _ in range(self.repeats):
             for k, (_, compiled, inputs) in enumerate(self.pending):
                 start = time.perf_counter()
-                jax.block_until_ready(compiled(*inputs))
-                times[k].append(time.perf_counter() - start)
+                outputs = jax.block_until_ready(compiled(*inputs))
+                ready = time.perf_counter()
+                del outputs
+                times[k].append(ready - start)
+                releases[k].append(time.perf_counter() - ready)
             if self.between_rounds is not None:
                 self.between_rounds()
         rounds = {id(c): t for (c, _, _), t in zip(self.pending, times, strict=True)}
         seconds = {key: statistics.median(t) for key, t in rounds.items()}
+        released = {
+            id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, releases, strict=True)
+        }
         for cost, minuend, subtrahend in self.differences:  # round by round: the same load
             pairs = zip(rounds[id(minuend)], rounds[id(subtrahend)], strict=True)
             seconds[id(cost)] = max(statistics.median(a - b for a, b in pairs), 0.0)
@@ -418,7 +433,8 @@ class _Profiler:
         def fill(phase: PhaseCost) -> PhaseCost:
             if id(phase) not in seconds:
                 return phase
-            return dataclasses.replace(phase, seconds=seconds[id(phase)])
+            release = released.get(id(phase), 0.0)
+            return dataclasses.replace(phase, seconds=seconds[id(phase)], release_seconds=release)
 
         return tuple(
             dataclasses.replace(c, **{f: fill(getattr(c, f)) for f in _PHASE_FIELDS}) for c in costs

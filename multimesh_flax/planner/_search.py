@@ -161,7 +161,8 @@ class Tables:
                 for k, policy in enumerate(self.policies):
                     c = p.cost(u, policy)
                     phases = (c.forward, c.backward)
-                    t[k, u] = sum(_work(ph, p.launch_seconds).seconds for ph in phases) * time
+                    work = sum(_work(ph, p.launch_seconds).seconds for ph in phases)
+                    t[k, u] = (work + c.forward.release_seconds) * time  # predict's F + B
                     if tensor and c.params:
                         t[k, u] += 2 * tensor * c.output_bytes * memory
                     a[k, u] = c.activation_bytes * memory

@@ -13,6 +13,7 @@ from models import GPT, get_config
 from models.pipeline import make_multimesh
 from multimesh_flax import errors
 from multimesh_flax.planner import Plan, Source, TransferCost, peak_activation_bytes
+from multimesh_flax.planner._predict import _fused_pair
 from tests.planner._planning_models import tokens
 
 pytestmark = pytest.mark.xdist_group("planner")
@@ -110,6 +111,29 @@ def test_a_stage_pays_one_launch_per_program(gpt_profile):
         assert stages[s].update.seconds == pytest.approx(
             plain[s].update.seconds - (updated - 1) * launch
         )
+
+
+def test_the_backward_frees_the_forwards_residuals(gpt_profile):
+    # the runtime frees a value in the op that reads it last: the forward's residuals in
+    # the whole backward (or a split backward's W), never in the forward, and not at all
+    # where F and B run as one program
+    release = 1e-4
+    costs = tuple(
+        dataclasses.replace(c, forward=dataclasses.replace(c.forward, release_seconds=release))
+        for c in gpt_profile.costs
+    )
+    freed = dataclasses.replace(gpt_profile, costs=costs)
+    plan = Plan((1, 3), microbatches=4, schedule="1f1b")
+    plain = mm.predict(plan, gpt_profile, transfer=FREE).stages
+    stages = mm.predict(plan, freed, transfer=FREE).stages
+    for s, units in enumerate((2, 4)):  # stage 0: the stem and a block; 1: 3 blocks, head
+        assert stages[s].forward.seconds == pytest.approx(plain[s].forward.seconds)
+        assert stages[s].backward_input.seconds == pytest.approx(plain[s].backward_input.seconds)
+        for f in ("backward", "backward_weight"):
+            got, alone = getattr(stages[s], f).seconds, getattr(plain[s], f).seconds
+            assert got == pytest.approx(alone + units * release)
+        fused = _fused_pair(stages[s], False, 0.0)
+        assert fused == pytest.approx(_fused_pair(plain[s], False, 0.0))
 
 
 def test_peak_bytes_follow_the_runtimes_live_values(gpt_profile):

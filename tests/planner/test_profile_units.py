@@ -123,6 +123,8 @@ def test_measured_mode_times_the_programs(mlp_profile):
     cost = measured.cost(0)
     assert measured.mode is Source.MEASURED and cost.forward.source is Source.MEASURED
     assert cost.forward.seconds > 0 and cost.backward_weight.seconds > 0
+    # freeing a program's outputs is timed apart (the runtime frees them in their reader)
+    assert cost.forward.release_seconds > 0 and mlp_profile.cost(0).forward.release_seconds == 0
     assert cost.fused.seconds > 0 and cost.fused.source is Source.MEASURED
     # the sum's share of the backward: a per-round difference of two timed programs
     assert cost.accumulate.source is Source.MEASURED and cost.accumulate.seconds >= 0

@@ -476,7 +476,8 @@ class MpmdExecutable:
     def _dispatch(self, env: list[Any]) -> None:
         """Every op in order, with as little Python per op as it takes: one C-level read of
         its input slots, one call (``state.fns``: the fragment's executable, or the
-        transfer's ``Move``), its outputs stored and its last-read slots cleared."""
+        transfer's ``Move``), its outputs stored and its last-read slots cleared (the values
+        it read last are freed here, in the op that reads them, not in the next one)."""
         fns = self.state.fns
         for index, run, read, outs, frees in self._steps:
             values = read(env)
@@ -488,13 +489,15 @@ class MpmdExecutable:
                     raise self.floating_point_error(op, values, error) from None
             else:
                 results = fns[index](values)
+            values = None
             for s, r in zip(outs, results, strict=True):
                 env[s] = r
             for s in frees:
                 env[s] = None
 
     def _dispatch_recorded(self, env: list[Any], timeline: Timeline) -> None:
-        """``_dispatch``, waiting for each op and recording it into ``timeline``."""
+        """``_dispatch``, waiting for each op and recording it into ``timeline`` (an op's
+        time includes freeing the values it read last, as ``_dispatch`` frees them)."""
         call, timeline.calls = timeline.calls, timeline.calls + 1
         fns = self.state.fns
         for index, op in enumerate(self.ops):
@@ -507,6 +510,7 @@ class MpmdExecutable:
                     raise self.floating_point_error(op, values, error) from None
             else:
                 results = fns[index](values)
+            values = None
             for s, r in zip(op.outs, results, strict=True):
                 env[s] = r
             for s in op.frees:
