@@ -50,7 +50,8 @@ JSON.
 **Scale** (full runs only): S=8 stages of one device each, 16 blocks (2 a stage), batch
 64 x 64, m=32 and m=64 (``SCALE``): steps of a thousand ops and more, so what many ops per
 step cost is measured, not guessed. Step time, breakdown, peak bytes and cold start as
-above (the cold start from ``SCALE_COLD_REPETITIONS`` fresh processes per program).
+above (the cold start from ``SCALE_COLD_REPETITIONS`` fresh processes per program);
+``MMFLAX_B7_SCOPE=scale`` measures only these points.
 
 No targets: the section says where the two approaches stand on this host.
 """
@@ -87,7 +88,10 @@ FUNCTION = "function"
 # ``MMFLAX_B7_SCOPE=targets`` (full runs): only issue 40's target grid -- both paths at
 # S in {2, 4}, m in {4, 8, 16} -- no scale points, one cold process per program: about 25
 # minutes instead of about 55, for a re-measurement after a change to the runtime.
-TARGETS_ONLY = os.environ.get("MMFLAX_B7_SCOPE", "") == "targets"
+# ``MMFLAX_B7_SCOPE=scale`` (full runs): only the scale points (S=8, m=32 and 64, no function
+# path), for a re-measurement of what many ops per step cost; write it to its own ``--out``.
+SCOPE = os.environ.get("MMFLAX_B7_SCOPE", "")
+TARGETS_ONLY, SCALE_ONLY = SCOPE == "targets", SCOPE == "scale"
 
 
 def grid(quick: bool) -> list[tuple[str, int, int]]:
@@ -97,7 +101,7 @@ def grid(quick: bool) -> list[tuple[str, int, int]]:
         return [("tiny", *_common.SMOKE_CONFIG[:2])]
     if quick:
         return [("tiny", 2, 4)]
-    tiny = [("tiny", s, m) for s, m in TINY_GRID]
+    tiny = [] if SCALE_ONLY else [("tiny", s, m) for s, m in TINY_GRID]
     return tiny + ([] if TARGETS_ONLY else [("scale", s, m) for s, m in SCALE_GRID])
 
 
@@ -108,7 +112,7 @@ def function_grid(quick: bool) -> list[tuple[int, int]]:
         return []
     if quick:
         return [(2, 4)]
-    return list(TINY_GRID)
+    return [] if SCALE_ONLY else list(TINY_GRID)
 
 
 def step_times(ours: dict[str, Any], peer: Any, rounds: int) -> dict[str, Any]:
@@ -442,7 +446,7 @@ def run(quick: bool) -> dict[str, Any]:
         "scale_workload": SCALE.describe(),
         "function_workload": fp.FN.describe(),
         "rounds": rounds,
-        "scope": "targets" if TARGETS_ONLY and not quick else "all",
+        "scope": SCOPE if SCOPE in ("targets", "scale") and not quick else "all",
         "configs": configs,
         "function_configs": function_configs,
         "rows": rows,
