@@ -16,8 +16,8 @@ threads. This module keeps the bookkeeping that turns what can go wrong there in
 * ``finish_at_exit`` runs before Python joins threads at interpreter exit: it waits for
   every save still in flight; a failure is logged once and the process exits with status 1
   (``os._exit``, since a threading exit hook cannot set the status otherwise, and orbax's
-  threads of the failed step may never end); Ctrl-C while waiting abandons the save (its
-  temporary directory stays, later runs ignore it) and exits with status 130.
+  threads of the failed step may never end); Ctrl-C while it runs abandons the saves in
+  flight (their temporary directories stay, later runs ignore them) and exits with status 130.
 * ``quiet_orbax_failures`` drops orbax's own tracebacks of a failed save (it logs the same
   exception three times) while a ``Checkpointer`` save is in flight; the error raised here
   chains the original exception, so nothing is lost.
@@ -31,6 +31,7 @@ import dataclasses
 import errno
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -246,6 +247,8 @@ def finish_at_exit() -> None:
     """Waits for every save in flight at interpreter exit; never lets the exit hang."""
     try:
         _finish_at_exit()
+    except KeyboardInterrupt:  # Ctrl-C anywhere in the hook, not only while it waits
+        _abandon_pending()
     except BaseException:  # noqa: BLE001 - an exit hook that fails must still end the process
         logger.exception("Finishing checkpoint saves at exit failed")
         _exit_now(1)
@@ -304,13 +307,34 @@ def _wait_interruptibly(save: PendingSave, limit: float | None) -> BaseException
 
 def _abandon(save: PendingSave) -> None:
     """Ends the process, leaving ``save`` unfinalized (Ctrl-C while it was finishing)."""
+    _ignore_further_interrupts()
+    _log_abandoned(save)
+    _exit_now(130)
+
+
+def _abandon_pending() -> None:
+    """Ends the process with status 130, leaving every save in flight unfinalized."""
+    _ignore_further_interrupts()
+    with _LOCK:
+        saves = list(_PENDING.values())
+    for save in saves:
+        _log_abandoned(save)
+    _exit_now(130)
+
+
+def _log_abandoned(save: PendingSave) -> None:
     logger.error(
         "Interrupted while finishing checkpoint step %d in '%s' at exit: it is left "
         "unfinalized (a temporary folder that later runs ignore); earlier steps are intact.",
         save.step,
         save.directory,
     )
-    _exit_now(130)
+
+
+def _ignore_further_interrupts() -> None:
+    """A second Ctrl-C must not cut the exit short: the process is ending already."""
+    with contextlib.suppress(ValueError):  # only the main thread may set handlers
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _join_orbax_threads(timeout: float) -> bool:

@@ -188,6 +188,41 @@ def test_ctrl_c_while_the_last_save_finishes_exits_at_once(tmp_path):
     ]
 
 
+def test_ctrl_c_as_the_exit_hook_starts_abandons_the_save_with_status_130(
+    tmp_path, monkeypatch, caplog
+):
+    # The interrupt may land anywhere in the hook, e.g. before it starts waiting (CI saw it
+    # on the hook's first line): still status 130, the save named, no traceback.
+    from multimesh_flax import _checkpoint_saves as saves
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(status: int) -> None:
+        raise Exited(status)
+
+    pending = saves.PendingSave(manager=None, step=4, directory=str(tmp_path), operation_id=None)
+    monkeypatch.setattr(saves, "_finish_at_exit", interrupted)
+    monkeypatch.setattr(saves, "_exit_now", exit_now)
+    monkeypatch.setitem(saves._PENDING, -1, pending)
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        with (
+            caplog.at_level(logging.ERROR, "multimesh_flax.checkpoint"),
+            pytest.raises(Exited) as exited,
+        ):
+            saves.finish_at_exit()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert exited.value.args == (130,)
+    assert f"checkpoint step 4 in '{tmp_path}'" in caplog.text and "unfinalized" in caplog.text
+    assert "failed" not in caplog.text
+
+
 # --- leftovers of interrupted saves ---------------------------------------------------------
 
 
