@@ -34,7 +34,11 @@ from multimesh_flax import checkpoint, errors
 from multimesh_flax.core.declare._devices import make_auto_mesh
 
 TIMEOUT_S = 60
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+# PYTHONFAULTHANDLER: a child that hangs is ended with SIGABRT, which prints every thread.
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
+
+
+_DEFAULT_SIGINT = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
 def _run(script: str, *args: str, unshare: bool = False, interrupt_after: str | None = None):
@@ -43,6 +47,8 @@ def _run(script: str, *args: str, unshare: bool = False, interrupt_after: str | 
     Returns (returncode, stdout, stderr, seconds from the interrupt, or from the start, to
     the exit).
     """
+    if interrupt_after is not None:  # a child of a background job starts with SIGINT ignored
+        script = _DEFAULT_SIGINT + script
     command = [sys.executable, "-c", script, *args]
     if unshare:
         command = ["unshare", "-m", *command]
@@ -62,9 +68,13 @@ def _run(script: str, *args: str, unshare: bool = False, interrupt_after: str | 
             child.send_signal(signal.SIGINT)
         rest, err = child.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        pytest.fail(f"the child hung for {TIMEOUT_S} s")
+        child.send_signal(signal.SIGABRT)
+        try:
+            _, err = child.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            _, err = child.communicate()
+        pytest.fail(f"the child hung for {TIMEOUT_S} s; its threads then:\n{err[-20000:]}")
     finally:
         if child.poll() is None:
             child.kill()
