@@ -10,7 +10,9 @@ rules map ``"batch"`` to:
   residuals it computes, each once (`residual_sources`) -- what the runtime's forward
   fragment hands its backward. Residuals that are the program's own inputs (parameters,
   the unit's input) are not returned: the runtime's backward reads those directly, and
-  returning them would make F copy every parameter. The residuals that are not parameters
+  returning them would make F copy every parameter. Nor are values computed from no input
+  that only the backward reads (``jnp.where``'s zero tangent): the runtime makes those in
+  the backward, and so does the backward here. The residuals that are not parameters
   (nor inputs without the batch dimension), each counted once, are the *activation bytes*
   a microbatch keeps for its backward (per device). Under a recomputation policy
   the apply is wrapped in ``jax.checkpoint`` first, so the residuals shrink to what the
@@ -69,6 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
+from jax._src.interpreters import partial_eval as pe  # dce_jaxpr: no public name (jax 0.10)
 from jax.extend import core as jex_core
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -542,8 +545,15 @@ class _Profiler:
             backward_in = ([flat_v[i] for i in reads], list(kept_v), ct_v)
             fused_in = (*inputs, ct_v)
 
+        constants = constant_residuals(whole_forward, sources)
+
         def backward(ins: Sequence[Any], kept: Sequence[Any], ct: Any) -> Any:
-            value = {"in": lambda i: ins[reads.index(i)], "made": lambda v: kept[position[v]]}
+            made_here = constants()
+            value = {
+                "in": lambda i: ins[reads.index(i)],
+                "made": lambda v: kept[position[v]],
+                "constant": made_here.__getitem__,
+            }
             res = [value[kind](i) if kind in value else i for kind, i in sources]
             return tuple(jax.tree_util.tree_unflatten(vjp_tree["tree"], res)(ct))
 
@@ -733,7 +743,10 @@ def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
     forward fragment sees it: ``("in", i)``, the forward's input ``i`` (a parameter or an
     input the backward reads directly, never an output of the fragment); ``("made", v)``,
     a value the forward computes (``v`` names it: residuals holding the same value share
-    it, and the fragment returns it once); ``("literal", value)``, a constant."""
+    it, and the fragment returns it once); ``("constant", v)``, a value that only the
+    backward reads and that is computed from no input, which the runtime computes in that
+    backward instead of keeping it (``jnp.where``'s zero tangent, a broadcast ``0.0`` as
+    large as the attention logits, is one); ``("literal", value)``, a literal."""
     jaxpr = closed.jaxpr
     inputs = {v: i for i, v in enumerate(jaxpr.invars)}
     out = []
@@ -742,9 +755,62 @@ def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
             out.append(("literal", var.val))
         elif var in inputs:
             out.append(("in", inputs[var]))
+        elif not _read_in_forward(jaxpr, var) and _reads_no_input(jaxpr, var):
+            out.append(("constant", var))
         else:
             out.append(("made", var))
     return out
+
+
+def _read_in_forward(jaxpr: Any, var: Any) -> bool:
+    """Whether an equation of ``jaxpr`` reads its value ``var``, also inside the call (a
+    nested ``jit``) that made it: the runtime inlines calls, so a value a call both uses
+    and returns is made in the forward."""
+    for eqn in jaxpr.eqns:
+        if any(v is var for v in eqn.invars):
+            return True
+    for eqn in jaxpr.eqns:
+        for k, out in enumerate(eqn.outvars):
+            if out is var:
+                body = next((p for p in eqn.params.values() if _is_jaxpr(p)), None)
+                if body is None:
+                    return False
+                inner = getattr(body, "jaxpr", body)
+                inner_var = inner.outvars[k]
+                if isinstance(inner_var, jex_core.Literal) or inner_var in inner.invars:
+                    return True  # passed through: made outside the call
+                return _read_in_forward(inner, inner_var)
+    return False
+
+
+def _is_jaxpr(value: Any) -> bool:
+    return isinstance(value, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
+
+
+def _reads_no_input(jaxpr: Any, var: Any) -> bool:
+    """Whether ``jaxpr``'s output ``var`` is computed from none of its inputs."""
+    _, used_inputs = pe.dce_jaxpr(jaxpr, [v is var for v in jaxpr.outvars])
+    return not any(used_inputs)
+
+
+def constant_residuals(closed: Any, sources: Sequence[tuple[str, Any]]) -> Callable[[], dict]:
+    """A function that computes the ``("constant", v)`` residuals of ``sources`` afresh (in
+    the backward that reads them), as ``{v: value}``."""
+    wanted = {id(v) for kind, v in sources if kind == "constant"}
+    jaxpr = closed.jaxpr
+    used = [id(v) in wanted for v in jaxpr.outvars]
+    outputs = [v for v, u in zip(jaxpr.outvars, used, strict=True) if u]
+    sliced = jex_core.jaxpr_as_fun(
+        jex_core.ClosedJaxpr(pe.dce_jaxpr(jaxpr, used)[0], closed.consts)
+    )
+
+    def compute() -> dict:
+        if not outputs:
+            return {}
+        values = sliced()
+        return dict(zip(outputs, values, strict=True))
+
+    return compute
 
 
 def _count(halves: SplitBackward, kind: str) -> int:

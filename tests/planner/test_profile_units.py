@@ -4,12 +4,14 @@ compiled once, activation bytes under recomputation, measured mode, and bad argu
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
 from models import GPT, GPTBlock, get_config
-from models.pipeline import LOGICAL_RULES
+from models.loss import cross_entropy_loss
+from models.pipeline import LOGICAL_RULES, make_multimesh
 from multimesh_flax import errors
 from multimesh_flax.planner import Source
 from tests.planner._planning_models import LENGTH, MLP, ROWS, tokens
@@ -68,6 +70,50 @@ def test_block_forward_flops_equal_xla_of_the_block_alone():
     assert profile.cost(1).forward.flops == _xla_flops(forward, params, x)
     plain = _xla_flops(lambda p, x: block.apply({"params": p}, x), params, x)
     assert plain <= profile.cost(1).forward.flops <= 1.2 * plain
+
+
+def _first_forward_outputs(step, state, batch, stage):
+    """The values the runtime's forward op of ``stage`` returns for microbatch 0: the step's
+    ops run one by one, as the dispatcher runs them, up to that op."""
+    exe = step.executable(state, batch)
+    env = exe.make_env([*jax.tree_util.tree_leaves(state), *jax.tree_util.tree_leaves(batch)])
+    for index, op in enumerate(exe.ops):
+        values = [env[s] for s in op.ins]
+        fn = exe.state.fns[index]
+        results = fn(*values) if op.kind == 0 else fn(values)
+        unit = getattr(op, "unit", None)
+        if unit is not None and (unit.stage, unit.phase, unit.microbatch) == (stage, "F", 0):
+            return results
+        for slot, value in zip(op.outs, results, strict=True):
+            env[slot] = value
+    raise AssertionError(f"no forward op of stage {stage}")
+
+
+def test_the_forward_keeps_what_the_runtimes_forward_returns(gpt_profile):
+    # gpt_profile's submesh (data 2, model 2) as the first of two stages: the stem and two
+    # blocks. Input-free values only the backward reads (jnp.where's zero tangent, as large
+    # as the attention logits and replicated) are made in the runtime's backward, not kept:
+    # counting them put 16% more bytes here.
+    config = get_config("gpt-tiny", num_layers=4)
+    batch = {"inputs": tokens(2 * ROWS), "targets": tokens(2 * ROWS)}
+
+    def loss_fn(model_fn, batch):
+        return cross_entropy_loss(model_fn(batch["inputs"]), batch["targets"])
+
+    built = mm.parallelize_step(
+        GPT(config, layers_per_stage=(2, 2)),
+        optax.adamw(1e-3),
+        make_multimesh(2, 2, 2),
+        batch,
+        loss_fn=loss_fn,
+        microbatches=2,
+        schedule="1f1b",
+    )
+    outputs = _first_forward_outputs(built.step, built.state, batch, stage=0)
+    per_device = [x.addressable_shards[0].data.nbytes for x in outputs]
+    c = gpt_profile.cost
+    kept = c(0).activation_bytes + 2 * c(1).activation_bytes
+    assert kept == pytest.approx(sum(per_device) - c(1).output_bytes, rel=0.01)
 
 
 def test_identical_blocks_are_compiled_once():
