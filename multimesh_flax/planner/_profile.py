@@ -410,17 +410,11 @@ class _Profiler:
 
         A program's time ends when its outputs are ready; freeing them is timed apart
         (``release_seconds``), since the runtime frees a value in the op that reads it
-        last, not in the one that makes it.
-
-        Each round starts at another program (round ``r`` of ``R`` at the ``r/R`` mark of
-        the list, then wraps around), so that whatever ran between rounds
-        (``between_rounds``: B9 records a training step there) is followed by a different
-        program each time instead of always by the first unit's forward."""
+        last, not in the one that makes it."""
         times: list[list[float]] = [[] for _ in self.pending]
         releases: list[list[float]] = [[] for _ in self.pending]
-        for r in range(self.repeats):
-            for k in round_order(len(self.pending), r, self.repeats):
-                _, compiled, inputs = self.pending[k]
+        for _ in range(self.repeats):
+            for k, (_, compiled, inputs) in enumerate(self.pending):
                 start = time.perf_counter()
                 outputs = jax.block_until_ready(compiled(*inputs))
                 ready = time.perf_counter()
@@ -742,18 +736,6 @@ class _Profiler:
         if inputs is not None:  # its seconds come with the timing rounds
             self.differences.append((cost, with_sum, whole))
         return cost
-
-
-def round_order(count: int, round_: int, rounds: int) -> list[int]:
-    """The order of ``count`` programs in timing round ``round_`` of ``rounds``: all of them,
-    starting at the ``round_ / rounds`` mark and wrapping around.
-
-    Example:
-        >>> round_order(6, 1, 3), round_order(6, 2, 3)
-        ([2, 3, 4, 5, 0, 1], [4, 5, 0, 1, 2, 3])
-    """
-    first = round_ * count // rounds
-    return [*range(first, count), *range(first)]
 
 
 def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
