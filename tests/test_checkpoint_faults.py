@@ -36,8 +36,6 @@ from multimesh_flax.core.declare._devices import make_auto_mesh
 TIMEOUT_S = 60
 # PYTHONFAULTHANDLER: a child that hangs is ended with SIGABRT, which prints every thread.
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONFAULTHANDLER": "1"}
-
-
 _DEFAULT_SIGINT = "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
 
 
@@ -225,7 +223,7 @@ def test_ctrl_c_as_the_exit_hook_starts_abandons_the_save_with_status_130(
             pytest.raises(Exited) as exited,
         ):
             saves.finish_at_exit()
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C waits
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a second Ctrl-C is ignored
     finally:
         signal.signal(signal.SIGINT, handler)
     assert exited.value.args == (130,)
