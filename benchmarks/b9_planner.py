@@ -14,8 +14,8 @@ parallel over ``8 / S``):
   every live value counted with its frees, each fragment's XLA temporary added while it runs
   (``peak_with_temp_per_device``); per stage, the largest of its devices against
   ``prediction.peak_bytes``;
-* **per-op durations**: ``CALLS`` (5) steps under ``mm.record_timeline()`` (each op alone: real
-  durations), one after each of the profile's 5 timing rounds
+* **per-op durations**: ``CALLS`` (9) steps under ``mm.record_timeline()`` (each op alone: real
+  durations), one after each of the profile's 9 timing rounds
   (``profile_units(between_rounds=...)``), so that a host whose speed drifts from second to
   second weighs on both sides alike; per (stage, phase) the
   median recorded duration against the predicted F, B (B + W when the schedule does not
@@ -86,7 +86,8 @@ CONFIGS = [
 ]
 QUICK = (2, 3, 4)  # --quick: indices into CONFIGS
 PASSES, QUICK_PASSES = 3, 1  # every pipeline measured once per pass, passes one after another
-PROFILE_ROUNDS = 5  # the profile's timing rounds, each followed by one recorded step
+PROFILE_ROUNDS = 9  # timing rounds, each followed by one recorded step: single rounds of a
+# short program swing 2-4x, and a median of 9 lands on a slow one less often than one of 5
 CALLS = PROFILE_ROUNDS  # recorded steps per pipeline
 PEAK_TARGET, OP_TARGET, MAKESPAN_TARGET = 0.10, 0.20, 0.10
 
