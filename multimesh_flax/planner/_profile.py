@@ -772,19 +772,14 @@ def _read_in_forward(jaxpr: Any, var: Any) -> bool:
     for eqn in jaxpr.eqns:
         for k, out in enumerate(eqn.outvars):
             if out is var:
-                body = next((p for p in eqn.params.values() if _is_jaxpr(p)), None)
-                if body is None:
+                inner = next(jex_core.jaxprs_in_params(eqn.params), None)
+                if inner is None:
                     return False
-                inner = getattr(body, "jaxpr", body)
                 inner_var = inner.outvars[k]
                 if isinstance(inner_var, jex_core.Literal) or inner_var in inner.invars:
                     return True  # passed through: made outside the call
                 return _read_in_forward(inner, inner_var)
     return False
-
-
-def _is_jaxpr(value: Any) -> bool:
-    return isinstance(value, (jex_core.Jaxpr, jex_core.ClosedJaxpr))
 
 
 def _reads_no_input(jaxpr: Any, var: Any) -> bool:
