@@ -154,7 +154,7 @@ def _pipeline_options(r: Ran) -> None:
 def _planning(r: Ran) -> None:
     # three distinct units; 1F1B keeps 2 and 1 microbatches in flight; wide plans derived
     ns = r.namespace
-    assert r.stdout.splitlines()[0] == "['GPTEmbed', 'GPTBlock', 'GPTHead'] 32"
+    assert r.stdout.splitlines()[0] == "['GPTEmbed', 'GPTBlock', 'GPTHead'] 34"
     prediction = ns["prediction"]
     assert prediction.peak_in_flight == (2, 1)
     stages = prediction.stages

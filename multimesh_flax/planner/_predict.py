@@ -340,6 +340,15 @@ def _work(phase: PhaseCost, launch: float) -> PhaseCost:
     return dataclasses.replace(phase, seconds=max(phase.seconds - launch, 0.0))
 
 
+def _fused_copy(c: UnitCost, launch: float, again: bool) -> PhaseCost:
+    """One copy of a unit in its stage's fused program: the fused program's work, or for a
+    further copy of a unit already in it (``again``) what a second copy added in the
+    profile (`UnitCost.fused_repeat`), where it was costed."""
+    if again and c.fused_repeat.seconds > 0:
+        return c.fused_repeat
+    return _work(c.fused, launch)
+
+
 def _pipeline_temp(costs: Sequence[UnitCost]) -> int:
     """A stage's largest forward or backward scratch: its largest unit's, or under
     recomputation the sum of its units' (the runtime's trace inlines ``jax.checkpoint``, so
@@ -368,6 +377,7 @@ def _stage_cost(
     params, opt = 0, 0
     tensor, replica = collective_per_byte(profile, mesh, transfer)
     launch = profile.launch_seconds
+    seen: set[int] = set()
     for c in costs:
         params_here = state_bytes(c.params, mesh, profile.rules)
         params_there = state_bytes(c.params, shape, profile.rules)
@@ -378,7 +388,8 @@ def _stage_cost(
         total["bw"] += _work(c.backward, launch).scaled(time, memory)
         total["u"] += _work(c.update, launch).scaled(update_scale, update_scale)
         total["a"] += c.accumulate.scaled(update_scale, update_scale)  # inside the backward
-        total["fb"] += _work(c.fused, launch).scaled(time, memory)
+        total["fb"] += _fused_copy(c, launch, c.unit in seen).scaled(time, memory)
+        seen.add(c.unit)
         if tensor and c.params:  # one all-reduce of the output in the forward, one back
             reduce = tensor * c.output_bytes * memory
             for key in ("f", "b", "bw"):

@@ -22,7 +22,9 @@ rules map ``"batch"`` to:
   inputs out): what an unsplit schedule runs.
 * **F and B as one program**: what the runtime's fused forward and backward of one
   microbatch on the last stage costs (timed in measured mode) and holds inside (its
-  temporary bytes).
+  temporary bytes); for a unit the model repeats (a block), also two copies chained in one
+  such program, whose difference from one copy is what each further copy adds
+  (``fused_repeat``, priced like the accumulation below).
 * **B**, the activation gradient, and **W**, the weight gradient: the two halves of a split
   backward, cut from the whole backward's jaxpr the way the runtime cuts it
   (`_split_backward`): B computes what the input gradient needs and returns the cotangents
@@ -31,9 +33,10 @@ rules map ``"batch"`` to:
 * **accumulate**, one microbatch's weight gradients added into a running sum, as the
   runtime adds them: at the end of the backward that makes them, in the same program. It is
   priced as what that costs the program: the whole backward compiled once more with the sum
-  added in, and (measured mode) the median over rounds of the two programs' difference in
-  the same round (a program of its own would pay a launch and an output buffer per
-  parameter, several times what the addition costs inside the backward).
+  added in, and (measured mode) the median of the two programs' difference in the same
+  round and in `PAIRED_RUNS` back-to-back pairs after each round (a program of its own
+  would pay a launch and an output buffer per parameter, several times what the addition
+  costs inside the backward).
 * **update**, the optax optimizer's ``update`` and ``apply_updates`` on the unit's
   parameters, gradients and optimizer state (mirroring the parameters' shardings).
 
@@ -57,6 +60,7 @@ which is also how `predict` gets them for any other submesh shape without its de
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import logging
@@ -99,6 +103,7 @@ POLICIES = {
 
 MODES = ("analytic", "measured")
 WARMUP_RUNS, WARMUP_RUNS_MAX, WARMUP_SECONDS = 3, 50, 0.02
+PAIRED_RUNS = 10  # per round, back-to-back pairs of the programs a cost is the difference of
 """Measured mode's warm-up of every program: at least 3 runs and 20 ms, at most 50 runs."""
 _PHASE_FIELDS = (
     "forward",
@@ -108,6 +113,7 @@ _PHASE_FIELDS = (
     "update",
     "accumulate",
     "fused",
+    "fused_repeat",
 )
 
 
@@ -137,6 +143,12 @@ class UnitCost:
             1F1B and zero-bubble schedules): its residuals never leave the program, and
             under recomputation XLA need not recompute what the program still holds.
         fused_temp_bytes: ``fused.temp_bytes`` (the fused program's scratch).
+        fused_repeat: What one more copy of the unit adds inside a fused program (a
+            stage fusing several blocks): two copies chained in one fused program against
+            ``fused`` (measured: the median difference of their times, as ``accumulate``).
+            The first copy carries costs the others do not: on this CPU host one gpt-tiny
+            block's fused program took 3.4 ms, four chained 10.7 ms. Zero for a unit the
+            model has once, or whose output is not its own floating-point input.
         output_bytes: Bytes of the unit's output per device: what a stage boundary after it
             sends (its gradient comes back the same size).
         params: The parameters as `StateLeaf` records (shape, dtype, logical names).
@@ -160,6 +172,7 @@ class UnitCost:
     weight_kept_bytes: int = 0
     fused_temp_bytes: int = 0
     fused: PhaseCost = PhaseCost()
+    fused_repeat: PhaseCost = PhaseCost()
 
     @property
     def pipeline_temp_bytes(self) -> int:
@@ -195,8 +208,9 @@ class UnitProfile:
         mode: ``Source.ANALYTIC`` or ``Source.MEASURED``.
         device: The `DeviceSpec` of analytic times (and default transfers).
         compiles: Programs compiled: per distinct unit and policy the forward, the whole
-            backward, the two as one program and, for a unit with both input and weight
-            gradients, its B and W halves; per unit with parameters the whole backward
+            backward, the two as one program (and two chained copies as one, for a unit the
+            model repeats whose output is its input) and, for a unit with both input and
+            weight gradients, its B and W halves; per unit with parameters the whole backward
             with the gradient sum added in (under the first policy) and, with an
             optimizer, one update; in measured mode also one empty program (the launch).
         launch_seconds: Measured mode: the median time of an empty program on the
@@ -410,27 +424,29 @@ class _Profiler:
 
         A program's time ends when its outputs are ready; freeing them is timed apart
         (``release_seconds``), since the runtime frees a value in the op that reads it
-        last, not in the one that makes it."""
+        last, not in the one that makes it. A cost priced as the difference of two programs
+        (the gradient sum inside a backward) is the median of that difference over the
+        rounds and `PAIRED_RUNS` more back-to-back pairs after each round."""
+        programs = {id(c): (compiled, inputs) for c, compiled, inputs in self.pending}
         times: list[list[float]] = [[] for _ in self.pending]
         releases: list[list[float]] = [[] for _ in self.pending]
+        differences: list[list[float]] = [[] for _ in self.differences]
         for _ in range(self.repeats):
             for k, (_, compiled, inputs) in enumerate(self.pending):
-                start = time.perf_counter()
-                outputs = jax.block_until_ready(compiled(*inputs))
-                ready = time.perf_counter()
-                del outputs
-                times[k].append(ready - start)
-                releases[k].append(time.perf_counter() - ready)
+                times[k].append(_time(compiled, inputs, releases[k]))
+            for k, (_, minuend, subtrahend) in enumerate(self.differences):
+                differences[k] += _paired(programs[id(minuend)], programs[id(subtrahend)])
             if self.between_rounds is not None:
                 self.between_rounds()
+                self._settle()
         rounds = {id(c): t for (c, _, _), t in zip(self.pending, times, strict=True)}
         seconds = {key: statistics.median(t) for key, t in rounds.items()}
         released = {
             id(c): statistics.median(t) for (c, _, _), t in zip(self.pending, releases, strict=True)
         }
-        for cost, minuend, subtrahend in self.differences:  # round by round: the same load
+        for (cost, minuend, subtrahend), more in zip(self.differences, differences, strict=True):
             pairs = zip(rounds[id(minuend)], rounds[id(subtrahend)], strict=True)
-            seconds[id(cost)] = max(statistics.median(a - b for a, b in pairs), 0.0)
+            seconds[id(cost)] = max(statistics.median([a - b for a, b in pairs] + more), 0.0)
         self.pending, self.seconds, self.differences = [], seconds, []
 
         def fill(phase: PhaseCost) -> PhaseCost:
@@ -442,6 +458,14 @@ class _Profiler:
         return tuple(
             dataclasses.replace(c, **{f: fill(getattr(c, f)) for f in _PHASE_FIELDS}) for c in costs
         )
+
+    def _settle(self) -> None:
+        """Every program run once, untimed, after ``between_rounds``: on this 2-core CPU host
+        the profile's programs run 5-16% slower for the first few milliseconds after a
+        pipeline step than after a round of their own (gpt-tiny block, 24 alternations), so
+        the next round times them as they run among other programs, not in that wake."""
+        for _, compiled, inputs in self.pending:
+            jax.block_until_ready(compiled(*inputs))
 
     def _concrete(self, abstract: Any, seed: int) -> Any:
         """Random host arrays (normals of scale 0.02; integers 0) put in the shardings of
@@ -459,7 +483,9 @@ class _Profiler:
 
     # -- one unit ----------------------------------------------------------------------------
 
-    def profile(self, index: int, unit: Unit, policy: str | None, is_last: bool) -> UnitCost:
+    def profile(
+        self, index: int, unit: Unit, policy: str | None, is_last: bool, repeated: bool
+    ) -> UnitCost:
         param_leaves = _state_leaves(unit.params)
         params = self._abstract_params(unit.params)
         leaves, tree = jax.tree_util.tree_flatten(unit.args)
@@ -566,6 +592,24 @@ class _Profiler:
 
         grads = bool(diff) or n_params > 0
         fused_cost = self._fused(fused, (*abstract_in, ct_in), grads, fused_in)
+        out_tree = jax.tree_util.tree_structure(out_abs)
+
+        def fused_twice(p: Any, p2: Any, d: Any, f: Any, ct: Any) -> Any:
+            """Two copies of the unit chained, each with its own parameters, as a fused
+            stage runs them: the first's forward, the second's F and whole backward, the
+            first's backward from the cotangent of its output."""
+            out, kept = forward_kept(p, d, f)
+            last, (g2, ct_out) = fused(p2, jax.tree_util.tree_leaves(out), f, ct)
+            flat = jax.tree_util.tree_leaves((p, d, f))
+            g1 = backward([flat[i] for i in reads], kept, out_tree.unflatten(ct_out))
+            return last, g1, g2
+
+        repeat_cost = PhaseCost(source=fused_cost.source)
+        if repeated and not is_last and grads and _chains(out_abs, diff_in):
+            p2 = self._concrete(params, 13) if fused_in is not None else None
+            twice_in = None if fused_in is None else (fused_in[0], p2, *fused_in[1:])
+            twice_abs = (params, params, diff_in, fixed_in, ct_in)
+            repeat_cost = self._repeat(fused_twice, twice_abs, fused_cost, twice_in)
 
         ct_bytes = [_sharded_bytes(x, x.sharding) for x in jax.tree_util.tree_leaves(ct_in)]
         whole, b_cost, w_cost, weight_kept = self._backward(
@@ -601,6 +645,7 @@ class _Profiler:
             weight_kept_bytes=weight_kept,
             fused_temp_bytes=fused_cost.temp_bytes,
             fused=fused_cost,
+            fused_repeat=repeat_cost,
         )
 
     def _fused(
@@ -615,6 +660,28 @@ class _Profiler:
             return PhaseCost(source=Source.ANALYTIC if inputs is None else Source.MEASURED)
         _, compiled = self._compile(fused, *abstract_in)
         return self._phase(compiled, inputs)
+
+    def _repeat(
+        self, twice: Callable, abstract_in: tuple, once: PhaseCost, inputs: tuple | None
+    ) -> PhaseCost:
+        """What a second copy of the unit adds inside a fused program: ``twice`` (two
+        chained copies, fused) against ``once`` (one), as `_accumulate` prices the sum."""
+        _, compiled = self._compile(twice, *abstract_in)
+        return self._difference(self._phase(compiled, inputs), once)
+
+    def _difference(self, more: PhaseCost, less: PhaseCost) -> PhaseCost:
+        """What program ``more`` costs beyond program ``less`` (analytic: the difference of
+        their costs; measured: of their times, `timed` pairing them)."""
+        cost = PhaseCost(
+            max(more.seconds - less.seconds, 0.0),
+            more.flops - less.flops,
+            more.bytes_accessed - less.bytes_accessed,
+            0,
+            more.source,
+        )
+        if more.source is Source.MEASURED:  # its seconds come with the timing rounds
+            self.differences.append((cost, more, less))
+        return cost
 
     def _backward(
         self,
@@ -725,17 +792,35 @@ class _Profiler:
 
         _, compiled = self._compile(summed, *abstract, params)
         inputs = None if concrete is None else (*concrete, self._concrete(params, 10))
-        with_sum = self._phase(compiled, inputs)
-        cost = PhaseCost(
-            max(with_sum.seconds - whole.seconds, 0.0),
-            with_sum.flops - whole.flops,
-            with_sum.bytes_accessed - whole.bytes_accessed,
-            0,
-            with_sum.source,
-        )
-        if inputs is not None:  # its seconds come with the timing rounds
-            self.differences.append((cost, with_sum, whole))
-        return cost
+        return self._difference(self._phase(compiled, inputs), whole)
+
+
+def _chains(out: Any, diff_in: Sequence[Any]) -> bool:
+    """Whether a unit's output (abstract) can be its own floating-point input: the same
+    shapes and dtypes, one for one (a block; not a stem or a head)."""
+    leaves = jax.tree_util.tree_leaves(out)
+    same = lambda a, b: a.shape == b.shape and a.dtype == b.dtype  # noqa: E731
+    return len(leaves) == len(diff_in) > 0 and all(map(same, leaves, diff_in))
+
+
+def _time(compiled: Any, inputs: Sequence[Any], releases: list[float] | None = None) -> float:
+    """Seconds until ``compiled(*inputs)``'s outputs are ready; the time to free them after
+    that is appended to ``releases``."""
+    start = time.perf_counter()
+    outputs = jax.block_until_ready(compiled(*inputs))
+    ready = time.perf_counter()
+    del outputs
+    if releases is not None:
+        releases.append(time.perf_counter() - ready)
+    return ready - start
+
+
+def _paired(minuend: tuple, subtrahend: tuple) -> list[float]:
+    """`PAIRED_RUNS` differences of two programs' times (each ``(compiled, inputs)``), run
+    back to back: a gradient sum adds 0.08 ms to a 2.5 ms gpt-tiny block backward, and
+    single differences spread from -0.12 to +0.28 ms (quartiles of 300), so the 9 of one
+    profile's rounds alone gave 0.05 to 0.56 ms between profiles."""
+    return [_time(*minuend) - _time(*subtrahend) for _ in range(PAIRED_RUNS)]
 
 
 def residual_sources(closed: Any, num_residuals: int) -> list[tuple[str, Any]]:
@@ -891,7 +976,8 @@ def profile_units(
         between_rounds: Measured mode: called after each timing round (every program run
             once), e.g. to run the work the profile will be compared with, so that a host
             whose speed drifts weighs on both alike (benchmark B9 records its pipeline's
-            steps so).
+            steps so). Each call is followed by one untimed run of every program, so that
+            the next round does not time the wake of what it ran.
 
     Returns:
         A `UnitProfile`.
@@ -911,8 +997,8 @@ def profile_units(
         ...     GPT(get_config("gpt-tiny", num_layers=4)), jnp.zeros((4, 32), jnp.int32),
         ...     mesh_shape={"data": 1, "model": 1}, rules=LOGICAL_RULES,
         ...     optimizer=optax.sgd(1e-3))
-        >>> [u.kind for u in profile.units.units], profile.compiles  # 5 + 7 + 7
-        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 19)
+        >>> [u.kind for u in profile.units.units], profile.compiles  # 5 + 8 + 7
+        (['GPTEmbed', 'GPTBlock', 'GPTHead'], 20)
         >>> block = profile.cost(1)
         >>> block.forward.flops > 0, str(block.forward.source)
         (True, 'analytic')
@@ -939,10 +1025,11 @@ def profile_units(
         mesh, rules, data_axes, rows, optimizer, loss_fn, mode, spec, repeats, between_rounds
     )
     last = found.instances[-1].unit
+    repeats_of = collections.Counter(i.unit for i in found.instances)
     launch = profiler.launch() if mode == "measured" else None
     costs = profiler.timed(
         [
-            profiler.profile(i, unit, policy, i == last)
+            profiler.profile(i, unit, policy, i == last, repeats_of[i] > 1)
             for i, unit in enumerate(found.units)
             for policy in policies
         ]

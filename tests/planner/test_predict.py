@@ -68,7 +68,12 @@ def test_step_and_bubble_are_the_simulators(gpt_profile, schedule):
         if phase == "transfer":
             return link.seconds(units[-1].output_bytes)
         if phase == "F+B":  # one program: the fused one's share of F and the whole backward
-            fused = sum(u.fused.seconds for u in units)
+            # (a block again in it: what a second copy added to the profile's fused block)
+            repeat = [u.unit in {v.unit for v in units[:k]} for k, u in enumerate(units)]
+            fused = sum(
+                (u.fused_repeat if again else u.fused).seconds
+                for u, again in zip(units, repeat, strict=True)
+            )
             share = fused / sum(u.forward.seconds + u.backward.seconds for u in units)
             accumulate = 0.0 if split else sum(u.accumulate.seconds for u in units)
             backward = cost(stage, "B") - accumulate

@@ -47,6 +47,17 @@ def test_dense_flops_equal_xla_on_one_device(mlp_profile):
     assert cost.weight_kept_bytes == 2 * 8 * 16 * 4
 
 
+def test_a_repeated_block_prices_its_further_copies_in_a_fused_program(gpt_profile):
+    # two chained blocks fused, against one: about one block's fused work more
+    for policy in (None, "full"):
+        block = gpt_profile.cost(1, policy)
+        assert 0.9 * block.fused.flops <= block.fused_repeat.flops <= 1.1 * block.fused.flops
+        assert block.fused_repeat.seconds > 0
+    # the stem and the head occur once: nothing to price
+    for unit in (0, 2):
+        assert gpt_profile.cost(unit).fused_repeat.flops == 0
+
+
 def test_split_backward_halves_share_the_cotangents(gpt_profile):
     block = gpt_profile.cost(1)
     # B + W is the whole backward cut in two, not two backwards: no cotangent computed twice
@@ -179,6 +190,39 @@ def test_measured_mode_times_the_programs(mlp_profile):
     assert measured.launch_seconds > 0 and mlp_profile.launch_seconds == 0
     assert measured.compiles == mlp_profile.compiles + 1
     assert cost.forward.flops == mlp_profile.cost(0).forward.flops  # FLOPs stay analytic
+
+
+_RUNS: list = []  # one entry per run of a program holding `_Counted`'s forward
+
+
+class _CountedDense(nn.Module):
+    """A dense layer that counts, on the host, every run of a program computing it."""
+
+    @nn.compact
+    def __call__(self, x):
+        jax.debug.callback(lambda: _RUNS.append(1))
+        return nn.Dense(x.shape[-1])(x)
+
+
+class _Counted(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _CountedDense(name="layer_0")(x)
+
+
+def test_each_round_after_between_rounds_follows_an_untimed_run_of_every_program():
+    # runs of the programs holding the layer's forward: those between two calls of
+    # `between_rounds` are an untimed one and a timed round; after the last call, the
+    # untimed one alone. So the first count is twice the second.
+    _RUNS.clear()
+    seen = []
+    mm.profile_units(
+        _Counted(), jnp.ones((8, 16)), patterns=[r"layer_\d+"], mode="measured",
+        repeats=3, between_rounds=lambda: seen.append(len(_RUNS)),
+    )  # fmt: skip
+    per_settle = len(_RUNS) - seen[-1]
+    assert per_settle > 0
+    assert [b - a for a, b in zip(seen, seen[1:], strict=False)] == [2 * per_settle] * 2
 
 
 @pytest.mark.parametrize(
