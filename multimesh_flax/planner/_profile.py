@@ -103,8 +103,10 @@ POLICIES = {
 
 MODES = ("analytic", "measured")
 WARMUP_RUNS, WARMUP_RUNS_MAX, WARMUP_SECONDS = 3, 50, 0.02
-PAIRED_RUNS = 10  # per round, back-to-back pairs of the programs a cost is the difference of
 """Measured mode's warm-up of every program: at least 3 runs and 20 ms, at most 50 runs."""
+PAIRED_RUNS = 10
+"""Measured mode: per round, back-to-back pairs of the two programs a cost is the
+difference of (`UnitCost.accumulate`, `UnitCost.fused_repeat`)."""
 _PHASE_FIELDS = (
     "forward",
     "backward_input",
