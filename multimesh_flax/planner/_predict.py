@@ -343,8 +343,9 @@ def _work(phase: PhaseCost, launch: float) -> PhaseCost:
 def _fused_copy(c: UnitCost, launch: float, again: bool) -> PhaseCost:
     """One copy of a unit in its stage's fused program: the fused program's work, or for a
     further copy of a unit already in it (``again``) what a second copy added in the
-    profile (`UnitCost.fused_repeat`), where it was costed."""
-    if again and c.fused_repeat.seconds > 0:
+    profile (`UnitCost.fused_repeat`), where it was costed (its FLOPs counted: a measured
+    difference clamped to 0 s is still a price)."""
+    if again and c.fused_repeat.flops > 0:
         return c.fused_repeat
     return _work(c.fused, launch)
 
