@@ -18,8 +18,8 @@ parallel over ``8 / S``):
   durations), one after each of the profile's 9 timing rounds
   (``profile_units(between_rounds=...)``), so that a host whose speed drifts from second to
   second weighs on both sides alike (the profile runs its programs once more, untimed,
-  after each step: programs timed right after a step ran 5-16% slow, which over-predicted
-  the GPT forwards by 15-30%); per (stage, phase) the
+  after each step: the first programs timed right after a step ran 12-88% slow); per
+  (stage, phase) the
   median recorded duration against the predicted F, B (B + W when the schedule does not
   split the backward) and W, and for an F and B the runtime fused into one op, against
   the simulated pair;

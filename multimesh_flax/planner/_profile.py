@@ -463,9 +463,10 @@ class _Profiler:
 
     def _settle(self) -> None:
         """Every program run once, untimed, after ``between_rounds``: on this 2-core CPU host
-        the profile's programs run 5-16% slower for the first few milliseconds after a
-        pipeline step than after a round of their own (gpt-tiny block, 24 alternations), so
-        the next round times them as they run among other programs, not in that wake."""
+        the first programs of a round right after a pipeline step ran 12-88% slower than
+        after a round of their own (the block forward +16%; later ones -8% to +15%;
+        gpt-tiny, 24 alternations), so the next round times them as they run among other
+        programs, not in that wake."""
         for _, compiled, inputs in self.pending:
             jax.block_until_ready(compiled(*inputs))
 
