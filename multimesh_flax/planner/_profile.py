@@ -427,8 +427,9 @@ class _Profiler:
         A program's time ends when its outputs are ready; freeing them is timed apart
         (``release_seconds``), since the runtime frees a value in the op that reads it
         last, not in the one that makes it. A cost priced as the difference of two programs
-        (the gradient sum inside a backward) is the median of that difference over the
-        rounds and `PAIRED_RUNS` more back-to-back pairs after each round."""
+        (the gradient sum inside a backward, a further copy of a block in a fused program)
+        is the median of that difference over the rounds and `PAIRED_RUNS` more
+        back-to-back pairs after each round."""
         programs = {id(c): (compiled, inputs) for c, compiled, inputs in self.pending}
         times: list[list[float]] = [[] for _ in self.pending]
         releases: list[list[float]] = [[] for _ in self.pending]
