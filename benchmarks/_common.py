@@ -147,9 +147,15 @@ class Runner:
         self.batch = batch
         self.loss: Any = None
 
-    def step(self) -> None:
+    def step(self) -> float:
+        """Runs one step and waits for its results; returns the seconds until the call
+        returned, before they were ready (the host's issuing, where dispatch is asynchronous:
+        an accelerator's devices run behind it)."""
+        start = time.perf_counter()
         self.loss, self.state = self._call(self.state, self.batch)
+        issued = time.perf_counter() - start
         jax.block_until_ready((self.loss, self.state))
+        return issued
 
 
 class MpmdRunner(Runner):
@@ -165,14 +171,15 @@ class MpmdRunner(Runner):
     def executable(self) -> Any:
         return self.step_fn.executable(self.state, self.batch)
 
-    def step(self) -> None:
-        super().step()
+    def step(self) -> float:
+        issued = super().step()
         if not self._placed:  # the batch in the step's input shardings, as a data loader would
             shardings = self.executable.input_shardings
             leaves, tree = jax.tree_util.tree_flatten(self.batch)
             placed = jax.device_put(leaves, shardings[len(shardings) - len(leaves) :])
             self.batch = jax.tree_util.tree_unflatten(tree, placed)
             self._placed = True
+        return issued
 
 
 def mpmd_name(workload: Workload, stages: int, m: int, schedule: str) -> str:
@@ -274,9 +281,9 @@ class JitRunner(Runner):
         stack.enter_context(nn.logical_axis_rules(self.rules))
         return stack
 
-    def step(self) -> None:
+    def step(self) -> float:
         with self.context():
-            super().step()
+            return super().step()
 
 
 def _train_step(model: nn.Module, optimizer: Any, microbatches: int = 1) -> Callable[..., Any]:

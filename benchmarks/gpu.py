@@ -9,9 +9,13 @@ of ``GPT(config, stages=S)`` with ``S = n`` stages (``S = 1`` on one GPU: the sa
 one task, which measures the runtime's overhead) and ``m = 4`` microbatches (1F1B) when
 ``S > 1``; on one GPU also ``m = 8`` against ``jax.jit`` accumulating the same 8 microbatches,
 with the step's extra time over ``jax.jit`` per op the runtime dispatches (issue 40: what each
-op costs a GPU's host). Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding
-parameters, ``L`` layers, ``T`` tokens per sequence, ``E`` width), against the datasheet's
-dense bf16 peak.
+op costs a GPU's host), and the time until the step's call returns, before its results are
+ready (``issue_s``: the host's share; where it nears the step time, the devices wait for the
+host), split into the dispatching thread's CPU time in the runtime's own work and inside
+JAX's calls of its ops (``_breakdown.runtime_cpu_seconds``); and what JAX's call of a compiled
+program costs the host by arrays and kernels (`jax_call_costs`). Model FLOPs per token:
+``6 N + 12 L T E`` (``N`` non-embedding parameters, ``L`` layers, ``T`` tokens per sequence,
+``E`` width), against the datasheet's dense bf16 peak.
 
 Usage: ``python -m benchmarks.gpu --out results/gpu.json [--quick] [--model gpt-tiny]``
 (``--model``: any preset of ``models``; gpt-tiny compiles in seconds where gpt-small's
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,10 +79,83 @@ def measure(quick: bool, model: str = "gpt-small") -> dict[str, Any]:
         rows.append(_common.row("GPU", f"{model} m={m} step / jax.jit", round(pair["ratio"], 3)))
         extra = f"{pair['ops_per_step']}; {pair['extra_us_per_op']:.0f} us"
         rows.append(_common.row("GPU", f"{model} m={m}: ops per step; extra time per op", extra))
+        ours = pair["parallelize_step"]
+        issue = (
+            f"{1e3 * ours['issue_s']:.1f} of {1e3 * ours['step_s']:.1f} ms;"
+            f" {pair['issue_us_per_op']:.0f} us"
+        )
+        label = f"{model} m={m}: host issuing the step, of its time; per op"
+        rows.append(_common.row("GPU", label, issue))
+        cpu = (
+            f"{1e3 * ours['runtime_cpu_s']:.2f} / {1e3 * ours['inside_jax_calls_cpu_s']:.2f};"
+            f" {1e3 * pair['jax.jit']['host_cpu_s']:.2f}"
+        )
+        label = (
+            f"{model} m={m}: host CPU per step, the runtime's own / inside JAX's calls of its"
+            " ops; jax.jit's whole step (ms)"
+        )
+        rows.append(_common.row("GPU", label, cpu))
         out[f"m={m}"] = pair
+    costs = out["jax_call_us"] = jax_call_costs()
+    arrays = f"{costs['in 1 out 1']:.0f} / {costs['in 300 out 300']:.0f}"
+    kernels = f"{costs['chain 1']:.0f} / {costs['chain 100']:.0f}"
+    label = "JAX's call of a compiled program: 1 / 300 arrays in and out; 1 / 100 matmuls (us)"
+    rows.append(_common.row("GPU", label, f"{arrays}; {kernels}"))
     out.update(workload=workload.describe(), ratio=out[f"m={1 if stages == 1 else 4}"]["ratio"],
                rows=rows)  # fmt: skip
     return out
+
+
+ARITIES = ((1, 1), (1, 34), (17, 1), (40, 17), (100, 100), (300, 300))
+CHAINS = (1, 10, 30, 100)
+
+
+def jax_call_costs(rounds: int = 100) -> dict[str, float]:
+    """Microseconds until a compiled program's call returns, before its results are ready
+    (medians of ``rounds`` calls): by the arrays it takes and returns (``"in 17 out 1"``:
+    64 x 64 float32 arrays, their sum scaled once per output) and by the kernels it launches
+    (``"chain 30"``: 30 matmuls of 256 x 256, each followed by ``tanh``). What JAX's own call
+    costs this machine's host per op, whoever makes it.
+
+    Example:
+        >>> costs = jax_call_costs(rounds=3)
+        >>> sorted(costs)[:2], all(us > 0 for us in costs.values())
+        (['chain 1', 'chain 10'], True)
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import _common
+
+    def issue_us(compiled: Any, args: list[Any]) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            out = compiled(*args)
+            times.append(time.perf_counter() - start)
+            jax.block_until_ready(out)
+        return 1e6 * _common.median(times)
+
+    costs = {}
+    for n_in, n_out in ARITIES:
+        args = [jnp.full((64, 64), float(i)) for i in range(n_in)]
+
+        def scaled_sums(*xs: Any, n_out: int = n_out) -> list[Any]:
+            total = sum(xs)
+            return [total * (k + 1) for k in range(n_out)]
+
+        compiled = jax.jit(scaled_sums).lower(*args).compile()
+        costs[f"in {n_in} out {n_out}"] = issue_us(compiled, args)
+    x = jnp.ones((256, 256))
+    for k in CHAINS:
+
+        def chain(x: Any, k: int = k) -> Any:
+            for _ in range(k):
+                x = jnp.tanh(x @ x) + 1.0
+            return x
+
+        costs[f"chain {k}"] = issue_us(jax.jit(chain).lower(x).compile(), [x])
+    return costs
 
 
 def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, Any]:
@@ -86,7 +164,7 @@ def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, 
     program; interleaved rounds, medians. ``extra_us_per_op``: the step's time beyond
     ``jax.jit``'s, over the ops the runtime dispatches per step (recorded once)."""
     import multimesh_flax as mm
-    from benchmarks import _common
+    from benchmarks import _breakdown, _common
 
     base = _common.build_jit(workload, "data-parallel 8", devices=n, microbatches=m)
     _common.warm(base, 3)
@@ -95,15 +173,27 @@ def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, 
     with mm.record_timeline() as timeline:
         pipe.step()
     ops = len(timeline.events)  # fragments and transfers
-    pipe_t, base_t = _common.interleaved([pipe.step, base.step], rounds)
+    issued: tuple[list[float], list[float]] = ([], [])
+    pipe_t, base_t = _common.interleaved(
+        [lambda: issued[0].append(pipe.step()), lambda: issued[1].append(base.step())], rounds
+    )
     ours, theirs = _common.median(pipe_t), _common.median(base_t)
+    ours_issue, theirs_issue = _common.median(issued[0]), _common.median(issued[1])
+    runtime_cpu, jax_cpu = _breakdown.runtime_cpu_seconds(pipe, rounds)
+    base_cpu = _breakdown.host_cpu_seconds(base.step, rounds)
     _common.release(pipe, base)
     return {
-        "jax.jit": {"step_s": theirs},
-        "parallelize_step": {"step_s": ours},
+        "jax.jit": {"step_s": theirs, "issue_s": theirs_issue, "host_cpu_s": base_cpu},
+        "parallelize_step": {
+            "step_s": ours,
+            "issue_s": ours_issue,
+            "runtime_cpu_s": runtime_cpu,
+            "inside_jax_calls_cpu_s": jax_cpu,
+        },
         "ratio": ours / theirs,
         "ops_per_step": ops,
         "extra_us_per_op": 1e6 * (ours - theirs) / ops,
+        "issue_us_per_op": 1e6 * ours_issue / ops,
     }
 
 
