@@ -29,11 +29,13 @@ Example:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax._src.lib import xla_client as _xc  # the C++ copy StubbedCpp stubs
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from benchmarks import _common
 
@@ -332,3 +334,63 @@ def peer_breakdown(peer: Any, step_s: float, rounds: int) -> dict[str, Any]:
     compute on XLA's threads, collectives and waiting)."""
     cpu = host_cpu_seconds(peer.step, rounds)
     return {"step_s": step_s, "ops": 1, "call_cpu_s": cpu, "rest_s": step_s - cpu}
+
+
+ARITIES = ((1, 1), (1, 34), (17, 1), (40, 17), (100, 100), (300, 300))
+CHAINS = (1, 10, 30, 100)
+
+
+def jax_call_costs(
+    rounds: int = 100,
+    devices: Sequence[Any] | None = None,
+    arities: Sequence[tuple[int, int]] = ARITIES,
+    chains: Sequence[int] = CHAINS,
+) -> dict[str, float]:
+    """Microseconds until a compiled program's call returns, before its results are ready
+    (medians of ``rounds`` calls): by the arrays it takes and returns (``"in 17 out 1"``:
+    64 x 64 float32 arrays replicated over ``devices``, default the first device, their sum
+    scaled once per output) and by the kernels it launches (``"chain 30"``: 30 matmuls of
+    256 x 256, each followed by ``tanh``). What JAX's own call costs the host per op, whoever
+    makes it: the floor under any runtime's dispatch. (On XLA:CPU a call may also run the
+    program before it returns, so chains measure compute there, not launches.)
+
+    Example:
+        >>> costs = jax_call_costs(rounds=3, arities=[(1, 1), (1, 4)], chains=[1])
+        >>> sorted(costs), all(us > 0 for us in costs.values())
+        (['chain 1', 'in 1 out 1', 'in 1 out 4'], True)
+    """
+    devices = list(devices or jax.devices()[:1])
+    mesh = jax.make_mesh((len(devices),), ("all",), axis_types=(AxisType.Auto,), devices=devices)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def issue_us(compiled: Any, args: list[Any]) -> float:
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            out = compiled(*args)
+            times.append(time.perf_counter() - start)
+            jax.block_until_ready(out)
+        return 1e6 * _common.median(times)
+
+    def compiled(fn: Callable[..., Any], args: list[Any]) -> Any:
+        return jax.jit(fn, out_shardings=replicated).lower(*args).compile()
+
+    costs = {}
+    for n_in, n_out in arities:
+        args = jax.device_put([jnp.full((64, 64), float(i)) for i in range(n_in)], replicated)
+
+        def scaled_sums(*xs: Any, n_out: int = n_out) -> list[Any]:
+            total = sum(xs)
+            return [total * (k + 1) for k in range(n_out)]
+
+        costs[f"in {n_in} out {n_out}"] = issue_us(compiled(scaled_sums, args), args)
+    x = jax.device_put(jnp.ones((256, 256)), replicated)
+    for k in chains:
+
+        def chain(x: Any, k: int = k) -> Any:
+            for _ in range(k):
+                x = jnp.tanh(x @ x) + 1.0
+            return x
+
+        costs[f"chain {k}"] = issue_us(compiled(chain, [x]), [x])
+    return costs

@@ -172,13 +172,37 @@ def run(quick: bool) -> dict[str, Any]:
         )
         for case, us in ambient.items()
     ]
+    calls = jax_calls(rounds)
+    rows += [
+        _common.row(
+            SECTION,
+            f"JAX's call of a compiled program until it returns, arrays replicated on {where}:"
+            " 1 in and out / 1 in, 34 out / 300 in and out",
+            " / ".join(f"{costs[k]:,.0f}" for k in ("in 1 out 1", "in 1 out 34", "in 300 out 300")),
+            unit="us",
+        )
+        for where, costs in calls.items()
+    ]
     return {
         "description": __doc__.splitlines()[0],
         "workload": WORKLOAD.describe(),
         "rounds": rounds,
         "configs": results,
         "ambient_mesh_us": ambient,
+        "jax_call_us": calls,
         "rows": rows,
+    }
+
+
+def jax_calls(rounds: int) -> dict[str, dict[str, float]]:
+    """``_breakdown.jax_call_costs`` (arrays only: XLA:CPU runs a call's kernels before it
+    returns) with the arrays on 1 device and replicated on 4: JAX's own cost per op, the floor
+    under the runtime's, and how it grows with the devices an array spans."""
+    return {
+        f"{k} device{'s' if k > 1 else ''}": _breakdown.jax_call_costs(
+            rounds, jax.devices()[:k], chains=()
+        )
+        for k in (1, 4)
     }
 
 

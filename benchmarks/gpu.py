@@ -12,8 +12,9 @@ with the step's extra time over ``jax.jit`` per op the runtime dispatches (issue
 op costs a GPU's host), and the time until the step's call returns, before its results are
 ready (``issue_s``: the host's share; where it nears the step time, the devices wait for the
 host), split into the dispatching thread's CPU time in the runtime's own work and inside
-JAX's calls of its ops (``_breakdown.runtime_cpu_seconds``); and what JAX's call of a compiled
-program costs the host by arrays and kernels (`jax_call_costs`). Model FLOPs per token:
+JAX's calls of its ops (``_breakdown.runtime_cpu_seconds``); and what JAX's call of a
+compiled program costs the host by arrays and kernels (``_breakdown.jax_call_costs``). Model
+FLOPs per token:
 ``6 N + 12 L T E`` (``N`` non-embedding parameters, ``L`` layers, ``T`` tokens per sequence,
 ``E`` width), against the datasheet's dense bf16 peak.
 
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ def measure(quick: bool, model: str = "gpt-small") -> dict[str, Any]:
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
         return {"skipped": f"no GPU (JAX backend {jax.default_backend()!r})", "rows": []}
-    from benchmarks import _common
+    from benchmarks import _breakdown, _common
 
     n = len(gpus)
     stages = n if n > 1 and 12 % n == 0 else 1
@@ -96,7 +96,7 @@ def measure(quick: bool, model: str = "gpt-small") -> dict[str, Any]:
         )
         rows.append(_common.row("GPU", label, cpu))
         out[f"m={m}"] = pair
-    costs = out["jax_call_us"] = jax_call_costs()
+    costs = out["jax_call_us"] = _breakdown.jax_call_costs()
     arrays = f"{costs['in 1 out 1']:.0f} / {costs['in 300 out 300']:.0f}"
     kernels = f"{costs['chain 1']:.0f} / {costs['chain 100']:.0f}"
     label = "JAX's call of a compiled program: 1 / 300 arrays in and out; 1 / 100 matmuls (us)"
@@ -104,58 +104,6 @@ def measure(quick: bool, model: str = "gpt-small") -> dict[str, Any]:
     out.update(workload=workload.describe(), ratio=out[f"m={1 if stages == 1 else 4}"]["ratio"],
                rows=rows)  # fmt: skip
     return out
-
-
-ARITIES = ((1, 1), (1, 34), (17, 1), (40, 17), (100, 100), (300, 300))
-CHAINS = (1, 10, 30, 100)
-
-
-def jax_call_costs(rounds: int = 100) -> dict[str, float]:
-    """Microseconds until a compiled program's call returns, before its results are ready
-    (medians of ``rounds`` calls): by the arrays it takes and returns (``"in 17 out 1"``:
-    64 x 64 float32 arrays, their sum scaled once per output) and by the kernels it launches
-    (``"chain 30"``: 30 matmuls of 256 x 256, each followed by ``tanh``). What JAX's own call
-    costs this machine's host per op, whoever makes it.
-
-    Example:
-        >>> costs = jax_call_costs(rounds=3)
-        >>> sorted(costs)[:2], all(us > 0 for us in costs.values())
-        (['chain 1', 'chain 10'], True)
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks import _common
-
-    def issue_us(compiled: Any, args: list[Any]) -> float:
-        times = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            out = compiled(*args)
-            times.append(time.perf_counter() - start)
-            jax.block_until_ready(out)
-        return 1e6 * _common.median(times)
-
-    costs = {}
-    for n_in, n_out in ARITIES:
-        args = [jnp.full((64, 64), float(i)) for i in range(n_in)]
-
-        def scaled_sums(*xs: Any, n_out: int = n_out) -> list[Any]:
-            total = sum(xs)
-            return [total * (k + 1) for k in range(n_out)]
-
-        compiled = jax.jit(scaled_sums).lower(*args).compile()
-        costs[f"in {n_in} out {n_out}"] = issue_us(compiled, args)
-    x = jnp.ones((256, 256))
-    for k in CHAINS:
-
-        def chain(x: Any, k: int = k) -> Any:
-            for _ in range(k):
-                x = jnp.tanh(x @ x) + 1.0
-            return x
-
-        costs[f"chain {k}"] = issue_us(jax.jit(chain).lower(x).compile(), [x])
-    return costs
 
 
 def _pair(workload: Any, stages: int, m: int, n: int, rounds: int) -> dict[str, Any]:
