@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import multimesh_flax as mm
+from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.plan import is_bundle
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -117,7 +118,10 @@ def _sums_of_two_calls(part):
 
 @pytest.mark.parametrize("make_step", [_step, _inner_step], ids=["grad-outside", "grad-inside"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_each_microbatch_sums_a_stage_gradients_in_one_bundle(schedule, make_step):
+def test_each_microbatch_sums_a_stage_gradients_in_one_bundle(schedule, make_step, monkeypatch):
+    # The bundles as ``plan._accumulate`` makes them: packed into one flat running sum per
+    # chain on one-device stages (``fragment._packed_sums``, tested in test_sums_in_units).
+    monkeypatch.setattr(_sums, "PACK", False)
     loss, params, x = _two_stage_model()
     step = make_step(loss, schedule)
     _assert_close(step(params, x), _reference(loss, params, x))

@@ -33,11 +33,12 @@ def _stage(p, x):
     return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
 
 
-def _loss(stages):
-    """``stages`` stages, stage ``s`` on device ``s % 2``."""
-    tasks = [
-        mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s % 2])) for s in range(stages)
+def _loss(stages, devices=1):
+    """``stages`` stages of ``devices`` devices each, stage ``s`` on the ``s % 2``-th."""
+    meshes = [
+        mm.TaskMesh(devices=[devices * (s % 2) + d for d in range(devices)]) for s in range(2)
     ]
+    tasks = [mm.task(_stage, name=f"stage{s}", mesh=meshes[s % 2]) for s in range(stages)]
 
     def loss(params, x):
         for task, p in zip(tasks, params, strict=True):
@@ -60,9 +61,12 @@ def _data(stages):
     return params, jax.random.normal(next(keys), (16, 6))
 
 
-def _build(schedule, stages, enabled, monkeypatch):
+def _build(schedule, stages, enabled, monkeypatch, pack=False, devices=1):
+    """The step, its executable and the unmicrobatched loss; ``pack``: one flat running sum
+    per chain (``_packed_sums``; off here, so the sums' structure shows)."""
     monkeypatch.setattr(_sums, "ENABLED", enabled)
-    loss = _loss(stages)
+    monkeypatch.setattr(_sums, "PACK", pack)
+    loss = _loss(stages, devices)
     options = {"interleave": 2} if schedule == "interleaved-1f1b" else {}
     mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean", **options)
     step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
@@ -171,3 +175,52 @@ def test_each_microbatch_sums_its_gradients_in_the_unit_making_them(schedule, st
     assert len(zeros) >= stages, [f.index for f in zeros]
     assert len(runs_on) == len(runs_off) - len(_running_sum_glue(off.partition)) + len(zeros)
     assert _programs(on) <= _programs(off)
+
+
+def _arrays_per_op(executable, schedule):
+    """Per RUN op of a unit making weight gradients (in dispatch order), its arrays in + out."""
+    phase = Phase.W if schedule.startswith("zero-bubble") else Phase.B
+    return [
+        len(op.ins) + len(op.outs)
+        for op in executable.ops
+        if op.kind is OpKind.RUN and any(u.phase == phase for u in op.units)
+    ]
+
+
+@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 2), ("zero-bubble-h1", 2)])
+def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, monkeypatch):
+    step_flat, flat, loss = _build(schedule, stages, True, monkeypatch, pack=True)
+    step, unpacked, _ = _build(schedule, stages, True, monkeypatch, pack=False)
+    trained = _train(step_flat, stages)
+    for got, want in zip(
+        jax.tree.leaves(trained), jax.tree.leaves(_train(step, stages)), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)  # the same additions, element for element
+    for got, want in zip(
+        jax.tree.leaves(trained), jax.tree.leaves(_reference(loss, stages)), strict=True
+    ):
+        np.testing.assert_allclose(got, want, **TOL)
+    for key, frags in _gradient_units(flat.partition, schedule).items():
+        for before, after in zip(frags, frags[1:], strict=False):
+            # One flat sum per chain, not a sum per gradient: 1F1B's backward makes all
+            # three in one bundle (one flat sum of 78), zero-bubble's W makes w2's
+            # gradient apart from w1's and b's (a flat sum of 42, and w2's sum unpacked).
+            handed = set(after.donate) & set(before.outvars)
+            flat_sums = [v.aval.size for v in handed if v.aval.ndim == 1]
+            assert len(handed) < 3 and flat_sums, (key, after.index, handed)
+            assert sum(v.aval.size for v in handed) == 6 * 6 + 6 + 6 * 6
+    # Each gradient unit passes fewer arrays; the sums are sliced back inside the update's
+    # glue: no op and no program more.
+    packed_arrays, arrays = _arrays_per_op(flat, schedule), _arrays_per_op(unpacked, schedule)
+    assert len(packed_arrays) == len(arrays) == stages * M
+    assert all(a < b for a, b in zip(packed_arrays, arrays, strict=True)), (packed_arrays, arrays)
+    assert len(flat.ops) == len(unpacked.ops)
+    assert _programs(flat) == _programs(unpacked)
+
+
+def test_a_chain_on_a_submesh_keeps_a_running_sum_per_gradient(monkeypatch):
+    """Two devices a stage: a tensor-parallel stage's sums would be gathered to be packed, so
+    no submesh packs (the data-parallel stages here train as before)."""
+    _, flat, _ = _build("1f1b", 2, True, monkeypatch, pack=True, devices=2)
+    _, unpacked, _ = _build("1f1b", 2, True, monkeypatch, pack=False, devices=2)
+    assert _arrays_per_op(flat, "1f1b") == _arrays_per_op(unpacked, "1f1b")

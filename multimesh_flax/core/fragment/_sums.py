@@ -39,6 +39,9 @@ rounds differently; with the barrier the sums stay the same bit for bit.
 The running sum a link reads (the zeros, for the first) is *donated* to the unit
 (``Fragment.donate``) when nothing else reads it, so the sum's buffer is reused for the next
 one and memory does not grow.
+
+On a place of one device a chain then carries one flat running sum instead of one per
+gradient (``_packed_sums``): fewer arrays for JAX to pass in and out of every unit.
 """
 
 from __future__ import annotations
@@ -53,10 +56,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.extend.core import primitives
 
+from multimesh_flax.core.fragment._packed_sums import pack_chains
 from multimesh_flax.core.plan import behind_barrier, is_bundle
 from multimesh_flax.core.trace import TracedProgram, is_sum
 
 ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
+PACK = True  # internal switch: False leaves every running sum an array of its own
 
 
 def _running_sums(traced: TracedProgram) -> set[int]:
@@ -122,6 +127,8 @@ def sums_into_units(
             new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
     starts = _start_from_zeros(order, made_at, moves)
     links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
+    if PACK:
+        pack_chains(traced, new, links, starts)
     for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
     return _with_zeros(new, starts), {id(e) for eqns in links.values() for e in eqns}

@@ -1,0 +1,177 @@
+"""One flat running sum per chain of gradient sums on a one-device place.
+
+``_sums`` runs each link of a chain of running sums over microbatches (``acc_k = acc_{k-1} +
+g_k``, one bundle of additions per block) at the end of the unit that makes ``g_k``. The
+running sums then cross every unit's boundary: one array per parameter in, one out, in
+every microbatch's backward. The arrays are what an op costs the host: JAX's call of a
+compiled program grows by about 6 us per output on this CPU host and 2-4 us on an H200's
+(``benchmarks/_breakdown.jax_call_costs``), so a gpt-tiny block's 35 running sums cost
+more host time than the rest of its backward's call.
+
+:func:`pack_chains` gives such a chain one flat running sum instead: the zeros become one
+vector, each link adds its gradients, raveled and concatenated behind the same optimization
+barrier, onto it (``flat_k = flat_{k-1} + concat(ravel(g_k))``), and after the last link one
+equation slices the vector back into the chain's final sums, behind another barrier, at the
+start of the first glue fragment on the place that reads them (the optimizer's update,
+usually): no op and no program more. Element for element the additions are the same ones, in
+the same order, and the barriers keep XLA from compiling the code around them differently:
+the step's results are the same bit for bit.
+
+Only chains on a place of one device are packed, where no sharding is at stake; on a
+submesh, concatenating a tensor-parallel stage's sharded gradients would gather them, and
+which stages are tensor parallel is only known once XLA has propagated shardings. Only
+chains of at least two sums of one dtype are packed, and only where each link's running sum
+is read by the next link alone, and whose final sums a glue fragment on the place reads (a
+tied table's partial sums, summed on another place, stay as they are).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+from jax.extend.core import primitives
+
+from multimesh_flax.core.trace import TracedProgram
+
+
+def pack_chains(
+    traced: TracedProgram,
+    order: list[Any],
+    links: dict[int, list[Any]],
+    starts: dict[int, list[Any]],
+) -> None:
+    """Packs every chain that qualifies (see module doc), editing ``order`` (fragments in
+    dispatch order, without the links yet), ``links`` (position -> the link equations to
+    append there) and ``starts`` (position -> the zeros made right before it) in place."""
+    readers = _reader_counts(traced, order, links)
+    for chain in _chains(links, starts):
+        (first, _), (last, _) = chain[0], chain[-1]
+        finals = list(_link(links, chain[-1]).outvars)  # what the chain's readers read
+        reader = _glue_reader(order, last, set(finals))
+        if reader is None or not _packable(order, links, chain, readers):
+            continue
+        avals = tuple(v.aval for v in finals)
+        params = _link_params(avals)
+        flat = jex.Var(params["call_jaxpr"].out_avals[0])
+        zeros = _link(links, chain[0]).invars[: len(avals)]
+        at = starts[first].index(zeros[0])
+        starts[first][at : at + len(avals)] = [flat]
+        for pos, k in chain:
+            eqn = links[pos][k]
+            out = jex.Var(flat.aval)
+            links[pos][k] = eqn.replace(
+                invars=[flat, *eqn.invars[len(avals) :]], outvars=[out], params=params
+            )
+            flat = out
+        unpack = jex.new_jaxpr_eqn(
+            [flat], finals, primitives.closed_call_p, _unpack_params(avals), frozenset()
+        )
+        order[reader] = dataclasses.replace(order[reader], eqns=[unpack, *order[reader].eqns])
+
+
+def _link(links: dict[int, list[Any]], at: tuple[int, int]) -> Any:
+    pos, k = at
+    return links[pos][k]
+
+
+def _chains(links: dict[int, list[Any]], starts: dict[int, list[Any]]) -> list[list[Any]]:
+    """Each chain that starts from zeros, as its links' ``(position, index)`` in order."""
+    zeros = {v for vs in starts.values() for v in vs}
+    by_left: dict[tuple[Any, ...], tuple[int, int]] = {}
+    firsts = []
+    for pos, eqns in links.items():
+        for k, eqn in enumerate(eqns):
+            left = tuple(eqn.invars[: len(eqn.outvars)])
+            if all(v in zeros for v in left):
+                firsts.append((pos, k))
+            else:
+                by_left[left] = (pos, k)
+    chains = []
+    for at in firsts:
+        chain = [at]
+        while (after := by_left.get(tuple(_link(links, chain[-1]).outvars))) is not None:
+            chain.append(after)
+        chains.append(chain)
+    return chains
+
+
+def _packable(
+    order: list[Any], links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, int]
+) -> bool:
+    outs = _link(links, chain[0]).outvars
+    if len(outs) < 2 or len({v.aval.dtype for v in outs}) != 1:
+        return False
+    if any(len(order[pos].place) != 1 for pos, _ in chain):
+        return False
+    inner = [v for at in chain[:-1] for v in _link(links, at).outvars]
+    return all(readers.get(v, 0) == 1 for v in inner)
+
+
+def _reader_counts(
+    traced: TracedProgram, order: list[Any], links: dict[int, list[Any]]
+) -> dict[Any, int]:
+    """How many equations read each variable (a program output counts as one more)."""
+    counts: dict[Any, int] = {}
+    eqns = [e for frag in order for e in frag.eqns] + [e for es in links.values() for e in es]
+    for eqn in eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                counts[v] = counts.get(v, 0) + 1
+    for v in traced.jaxpr.outvars:
+        if not isinstance(v, jex.Literal):
+            counts[v] = counts.get(v, 0) + 1
+    return counts
+
+
+def _glue_reader(order: list[Any], after: int, finals: set[Any]) -> int | None:
+    """The position of the fragment after ``after`` that reads ``finals`` first, if it is
+    glue on ``order[after]``'s place and no fragment on another place reads them (their
+    transfers stay as they are); else ``None``."""
+    place = order[after].place
+    readers = [
+        pos
+        for pos in range(after + 1, len(order))
+        if any(
+            v in finals for e in order[pos].eqns for v in e.invars if not isinstance(v, jex.Literal)
+        )
+    ]
+    if not readers or any(order[pos].place != place for pos in readers):
+        return None
+    return readers[0] if order[readers[0]].unit is None else None
+
+
+@functools.lru_cache(maxsize=256)
+def _link_params(avals: tuple[Any, ...]) -> dict[str, Any]:
+    """A packed link's body, one per chain signature (every microbatch's unit runs one
+    program): ``(flat, *g) -> flat + concat(ravel(barrier(g)))``."""
+
+    def link(flat: Any, *grads: Any) -> Any:
+        grads = jax.lax.optimization_barrier(grads)
+        return flat + jnp.concatenate([g.ravel() for g in grads])
+
+    size = sum(a.size for a in avals)
+    flat = jax.ShapeDtypeStruct((size,), avals[0].dtype)
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    return {"call_jaxpr": jax.make_jaxpr(link)(flat, *shapes)}
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_params(avals: tuple[Any, ...]) -> dict[str, Any]:
+    """The body slicing a chain's flat sum back into its sums of ``avals``."""
+
+    def unpack(flat: Any) -> tuple[Any, ...]:
+        parts, start = [], 0
+        for a in avals:
+            parts.append(flat[start : start + a.size].reshape(a.shape))
+            start += a.size
+        # Behind a barrier the slices are not fused into what reads them (the optimizer's
+        # update), which XLA would then compile, and round, differently.
+        return jax.lax.optimization_barrier(tuple(parts))
+
+    size = sum(a.size for a in avals)
+    return {"call_jaxpr": jax.make_jaxpr(unpack)(jax.ShapeDtypeStruct((size,), avals[0].dtype))}
