@@ -21,8 +21,9 @@ Only chains on a place of one device are packed, where no sharding is at stake; 
 submesh, concatenating a tensor-parallel stage's sharded gradients would gather them, and
 which stages are tensor parallel is only known once XLA has propagated shardings. Only
 chains of at least two sums of one dtype are packed, and only where each link's running sum
-is read by the next link alone, and whose final sums a glue fragment on the place reads (a
-tied table's partial sums, summed on another place, stay as they are).
+is read by the next link alone, and whose final sums a glue fragment on the place reads
+first, with no reader elsewhere (a tied table's partial sums, summed on another place, stay
+as they are).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def pack_chains(
     for chain in _chains(links, starts):
         (first, _), (last, _) = chain[0], chain[-1]
         finals = list(_link(links, chain[-1]).outvars)  # what the chain's readers read
-        reader = _glue_reader(order, last, set(finals))
+        reader = _unpack_site(order, links, last, set(finals))
         if reader is None or not _packable(order, links, chain, readers):
             continue
         avals = tuple(v.aval for v in finals)
@@ -128,18 +129,21 @@ def _reader_counts(
     return counts
 
 
-def _glue_reader(order: list[Any], after: int, finals: set[Any]) -> int | None:
-    """The position of the fragment after ``after`` that reads ``finals`` first, if it is
-    glue on ``order[after]``'s place and no fragment on another place reads them (their
-    transfers stay as they are); else ``None``."""
+def _unpack_site(
+    order: list[Any], links: dict[int, list[Any]], after: int, finals: set[Any]
+) -> int | None:
+    """Where ``finals`` (a chain's final sums, made at ``after``) can be sliced out of the
+    flat sum: the position of the fragment that reads them first, if it is glue on
+    ``order[after]``'s place and nothing else reads them elsewhere or in a link (their
+    transfers and readers stay as they are); else ``None``."""
+
+    def reads(eqns: list[Any]) -> bool:
+        return any(v in finals for e in eqns for v in e.invars if not isinstance(v, jex.Literal))
+
+    if any(reads(eqns) for eqns in links.values()):
+        return None
     place = order[after].place
-    readers = [
-        pos
-        for pos in range(after + 1, len(order))
-        if any(
-            v in finals for e in order[pos].eqns for v in e.invars if not isinstance(v, jex.Literal)
-        )
-    ]
+    readers = [pos for pos in range(after + 1, len(order)) if reads(order[pos].eqns)]
     if not readers or any(order[pos].place != place for pos in readers):
         return None
     return readers[0] if order[readers[0]].unit is None else None
