@@ -13,10 +13,10 @@ op costs a GPU's host), and the time until the step's call returns, before its r
 ready (``issue_s``: the host's share; where it nears the step time, the devices wait for the
 host), split into the dispatching thread's CPU time in the runtime's own work and inside
 JAX's calls of its ops (``_breakdown.runtime_cpu_seconds``); and what JAX's call of a
-compiled program costs the host by arrays and kernels (``_breakdown.jax_call_costs``). Model
-FLOPs per token:
-``6 N + 12 L T E`` (``N`` non-embedding parameters, ``L`` layers, ``T`` tokens per sequence,
-``E`` width), against the datasheet's dense bf16 peak.
+compiled program costs the host by arrays and kernels (``_breakdown.jax_call_costs``).
+
+Model FLOPs per token: ``6 N + 12 L T E`` (``N`` non-embedding parameters, ``L`` layers,
+``T`` tokens per sequence, ``E`` width), against the datasheet's dense bf16 peak.
 
 Usage: ``python -m benchmarks.gpu --out results/gpu.json [--quick] [--model gpt-tiny]``
 (``--model``: any preset of ``models``; gpt-tiny compiles in seconds where gpt-small's

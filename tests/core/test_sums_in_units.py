@@ -6,7 +6,9 @@ momentum, the state donated. Each program is built with the move on and off
 (``_sums.ENABLED``): the moved one must train like the unparallelized step (no
 microbatching, ``ignore_transforms``) and bit for bit like the unmoved one, run each
 microbatch's additions in the unit that made its gradients, with one op fewer per
-addition that ran as glue of its own, and compile no more programs.
+addition that ran as glue of its own, and compile no more programs. On one-device stages the
+running sums are then packed into one flat array per chain (``fragment._packed_sums``): bit
+for bit the same training, fewer arrays per gradient op, no op or program more.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, mo
 
 def test_a_chain_on_a_submesh_keeps_a_running_sum_per_gradient(monkeypatch):
     """Two devices a stage: a tensor-parallel stage's sums would be gathered to be packed, so
-    no submesh packs (the data-parallel stages here train as before)."""
+    no submesh packs, data parallel or not: every gradient op passes the same arrays."""
     _, flat, _ = _build("1f1b", 2, True, monkeypatch, pack=True, devices=2)
     _, unpacked, _ = _build("1f1b", 2, True, monkeypatch, pack=False, devices=2)
     assert _arrays_per_op(flat, "1f1b") == _arrays_per_op(unpacked, "1f1b")
