@@ -189,7 +189,9 @@ def _arrays_per_op(executable, schedule):
     ]
 
 
-@pytest.mark.parametrize(("schedule", "stages"), [("1f1b", 2), ("zero-bubble-h1", 2)])
+@pytest.mark.parametrize(
+    ("schedule", "stages"), [("1f1b", 2), ("zero-bubble-h1", 2), ("interleaved-1f1b", 4)]
+)
 def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, monkeypatch):
     step_flat, flat, loss = _build(schedule, stages, True, monkeypatch, pack=True)
     step, unpacked, _ = _build(schedule, stages, True, monkeypatch, pack=False)
