@@ -39,6 +39,8 @@ from jax.extend.core import primitives
 
 from multimesh_flax.core.trace import TracedProgram
 
+_LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
+
 
 def pack_chains(
     traced: TracedProgram,
@@ -49,11 +51,11 @@ def pack_chains(
     """Packs every chain that qualifies (see module doc), editing ``order`` (fragments in
     dispatch order, without the links yet), ``links`` (position -> the link equations to
     append there) and ``starts`` (position -> the zeros made right before it) in place."""
-    readers = _reader_counts(traced, order, links)
+    readers = _readers(traced, order, links)
     for chain in _chains(links, starts):
         (first, _), (last, _) = chain[0], chain[-1]
         finals = list(_link(links, chain[-1]).outvars)  # what the chain's readers read
-        reader = _unpack_site(order, links, last, set(finals))
+        reader = _unpack_site(order, readers, last, finals)
         if reader is None or not _packable(order, links, chain, readers):
             continue
         avals = tuple(v.aval for v in finals)
@@ -102,51 +104,54 @@ def _chains(links: dict[int, list[Any]], starts: dict[int, list[Any]]) -> list[l
 
 
 def _packable(
-    order: list[Any], links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, int]
+    order: list[Any], links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, list[Any]]
 ) -> bool:
+    """Whether ``chain`` qualifies (module doc): two or more sums of one dtype, on one device,
+    each running sum but the last read by the next link alone."""
     outs = _link(links, chain[0]).outvars
     if len(outs) < 2 or len({v.aval.dtype for v in outs}) != 1:
         return False
     if any(len(order[pos].place) != 1 for pos, _ in chain):
         return False
     inner = [v for at in chain[:-1] for v in _link(links, at).outvars]
-    return all(readers.get(v, 0) == 1 for v in inner)
+    return all(len(readers.get(v, ())) == 1 for v in inner)
 
 
-def _reader_counts(
+def _readers(
     traced: TracedProgram, order: list[Any], links: dict[int, list[Any]]
-) -> dict[Any, int]:
-    """How many equations read each variable (a program output counts as one more)."""
-    counts: dict[Any, int] = {}
-    eqns = [e for frag in order for e in frag.eqns] + [e for es in links.values() for e in es]
-    for eqn in eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jex.Literal):
-                counts[v] = counts.get(v, 0) + 1
+) -> dict[Any, list[Any]]:
+    """Per variable, one entry per equation reading it: the position in ``order`` of the
+    fragment holding the equation, or ``_LINK`` for a link; ``_OUTPUT`` if the program
+    returns it."""
+    readers: dict[Any, list[Any]] = {}
+    sources = [(pos, frag.eqns) for pos, frag in enumerate(order)]
+    sources += [(_LINK, eqns) for eqns in links.values()]
+    for reader, eqns in sources:
+        for eqn in eqns:
+            for v in eqn.invars:
+                if not isinstance(v, jex.Literal):
+                    readers.setdefault(v, []).append(reader)
     for v in traced.jaxpr.outvars:
         if not isinstance(v, jex.Literal):
-            counts[v] = counts.get(v, 0) + 1
-    return counts
+            readers.setdefault(v, []).append(_OUTPUT)
+    return readers
 
 
 def _unpack_site(
-    order: list[Any], links: dict[int, list[Any]], after: int, finals: set[Any]
+    order: list[Any], readers: dict[Any, list[Any]], after: int, finals: list[Any]
 ) -> int | None:
     """Where ``finals`` (a chain's final sums, made at ``after``) can be sliced out of the
     flat sum: the position of the fragment that reads them first, if it is glue on
-    ``order[after]``'s place and nothing else reads them elsewhere or in a link (their
+    ``order[after]``'s place and no link and no fragment elsewhere reads them (their
     transfers and readers stay as they are); else ``None``."""
-
-    def reads(eqns: list[Any]) -> bool:
-        return any(v in finals for e in eqns for v in e.invars if not isinstance(v, jex.Literal))
-
-    if any(reads(eqns) for eqns in links.values()):
+    found = [r for v in finals for r in readers.get(v, ()) if r != _OUTPUT]
+    if not found or _LINK in found:
         return None
     place = order[after].place
-    readers = [pos for pos in range(after + 1, len(order)) if reads(order[pos].eqns)]
-    if not readers or any(order[pos].place != place for pos in readers):
+    if any(order[pos].place != place for pos in found):
         return None
-    return readers[0] if order[readers[0]].unit is None else None
+    first = min(found)
+    return first if order[first].unit is None else None
 
 
 @functools.lru_cache(maxsize=256)
