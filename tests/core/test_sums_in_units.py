@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax.core.declare import Phase
@@ -35,12 +36,27 @@ def _stage(p, x):
     return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
 
 
-def _loss(stages, devices=1):
-    """``stages`` stages of ``devices`` devices each, stage ``s`` on the ``s % 2``-th."""
+def _sharded_stage(p, x):
+    """``_stage`` with its rows sharded over the ``batch`` axes (``_loss``'s rules)."""
+    return _stage(p, mm.with_sharding_constraint(x, P("batch", None)))
+
+
+def _loss(stages, devices=1, batch=None):
+    """``stages`` stages of ``devices`` devices each, stage ``s`` on the ``s % 2``-th;
+    ``batch``: the mesh axes (of ``data`` x ``model``) each stage shards its rows over."""
+    shape = {"axis_sizes": (devices, 1), "axis_names": ("data", "model")}
+    if batch == ("data",) and devices == 4:  # data parallel over two of the four devices
+        shape["axis_sizes"] = (2, 2)
     meshes = [
-        mm.TaskMesh(devices=[devices * (s % 2) + d for d in range(devices)]) for s in range(2)
+        mm.TaskMesh(devices=[devices * (s % 2) + d for d in range(devices)], **shape)
+        for s in range(2)
     ]
-    tasks = [mm.task(_stage, name=f"stage{s}", mesh=meshes[s % 2]) for s in range(stages)]
+    stage = _stage if batch is None else _sharded_stage
+    rules = (("batch", batch),) if batch else None
+    tasks = [
+        mm.task(stage, name=f"stage{s}", mesh=meshes[s % 2], logical_axes=rules)
+        for s in range(stages)
+    ]
 
     def loss(params, x):
         for task, p in zip(tasks, params, strict=True):
@@ -63,12 +79,14 @@ def _data(stages):
     return params, jax.random.normal(next(keys), (16, 6))
 
 
-def _build(schedule, stages, enabled, monkeypatch, pack=False, devices=1):
+def _build(schedule, stages, enabled, monkeypatch, pack=False, devices=1, batch=None, stack=True):
     """The step, its executable and the unmicrobatched loss; ``pack``: one flat running sum
-    per chain (``_packed_sums``; off here, so the sums' structure shows)."""
+    per chain (``_packed_sums``; off here, so the sums' structure shows), ``stack``: on
+    data-parallel stages as per-device partial sums (``_stacked_sums``)."""
     monkeypatch.setattr(_sums, "ENABLED", enabled)
     monkeypatch.setattr(_sums, "PACK", pack)
-    loss = _loss(stages, devices)
+    monkeypatch.setattr(_sums, "STACK", stack)
+    loss = _loss(stages, devices, batch)
     options = {"interleave": 2} if schedule == "interleaved-1f1b" else {}
     mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean", **options)
     step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
@@ -222,9 +240,56 @@ def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, mo
     assert _programs(flat) == _programs(unpacked)
 
 
-def test_a_chain_on_a_submesh_keeps_a_running_sum_per_gradient(monkeypatch):
-    """Two devices a stage: a tensor-parallel stage's sums would be gathered to be packed, so
-    no submesh packs, data parallel or not: every gradient op passes the same arrays."""
-    _, flat, _ = _build("1f1b", 2, True, monkeypatch, pack=True, devices=2)
-    _, unpacked, _ = _build("1f1b", 2, True, monkeypatch, pack=False, devices=2)
+def _all_reduces(executable, schedule, trained):
+    """Per step, the all-reduces in the ops making weight gradients and in the other ops
+    (the executable must have run: ``trained``)."""
+    assert trained
+    phase = Phase.W if schedule.startswith("zero-bubble") else Phase.B
+    in_units = elsewhere = 0
+    for index, op in enumerate(executable.ops):
+        if op.kind is OpKind.RUN:
+            count = executable.state.fns[index].as_text().count(" all-reduce(")
+            if any(u.phase == phase for u in op.units):
+                in_units += count
+            else:
+                elsewhere += count
+    return in_units, elsewhere
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
+def test_a_data_parallel_stage_sums_its_gradients_per_device(schedule, monkeypatch):
+    """Two devices a stage, rows sharded over both: the units all-reduce nothing, each
+    device adds up its own rows' gradients over the microbatches, and the update's glue
+    all-reduces each chain once. The same sums in another order: equal to the unstacked
+    step's and the unparallelized step's results up to rounding, no op or program more."""
+    args = {"devices": 2, "batch": ("data",), "pack": True}
+    step, stacked, loss = _build(schedule, 2, True, monkeypatch, **args)
+    step_apart, apart, _ = _build(schedule, 2, True, monkeypatch, stack=False, **args)
+    trained, trained_apart = _train(step, 2), _train(step_apart, 2)
+    reference = _reference(loss, 2)
+    leaves = map(jax.tree.leaves, (trained, reference, trained_apart))
+    for got, want, other in zip(*leaves, strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_allclose(got, other, **TOL)
+    in_units, elsewhere = _all_reduces(stacked, schedule, trained)
+    in_units_apart, elsewhere_apart = _all_reduces(apart, schedule, trained_apart)
+    assert in_units == 0 < in_units_apart, (in_units, in_units_apart)
+    # One chain a stage (1F1B) or two (zero-bubble's W makes w2's gradient apart).
+    assert elsewhere - elsewhere_apart in ((2, 4) if schedule == "zero-bubble-h1" else (2,))
+    assert len(stacked.ops) == len(apart.ops)
+    assert _programs(stacked) == _programs(apart)
+
+
+@pytest.mark.parametrize(
+    ("devices", "batch"), [(2, None), (4, ("data",))], ids=["rows-unsharded", "tensor-parallel"]
+)
+def test_a_chain_on_a_submesh_not_data_parallel_keeps_a_running_sum_per_gradient(
+    devices, batch, monkeypatch
+):
+    """Rows not sharded (nothing to keep per device), or sharded over only some of the
+    devices (the others would gather a tensor-parallel stage's gradients to stack them):
+    every gradient op passes the same arrays as unpacked."""
+    args = {"devices": devices, "batch": batch}
+    _, flat, _ = _build("1f1b", 2, True, monkeypatch, pack=True, **args)
+    _, unpacked, _ = _build("1f1b", 2, True, monkeypatch, pack=False, **args)
     assert _arrays_per_op(flat, "1f1b") == _arrays_per_op(unpacked, "1f1b")

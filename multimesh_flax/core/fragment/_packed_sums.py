@@ -1,4 +1,4 @@
-"""One flat running sum per chain of gradient sums on a one-device place.
+"""One flat running sum per chain of gradient sums (per device, on a data-parallel place).
 
 ``_sums`` runs each link of a chain of running sums over microbatches (``acc_k = acc_{k-1} +
 g_k``, one bundle of additions per block) at the end of the unit that makes ``g_k``. The
@@ -17,13 +17,17 @@ usually): no op and no program more. Element for element the additions are the s
 the same order, and the barriers keep XLA from compiling the code around them differently:
 the step's results are the same bit for bit.
 
-Only chains on a place of one device are packed, where no sharding is at stake; on a
-submesh, concatenating a tensor-parallel stage's sharded gradients would gather them, and
-which stages are tensor parallel is only known once XLA has propagated shardings. Only
-chains of at least two sums of one dtype are packed, and only where each link's running sum
-is read by the next link alone, and whose final sums a glue fragment on the place reads
-first, with no reader elsewhere (a tied table's partial sums, summed on another place, stay
-as they are).
+On a place of one device no sharding is at stake. On a submesh, concatenating a
+tensor-parallel stage's sharded gradients would gather them, and which stages are tensor
+parallel is only known once XLA has propagated shardings; but where a stage's rows are
+sharded over all its devices (data parallel, read from its sharding constraints), each
+device's own partial sums are what the chain carries, stacked (``_stacked_sums``): one
+running sum of ``(devices, total size)``, its rows added together where the final sums are
+sliced out. Elsewhere on a submesh nothing is packed. Only chains of at least two sums of
+one dtype are packed (one is enough to stack), and only where each link's running sum is
+read by the next link alone, and whose final sums a glue fragment on the place reads first,
+with no reader elsewhere (a tied table's partial sums, summed on another place, stay as
+they are).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 from jax.extend.core import primitives
 
+from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes, stack_chain
 from multimesh_flax.core.trace import TracedProgram
 
 _LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
@@ -47,23 +52,42 @@ def pack_chains(
     order: list[Any],
     links: dict[int, list[Any]],
     starts: dict[int, list[Any]],
-) -> None:
+    *,
+    stack: bool = True,
+) -> dict[Any, Any]:
     """Packs every chain that qualifies (see module doc), editing ``order`` (fragments in
     dispatch order, without the links yet), ``links`` (position -> the link equations to
-    append there) and ``starts`` (position -> the zeros made right before it) in place."""
+    append there) and ``starts`` (position -> the zeros made right before it) in place.
+    ``stack``: also chains on places of several devices, as per-device partial sums
+    (``_stacked_sums``). Returns the sharding each such chain's zeros must be made in."""
     readers = _readers(traced, order, links)
+    zeros_shardings = {}
+
+    @functools.cache
+    def batches_at(place: Any) -> dict[int, Batch]:
+        return batch_axes([e for frag in order if frag.place == place for e in frag.eqns])
+
     for chain in _chains(links, starts):
         (first, _), (last, _) = chain[0], chain[-1]
         finals = list(_link(links, chain[-1]).outvars)  # what the chain's readers read
         reader = _unpack_site(order, readers, last, finals)
-        if reader is None or not _packable(order, links, chain, readers):
+        several = any(len(order[pos].place) != 1 for pos, _ in chain)
+        if reader is None or not _packable(links, chain, readers, 1 if several else 2):
             continue
+        batch = None
+        if several:
+            alone = lambda v: readers.get(v) == [_LINK]  # noqa: E731
+            batch = stack_chain(order, links, chain, alone, batches_at) if stack else None
+            if batch is None:
+                continue
         avals = tuple(v.aval for v in finals)
-        params = _link_params(avals)
+        params = _link_params(avals, batch)
         flat = jex.Var(params["call_jaxpr"].out_avals[0])
         zeros = _link(links, chain[0]).invars[: len(avals)]
         at = starts[first].index(zeros[0])
         starts[first][at : at + len(avals)] = [flat]
+        if batch is not None:
+            zeros_shardings[flat] = batch.sharding()
         for pos, k in chain:
             eqn = links[pos][k]
             out = jex.Var(flat.aval)
@@ -72,9 +96,10 @@ def pack_chains(
             )
             flat = out
         unpack = jex.new_jaxpr_eqn(
-            [flat], finals, primitives.closed_call_p, _unpack_params(avals), frozenset()
+            [flat], finals, primitives.closed_call_p, _unpack_params(avals, batch), frozenset()
         )
         order[reader] = dataclasses.replace(order[reader], eqns=[unpack, *order[reader].eqns])
+    return zeros_shardings
 
 
 def _link(links: dict[int, list[Any]], at: tuple[int, int]) -> Any:
@@ -104,14 +129,12 @@ def _chains(links: dict[int, list[Any]], starts: dict[int, list[Any]]) -> list[l
 
 
 def _packable(
-    order: list[Any], links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, list[Any]]
+    links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, list[Any]], least: int
 ) -> bool:
-    """Whether ``chain`` qualifies (module doc): two or more sums of one dtype, on one device,
-    each running sum but the last read by the next link alone."""
+    """Whether ``chain`` qualifies (module doc): ``least`` or more sums of one dtype (one
+    is enough to stack), each running sum but the last read by the next link alone."""
     outs = _link(links, chain[0]).outvars
-    if len(outs) < 2 or len({v.aval.dtype for v in outs}) != 1:
-        return False
-    if any(len(order[pos].place) != 1 for pos, _ in chain):
+    if len(outs) < least or len({v.aval.dtype for v in outs}) != 1:
         return False
     inner = [v for at in chain[:-1] for v in _link(links, at).outvars]
     return all(len(readers.get(v, ())) == 1 for v in inner)
@@ -155,25 +178,33 @@ def _unpack_site(
 
 
 @functools.lru_cache(maxsize=256)
-def _link_params(avals: tuple[Any, ...]) -> dict[str, Any]:
+def _link_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
     """A packed link's body, one per chain signature (every microbatch's unit runs one
-    program): ``(flat, *g) -> flat + concat(ravel(barrier(g)))``."""
+    program): ``(flat, *g) -> flat + concat(ravel(barrier(g)))``; stacked over ``batch``
+    (``_stacked_sums``), each ``g`` is ``(d, *shape)`` and raveled per device row."""
 
     def link(flat: Any, *grads: Any) -> Any:
         grads = jax.lax.optimization_barrier(grads)
-        return flat + jnp.concatenate([g.ravel() for g in grads])
+        if batch is None:
+            return flat + jnp.concatenate([g.ravel() for g in grads])
+        rows = jnp.concatenate([g.reshape(batch.size, -1) for g in grads], axis=1)
+        return jax.lax.with_sharding_constraint(flat + rows, batch.sharding())
 
     size = sum(a.size for a in avals)
-    flat = jax.ShapeDtypeStruct((size,), avals[0].dtype)
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    rows = () if batch is None else (batch.size,)
+    flat = jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)
+    shapes = [jax.ShapeDtypeStruct((*rows, *a.shape), a.dtype) for a in avals]
     return {"call_jaxpr": jax.make_jaxpr(link)(flat, *shapes)}
 
 
 @functools.lru_cache(maxsize=256)
-def _unpack_params(avals: tuple[Any, ...]) -> dict[str, Any]:
-    """The body slicing a chain's flat sum back into its sums of ``avals``."""
+def _unpack_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
+    """The body slicing a chain's flat sum back into its sums of ``avals`` (stacked: after
+    adding the devices' rows, the step's one all-reduce of the chain)."""
 
     def unpack(flat: Any) -> tuple[Any, ...]:
+        if batch is not None:
+            flat = flat.sum(0)
         parts, start = [], 0
         for a in avals:
             parts.append(flat[start : start + a.size].reshape(a.shape))
@@ -183,4 +214,6 @@ def _unpack_params(avals: tuple[Any, ...]) -> dict[str, Any]:
         return jax.lax.optimization_barrier(tuple(parts))
 
     size = sum(a.size for a in avals)
-    return {"call_jaxpr": jax.make_jaxpr(unpack)(jax.ShapeDtypeStruct((size,), avals[0].dtype))}
+    rows = () if batch is None else (batch.size,)
+    flat = jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)
+    return {"call_jaxpr": jax.make_jaxpr(unpack)(flat)}

@@ -62,6 +62,7 @@ from multimesh_flax.core.trace import TracedProgram, is_sum
 
 ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
 PACK = True  # internal switch: False leaves every running sum an array of its own
+STACK = True  # internal switch: False packs no chain on a place of several devices
 
 
 def _running_sums(traced: TracedProgram) -> set[int]:
@@ -127,11 +128,10 @@ def sums_into_units(
             new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
     starts = _start_from_zeros(order, made_at, moves)
     links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
-    if PACK:
-        pack_chains(traced, new, links, starts)
+    shardings = pack_chains(traced, new, links, starts, stack=STACK) if PACK else {}
     for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
-    return _with_zeros(new, starts), {id(e) for eqns in links.values() for e in eqns}
+    return _with_zeros(new, starts, shardings), {id(e) for eqns in links.values() for e in eqns}
 
 
 def _left(eqn: Any) -> list[Any]:
@@ -170,9 +170,12 @@ def _start_from_zeros(
     return starts
 
 
-def _with_zeros(order: list[Any], starts: dict[int, list[Any]]) -> list[Any]:
+def _with_zeros(
+    order: list[Any], starts: dict[int, list[Any]], shardings: dict[Any, Any]
+) -> list[Any]:
     """``order`` with, right before each unit position in ``starts``, a glue fragment that
-    makes its zeros (no inputs: the compiler pins its results to the place, replicated)."""
+    makes its zeros (no inputs: the compiler pins its results to the place, replicated, or
+    in the sharding ``shardings`` gives the variable)."""
     if not starts:
         return order
     index = 1 + max(p.index for f in order for p in f.parts or (f,))
@@ -180,7 +183,8 @@ def _with_zeros(order: list[Any], starts: dict[int, list[Any]]) -> list[Any]:
     for pos, frag in enumerate(order):
         if pos in starts:
             zeros = starts[pos]
-            eqn = _zeros_eqn(tuple((v.aval.shape, v.aval.dtype) for v in zeros), zeros)
+            signature = tuple((v.aval.shape, v.aval.dtype, shardings.get(v)) for v in zeros)
+            eqn = _zeros_eqn(signature, zeros)
             result.append(type(frag)(index=index, place=frag.place, label=None, eqns=[eqn]))
             index += 1
         result.append(frag)
@@ -195,9 +199,17 @@ def _zeros_eqn(signature: tuple[Any, ...], outvars: list[Any]) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _zeros_params(signature: tuple[Any, ...]) -> dict[str, Any]:
-    """The parameters of a call making zeros of each ``(shape, dtype)`` (one dict per
-    signature, so the zeros of every step's chains share one program)."""
-    closed = jax.make_jaxpr(lambda: tuple(jnp.zeros(s, d) for s, d in signature))()
+    """The parameters of a call making zeros of each ``(shape, dtype, sharding or None)``
+    (one dict per signature, so the zeros of every step's chains share one program)."""
+
+    def zeros() -> tuple[Any, ...]:
+        made = [jnp.zeros(shape, dtype) for shape, dtype, _ in signature]
+        return tuple(
+            x if s is None else jax.lax.with_sharding_constraint(x, s)
+            for x, (_, _, s) in zip(made, signature, strict=True)
+        )
+
+    closed = jax.make_jaxpr(zeros)()
     return {"call_jaxpr": closed}
 
 

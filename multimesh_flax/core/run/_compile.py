@@ -23,6 +23,7 @@ from multimesh_flax.core.run import _relocate
 from multimesh_flax.core.run._explicit import explicit_fun, has_explicit_axes, untyped
 from multimesh_flax.core.trace import (
     BoundedCache,
+    block_body,
     concrete_constraint,
     is_block,
     make_jaxpr_object,
@@ -176,6 +177,23 @@ def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
     return mapping
 
 
+def _constrained_specs(frag: Fragment) -> dict[Any, PartitionSpec]:
+    """The spec of each output of ``frag`` that a sharding constraint makes, at its top level
+    or as a block's result (the zeros of a stacked running sum, ``fragment._stacked_sums``)."""
+    specs = {}
+    for eqn in frag.eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            specs[eqn.outvars[0]] = eqn.params["sharding"].spec
+        elif is_block(eqn):
+            body = block_body(eqn)
+            made = {v: e for e in body.eqns for v in e.outvars}
+            for mine, outer in zip(body.outvars, eqn.outvars, strict=True):
+                e = None if isinstance(mine, jex.Literal) else made.get(mine)
+                if e is not None and e.primitive.name == "sharding_constraint":
+                    specs[outer] = e.params["sharding"].spec
+    return specs
+
+
 def compile_fragment(
     frag: Fragment,
     mesh: jax.sharding.Mesh,
@@ -187,7 +205,10 @@ def compile_fragment(
     jaxpr = fragment_jaxpr(frag)
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
-        out_shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in frag.outvars)
+        specs = _constrained_specs(frag)
+        out_shardings = tuple(
+            NamedSharding(mesh, specs.get(v, PartitionSpec())) for v in frag.outvars
+        )
     key = (structural_key(jaxpr, memo), donate, out_shardings)
     return _FRAGMENT_CACHE.get_or_make(
         key,
