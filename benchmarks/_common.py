@@ -114,8 +114,9 @@ def param_count(workload: Workload) -> int:
 # Tiny: 4 blocks so that 2 and 4 stages both get whole blocks. Small: GPT-2 small's shape
 # (12 blocks, width 768, 12 heads) in float32 (the host has no fast bf16), its vocabulary cut
 # to 512 ids (byte data needs 259; 512 splits over 8 devices), tensor parallel inside each
-# stage: with only 16 x 32 tokens per step, data parallel stages would all-reduce every
-# weight gradient once per microbatch, which costs more than the step's arithmetic here.
+# stage (its recorded B1/B3 layouts; data-parallel stages all-reduced every weight
+# gradient once per microbatch when they were chosen, which cost more than the step's
+# arithmetic at 16 x 32 tokens; since session 31 they all-reduce once a step).
 # A smoke run's gpt-tiny has 2 blocks, one per stage of `SMOKE_CONFIG`: the smoke run is mostly
 # tracing and compiling, which grow with the blocks (its numbers are not measurements).
 TINY_LAYERS = 2 if SMOKE else 4

@@ -28,9 +28,11 @@ time):
   reduce-scatters, collective-permutes and all-to-alls with their operands and bytes, read
   from each fragment's compiled HLO and counted as often as the step runs the fragment,
   against the peer's one compiled program (instructions in a loop body once per
-  iteration). A data-parallel stage's backward all-reduces its weight gradients once per
-  microbatch as one tuple all-reduce, which XLA's CPU runtime runs operand by operand (B0
-  prices an operand).
+  iteration). A data-parallel stage keeps its weight gradients per device over the
+  microbatches and all-reduces them once a step, as one array (``core/fragment/
+  _stacked_sums``); before session 31 each backward all-reduced them once per microbatch as
+  one tuple all-reduce, which XLA's CPU runtime runs operand by operand (B0 prices an
+  operand).
 * **Peak bytes per device**, state included. Ours: the program walked op by op as the
   runtime runs it (B4's ``walk``: inputs, live values, the runtime's frees) with each
   fragment's XLA temp memory added on its devices while it runs. The peer: XLA's own account

@@ -88,7 +88,9 @@ class Batch(NamedTuple):
 def batch_axes(eqns: Sequence[Any]) -> dict[int, Batch]:
     """Per leading size, the axes sharding the leading dimension of the constrained arrays
     of that size in ``eqns`` (rank >= 2, looking into blocks; a place's fragments: a
-    backward may constrain nothing its forward did not), where they agree; one mesh, Auto
+    backward may constrain nothing its forward did not), where the arrays that shard it
+    agree (a gpt-tiny microbatch of 4 sequences shares its leading size with the attention
+    output's kernel of 4 heads, sharded over a ``model`` axis of one device); one mesh, Auto
     axes only (else ``{}``)."""
     found: dict[int, set[tuple[str, ...]]] = {}
     meshes = set()
@@ -109,7 +111,10 @@ def batch_axes(eqns: Sequence[Any]) -> dict[int, Batch]:
     if not isinstance(mesh, jax.sharding.Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
         return {}
     result = {}
-    for size, entries in found.items():
+    for size, named in found.items():
+        # Axes of size 1 shard nothing: a tensor-parallel axis of one device, say.
+        entries = {tuple(a for a in axes if mesh.shape[a] > 1) for axes in named}
+        entries.discard(())  # a weight of that leading size, say, replicated along it
         if len(entries) == 1 and (axes := next(iter(entries))):
             d = math.prod(mesh.shape[a] for a in axes)
             if d >= 2 and size % d == 0:
@@ -198,7 +203,9 @@ class _Plan:
             self.mark(eqn.invars[i])
 
 
-def stacked_body(body: Any, positions: tuple[int, ...], batches: dict[int, Batch]) -> Any:
+def stacked_body(
+    body: Any, positions: tuple[int, ...], batches: dict[int, Batch]
+) -> tuple[Any, Batch] | None:
     """``(closed body, batch)``: ``body`` (a block's closed jaxpr) returning the outputs at
     ``positions`` as per-device partial sums, stacked on a leading dimension of the batch's
     size; ``None`` where one of them cannot be (module doc). Cached per body."""
@@ -211,7 +218,9 @@ def stacked_body(body: Any, positions: tuple[int, ...], batches: dict[int, Batch
 _BODIES = BoundedCache(capacity=256)
 
 
-def _stacked_body(body: Any, positions: tuple[int, ...], batches: dict[int, Batch]) -> Any:
+def _stacked_body(
+    body: Any, positions: tuple[int, ...], batches: dict[int, Batch]
+) -> tuple[Any, Batch] | None:
     jaxpr = body.jaxpr
     plan = _Plan(jaxpr, batches)
     outs = [jaxpr.outvars[i] for i in positions]

@@ -41,7 +41,9 @@ The running sum a link reads (the zeros, for the first) is *donated* to the unit
 one and memory does not grow.
 
 On a place of one device a chain then carries one flat running sum instead of one per
-gradient (``_packed_sums``): fewer arrays for JAX to pass in and out of every unit.
+gradient (``_packed_sums``): fewer arrays for JAX to pass in and out of every unit. On a
+data-parallel place it carries the devices' own partial sums, stacked (``_stacked_sums``):
+no all-reduce in the units, one a step where the sums are read.
 """
 
 from __future__ import annotations
