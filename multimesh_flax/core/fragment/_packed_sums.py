@@ -67,6 +67,9 @@ def pack_chains(
     def batches_at(place: Any) -> dict[int, Batch]:
         return batch_axes([e for frag in order if frag.place == place for e in frag.eqns])
 
+    def alone(v: Any) -> bool:  # whether a link is the only reader of ``v``
+        return readers.get(v) == [_LINK]
+
     for chain in _chains(links, starts):
         (first, _), (last, _) = chain[0], chain[-1]
         finals = list(_link(links, chain[-1]).outvars)  # what the chain's readers read
@@ -76,7 +79,6 @@ def pack_chains(
             continue
         batch = None
         if several:
-            alone = lambda v: readers.get(v) == [_LINK]  # noqa: E731
             batch = stack_chain(order, links, chain, alone, batches_at) if stack else None
             if batch is None:
                 continue
