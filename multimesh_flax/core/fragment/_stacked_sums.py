@@ -27,14 +27,15 @@ microbatches, then over devices, where before it was over devices, then microbat
 bit for bit the unstacked step's results: equal up to float rounding, like any other
 reassociation of a sum (the tests compare with the unparallelized step at tolerances).
 
-What is stacked: a chain qualifying for ``_packed_sums`` (two or more sums of one dtype,
+What is stacked: a chain qualifying for ``_packed_sums`` (sums of one dtype, one is enough,
 each running sum read by the next link alone, the finals read first by glue on the place),
-on a place of two or more devices whose units shard the leading dimension of the arrays the
-reductions read over one set of mesh axes (from the sharding constraints in the unit), where
-every gradient the chain adds is an output of a block of the unit that nothing else reads
-and that the analysis below traces back to such reductions through linear equations only.
-Anything else (a scatter-add's embedding gradient, gradients of a parameter used in two
-blocks, Explicit mesh axes, a trace that fails) leaves the chain as it is.
+on a place of two or more devices whose fragments shard the leading dimension of the arrays
+the reductions read over one set of mesh axes spanning all its devices (read from their
+sharding constraints: :func:`batch_axes`), where every gradient the chain adds is an output
+of a block of the unit that nothing else reads and that the analysis below traces back to
+such reductions through linear equations only. Anything else (a tensor-parallel stage, a
+scatter-add's embedding gradient, gradients of a parameter used in two blocks, Explicit mesh
+axes, a trace that fails) leaves the chain as it is.
 """
 
 from __future__ import annotations
