@@ -8,7 +8,10 @@ microbatching, ``ignore_transforms``) and bit for bit like the unmoved one, run 
 microbatch's additions in the unit that made its gradients, with one op fewer per
 addition that ran as glue of its own, and compile no more programs. On one-device stages the
 running sums are then packed into one flat array per chain (``fragment._packed_sums``): bit
-for bit the same training, fewer arrays per gradient op, no op or program more.
+for bit the same training, fewer arrays per gradient op, no op or program more. On stages
+whose rows are sharded over all their devices (data parallel) the chains carry per-device
+partial sums (``fragment._stacked_sums``): the units all-reduce nothing, the results equal
+the unstacked and unparallelized steps' up to rounding; other submeshes pack nothing.
 """
 
 from __future__ import annotations
@@ -256,17 +259,19 @@ def _all_reduces(executable, schedule, trained):
     return in_units, elsewhere
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble-h1"])
-def test_a_data_parallel_stage_sums_its_gradients_per_device(schedule, monkeypatch):
+@pytest.mark.parametrize(
+    ("schedule", "stages"), [("1f1b", 2), ("zero-bubble-h1", 2), ("interleaved-1f1b", 4)]
+)
+def test_a_data_parallel_stage_sums_its_gradients_per_device(schedule, stages, monkeypatch):
     """Two devices a stage, rows sharded over both: the units all-reduce nothing, each
     device adds up its own rows' gradients over the microbatches, and the update's glue
     all-reduces each chain once. The same sums in another order: equal to the unstacked
     step's and the unparallelized step's results up to rounding, no op or program more."""
     args = {"devices": 2, "batch": ("data",), "pack": True}
-    step, stacked, loss = _build(schedule, 2, True, monkeypatch, **args)
-    step_apart, apart, _ = _build(schedule, 2, True, monkeypatch, stack=False, **args)
-    trained, trained_apart = _train(step, 2), _train(step_apart, 2)
-    reference = _reference(loss, 2)
+    step, stacked, loss = _build(schedule, stages, True, monkeypatch, **args)
+    step_apart, apart, _ = _build(schedule, stages, True, monkeypatch, stack=False, **args)
+    trained, trained_apart = _train(step, stages), _train(step_apart, stages)
+    reference = _reference(loss, stages)
     leaves = map(jax.tree.leaves, (trained, reference, trained_apart))
     for got, want, other in zip(*leaves, strict=True):
         np.testing.assert_allclose(got, want, **TOL)
@@ -274,8 +279,11 @@ def test_a_data_parallel_stage_sums_its_gradients_per_device(schedule, monkeypat
     in_units, elsewhere = _all_reduces(stacked, schedule, trained)
     in_units_apart, elsewhere_apart = _all_reduces(apart, schedule, trained_apart)
     assert in_units == 0 < in_units_apart, (in_units, in_units_apart)
-    # One chain a stage (1F1B) or two (zero-bubble's W makes w2's gradient apart).
-    assert elsewhere - elsewhere_apart in ((2, 4) if schedule == "zero-bubble-h1" else (2,))
+    # At most one all-reduce more per chain, in the glue reading its sums (XLA combines a
+    # fragment's into one): a chain a stage, two under zero-bubble (W makes w2's apart).
+    chains = stages * (2 if schedule == "zero-bubble-h1" else 1)
+    assert elsewhere - elsewhere_apart <= chains, (elsewhere, elsewhere_apart)
+    assert elsewhere > elsewhere_apart
     assert len(stacked.ops) == len(apart.ops)
     assert _programs(stacked) == _programs(apart)
 
