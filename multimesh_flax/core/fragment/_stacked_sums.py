@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -51,7 +51,7 @@ import jax.extend.core as jex
 from jax._src import source_info_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from multimesh_flax.core.trace import BoundedCache, block_body, is_block
+from multimesh_flax.core.trace import BoundedCache, block_body, concrete_constraint, is_block
 
 # Equations linear in their first operand (the only array operand that may be stacked).
 _UNARY = frozenset(
@@ -95,21 +95,20 @@ def batch_axes(eqns: Sequence[Any]) -> dict[int, Batch]:
     axes only (else ``{}``)."""
     found: dict[int, set[tuple[str, ...]]] = {}
     meshes = set()
-    for eqn in _all_eqns(eqns):
-        if eqn.primitive.name != "sharding_constraint":
+    for eqn in _all_eqns(eqns, set()):
+        if eqn.primitive.name != "sharding_constraint" or eqn.invars[0].aval.ndim < 2:
             continue
-        sharding, aval = eqn.params.get("sharding"), eqn.invars[0].aval
-        if not isinstance(sharding, NamedSharding) or len(aval.shape) < 2:
-            continue
+        sharding = concrete_constraint(eqn)
+        if sharding is None:  # not on a mesh of devices: which devices it shards is unknown
+            return {}
         meshes.add(sharding.mesh)
-        spec = tuple(sharding.spec) or (None,)
-        entry = spec[0]
+        entry = (tuple(sharding.spec) or (None,))[0]
         axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        found.setdefault(aval.shape[0], set()).add(axes)
+        found.setdefault(eqn.invars[0].aval.shape[0], set()).add(axes)
     if len(meshes) != 1:
         return {}
     (mesh,) = meshes
-    if not isinstance(mesh, jax.sharding.Mesh) or any(t != AxisType.Auto for t in mesh.axis_types):
+    if any(t != AxisType.Auto for t in mesh.axis_types):
         return {}
     result = {}
     for size, named in found.items():
@@ -123,11 +122,14 @@ def batch_axes(eqns: Sequence[Any]) -> dict[int, Batch]:
     return result
 
 
-def _all_eqns(eqns: Sequence[Any]) -> Any:
+def _all_eqns(eqns: Sequence[Any], seen: set[int]) -> Iterator[Any]:
+    """``eqns`` and those of their blocks' bodies, each body once (every microbatch's copy
+    of a block shares its body: ``seen`` holds the ids of the bodies already walked)."""
     for eqn in eqns:
         yield eqn
-        if is_block(eqn):
-            yield from _all_eqns(block_body(eqn).eqns)
+        if is_block(eqn) and id(body := block_body(eqn)) not in seen:
+            seen.add(id(body))
+            yield from _all_eqns(body.eqns, seen)
 
 
 class _Plan:
