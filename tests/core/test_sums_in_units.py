@@ -241,6 +241,27 @@ def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, mo
     assert all(a < b for a, b in zip(packed_arrays, arrays, strict=True)), (packed_arrays, arrays)
     assert len(flat.ops) == len(unpacked.ops)
     assert _programs(flat) == _programs(unpacked)
+    _assert_offsets_are_inputs(flat)
+
+
+def _assert_offsets_are_inputs(executable):
+    """Each flat sum is sliced at offsets its glue takes as inputs, placed once (so XLA
+    compiles one update kernel per gradient shape, not one per gradient): int32 scalars,
+    the running sizes of the sums sliced out."""
+    slicing = [f for f in executable.partition.fragments if f.consts]
+    assert slicing
+    for frag in slicing:
+        assert frag.unit is None
+        for var, value in frag.consts:
+            assert var in frag.invars and var.aval.shape == () and value.dtype == np.int32
+        consts = {id(v): value for v, value in frag.consts}
+        unpacks = [e for e in frag.eqns if any(id(v) in consts for v in e.invars)]
+        assert unpacks
+        for eqn in unpacks:
+            sizes = [v.aval.size for v in eqn.outvars]
+            offsets = [int(consts[id(v)]) for v in eqn.invars[1:]]
+            assert offsets == [sum(sizes[:i]) for i in range(len(sizes))]
+    assert len(executable.constant_slots()) >= sum(len(f.consts) for f in slicing)
 
 
 def _all_reduces(executable, schedule, trained):
@@ -286,6 +307,7 @@ def test_a_data_parallel_stage_sums_its_gradients_per_device(schedule, stages, m
     assert elsewhere > elsewhere_apart
     assert len(stacked.ops) == len(apart.ops)
     assert _programs(stacked) == _programs(apart)
+    _assert_offsets_are_inputs(stacked)
 
 
 @pytest.mark.parametrize(

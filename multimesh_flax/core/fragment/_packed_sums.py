@@ -15,7 +15,9 @@ equation slices the vector back into the chain's final sums, behind another barr
 start of the first glue fragment on the place that reads them (the optimizer's update,
 usually): no op and no program more. Element for element the additions are the same ones, in
 the same order, and the barriers keep XLA from compiling the code around them differently:
-the step's results are the same bit for bit.
+the step's results are the same bit for bit. Each sum's offset in the vector is an input of
+that fragment, placed there once (``Fragment.consts``), not a literal: so the optimizer's
+updates of same-shaped parameters share their compiled kernels (``_offsets``).
 
 On a place of one device no sharding is at stake. On a submesh, concatenating a
 tensor-parallel stage's sharded gradients would gather them, and which stages are tensor
@@ -39,6 +41,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import primitives
 
 from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes, stack_chain
@@ -97,10 +100,14 @@ def pack_chains(
                 invars=[flat, *eqn.invars[len(avals) :]], outvars=[out], params=params
             )
             flat = out
+        unpack_params = _unpack_params(avals, batch)
+        offsets = [jex.Var(a) for a in unpack_params["call_jaxpr"].in_avals[1:]]
         unpack = jex.new_jaxpr_eqn(
-            [flat], finals, primitives.closed_call_p, _unpack_params(avals, batch), frozenset()
+            [flat, *offsets], finals, primitives.closed_call_p, unpack_params, frozenset()
         )
-        order[reader] = dataclasses.replace(order[reader], eqns=[unpack, *order[reader].eqns])
+        frag = order[reader]
+        consts = (*frag.consts, *zip(offsets, _offsets(avals), strict=True))
+        order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
     return zeros_shardings
 
 
@@ -134,9 +141,12 @@ def _packable(
     links: dict[int, list[Any]], chain: list[Any], readers: dict[Any, list[Any]], least: int
 ) -> bool:
     """Whether ``chain`` qualifies (module doc): ``least`` or more sums of one dtype (one
-    is enough to stack), each running sum but the last read by the next link alone."""
+    is enough to stack), fewer than 2**31 elements in all, each running sum but the last
+    read by the next link alone."""
     outs = _link(links, chain[0]).outvars
     if len(outs) < least or len({v.aval.dtype for v in outs}) != 1:
+        return False
+    if sum(v.aval.size for v in outs) > np.iinfo(np.int32).max:  # offsets are int32
         return False
     inner = [v for at in chain[:-1] for v in _link(links, at).outvars]
     return all(len(readers.get(v, ())) == 1 for v in inner)
@@ -202,20 +212,38 @@ def _link_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
 @functools.lru_cache(maxsize=256)
 def _unpack_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
     """The body slicing a chain's flat sum back into its sums of ``avals`` (stacked: after
-    adding the devices' rows, the step's one all-reduce of the chain)."""
+    adding the devices' rows, the step's one all-reduce of the chain): ``(flat, *offsets)
+    -> sums``, each sum read from its offset (``_offsets``) on."""
 
-    def unpack(flat: Any) -> tuple[Any, ...]:
+    def unpack(flat: Any, *offsets: Any) -> tuple[Any, ...]:
         if batch is not None:
             flat = flat.sum(0)
-        parts, start = [], 0
-        for a in avals:
-            parts.append(flat[start : start + a.size].reshape(a.shape))
-            start += a.size
-        # Behind a barrier the slices are not fused into what reads them (the optimizer's
-        # update), which XLA would then compile, and round, differently.
+        parts = [
+            jax.lax.dynamic_slice_in_dim(flat, offset, a.size).reshape(a.shape)
+            for offset, a in zip(offsets, avals, strict=True)
+        ]
+        # The barrier keeps XLA from rewriting what reads the sums (the optimizer's update)
+        # across the slicing; it still fuses each slice into its reader (see ``_offsets``).
         return jax.lax.optimization_barrier(tuple(parts))
 
     size = sum(a.size for a in avals)
     rows = () if batch is None else (batch.size,)
     flat = jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)
-    return {"call_jaxpr": jax.make_jaxpr(unpack)(flat)}
+    offsets = [jax.ShapeDtypeStruct((), np.int32)] * len(avals)
+    return {"call_jaxpr": jax.make_jaxpr(unpack)(flat, *offsets)}
+
+
+def _offsets(avals: tuple[Any, ...]) -> list[np.ndarray]:
+    """Where each of ``avals`` starts in a flat sum of them all, in order.
+
+    The offsets are the unpacking fragment's inputs (``Fragment.consts``), not literals: XLA
+    fuses each slice into the update that reads it, and compiles one kernel per distinct
+    fused computation. With the offset a literal, every gradient's update is distinct (a
+    block's 12 weights: 12 kernels of its optimizer, each 10-20 ms of compile on this CPU
+    host); read from an input, updates of one shape share a kernel.
+
+    >>> [int(s) for s in _offsets((jax.ShapeDtypeStruct((2, 3), np.float32),) * 2)]
+    [0, 6]
+    """
+    offsets = np.cumsum([0, *(a.size for a in avals[:-1])])
+    return [np.int32(o) for o in offsets]

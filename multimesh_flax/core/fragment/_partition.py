@@ -62,6 +62,9 @@ class Fragment:
     microbatch: int | None = None
     parts: tuple[Fragment, ...] = ()  # the fragments fused into this one (``_fuse``), if any
     donate: tuple[Any, ...] = ()  # inputs whose buffers it may reuse (``_sums``), if any
+    # (variable, value) of each constant a pass made for it (the offsets of a packed sum's
+    # slices, ``_packed_sums``): inputs, placed on its place once, not literals (see there)
+    consts: tuple[tuple[Any, Any], ...] = ()
 
 
 @dataclasses.dataclass
@@ -364,7 +367,8 @@ def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list
 def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Partition:
     """The placed program and its fragments as a :class:`Partition`: where every value is
     produced, where every used program input (or constant) must arrive -- the place of its
-    first consumer -- and a mesh for every place."""
+    first consumer; a fragment's own constants (``Fragment.consts``), its place -- and a mesh
+    for every place."""
     traced = placed.traced
     home: dict[Any, Place] = {}
     for frag in fragments:
@@ -377,6 +381,9 @@ def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Part
         if users.get(v):
             input_place[v] = cast(Place, traced.equations[users[v][0]].place)
             home[v] = input_place[v]
+    for frag in fragments:
+        for v, _ in frag.consts:
+            input_place[v] = home[v] = frag.place
     meshes = dict(placed.meshes)
     by_id = {d.id: d for d in jax.devices()}
     for place in cast("set[Place]", {e.place for e in traced.equations}):

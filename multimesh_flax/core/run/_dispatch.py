@@ -218,11 +218,14 @@ class MpmdExecutable:
         self.fragments = [
             f for f in (_without(f, set(self._alias)) for f in part.fragments) if f is not None
         ]
+        place = jax.device_put if processes is None else processes.place
         for v, value in zip(jaxpr.constvars, part.traced.consts, strict=True):
             if v in part.input_place:
-                sharding = self._input_sharding(v)
-                place = jax.device_put if processes is None else processes.place
-                self._consts[self._slot(v, part.home[v])] = place(value, sharding)
+                self._consts[self._slot(v, part.home[v])] = place(value, self._input_sharding(v))
+        for frag in self.fragments:  # the passes' own constants: replicated on their place
+            replicated = NamedSharding(part.place_meshes[frag.place], PartitionSpec())
+            for v, value in frag.consts:
+                self._consts[self._slot(v, frag.place)] = place(value, replicated)
         ops = self._build_ops(set(donate))
         self.output_slots = [self._output_slot(v) for v in jaxpr.outvars]
         self.ops: tuple[Op, ...] = self._with_frees(ops)
