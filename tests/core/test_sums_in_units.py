@@ -8,7 +8,8 @@ microbatching, ``ignore_transforms``) and bit for bit like the unmoved one, run 
 microbatch's additions in the unit that made its gradients, with one op fewer per
 addition that ran as glue of its own, and compile no more programs. On one-device stages the
 running sums are then packed into one flat array per chain (``fragment._packed_sums``): bit
-for bit the same training, fewer arrays per gradient op, no op or program more. On stages
+for bit the same training, fewer arrays per gradient op, no op or program more, the final
+sums sliced out at offsets the slicing glue takes as inputs (not literals). On stages
 whose rows are sharded over all their devices (data parallel) the chains carry per-device
 partial sums (``fragment._stacked_sums``): the units all-reduce nothing, the results equal
 the unstacked and unparallelized steps' up to rounding; other submeshes pack nothing.

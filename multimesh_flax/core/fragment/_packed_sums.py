@@ -233,7 +233,7 @@ def _unpack_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any
     return {"call_jaxpr": jax.make_jaxpr(unpack)(flat, *offsets)}
 
 
-def _offsets(avals: tuple[Any, ...]) -> list[np.ndarray]:
+def _offsets(avals: tuple[Any, ...]) -> list[np.int32]:
     """Where each of ``avals`` starts in a flat sum of them all, in order.
 
     The offsets are the unpacking fragment's inputs (``Fragment.consts``), not literals: XLA
