@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors, layers
+from multimesh_flax.core.run import OpKind
 from tests.layers._models import RULES, MLPBlock, Pipeline, device_ids
 
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -284,6 +285,31 @@ def test_multimesh_slices_as_stages():
     losses, _ = _train(step, state, [(X, Y)] * 2)
     ref_losses, _ = _reference_run(Pipeline(wrap=False), optax.sgd(0.02), start, [(X, Y)] * 2)
     np.testing.assert_allclose(losses, ref_losses, **TOL)
+
+
+def test_tensor_parallel_stages_run_one_program_per_unit_across_microbatches():
+    # Each microbatch's gradients are laid out as their split parameters, so a chain of
+    # running sums starts from zeros in that layout: a stage's first backward runs the program
+    # its later ones run, instead of compiling one of its own for replicated zeros.
+    step, state, _ = layers.parallelize_step(
+        Pipeline(), optax.adam(0.01), global_batch=(X, Y), microbatches=4, schedule="1f1b"
+    )
+    start = _initial_params(state)
+    losses, state = _train(step, state, [(X, Y)] * 3)
+    executable = step.executable(state, (X, Y))
+    used: dict[tuple, set] = {}  # per program and submesh: the executables its ops called
+    for i, op in enumerate(executable.ops):
+        if op.kind is OpKind.RUN:
+            used.setdefault((id(op.program), op.place), set()).add(id(executable.state.fns[i]))
+    assert all(len(called) == 1 for called in used.values()), used
+    kernel = state.params["layer_0"]["Dense_0"]["kernel"]
+    assert kernel.sharding.spec == P("x", "y")  # the stages split their kernels
+    ref_losses, ref_params = _reference_run(Pipeline(wrap=False), optax.adam(0.01), start,
+                                            [(X, Y)] * 3)  # fmt: skip
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
+    )
 
 
 @pytest.mark.parametrize(

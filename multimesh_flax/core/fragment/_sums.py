@@ -26,10 +26,15 @@ the zeros made by a small glue fragment with no inputs dispatched right before i
 of the unit then runs one program, and the glue programs of the links are gone. ``0 + g`` is
 ``g`` for every float but ``-0.0``, which becomes ``+0.0``: a final sum differs from the
 unmoved chain's only where every microbatch's gradient element is ``-0.0`` (it is then
-``+0.0``, an equal value); everywhere else it is the same bit for bit. Where
-a unit gives its sums a sharding other than replicated (a tensor-parallel stage), the first
-unit receives its zeros in another sharding than the others receive their running sum, and
-``jax.jit`` compiles that unit a second time -- the cost of the link-free first unit, no more.
+``+0.0``, an equal value); everywhere else it is the same bit for bit. The zeros are
+made replicated, unless the unit constrains the gradient they are added to: then they are made
+in that sharding. ``parallelize_step`` constrains each microbatch's gradients to their
+parameters' shardings on tensor-parallel stages (``layers._step``), where XLA would otherwise
+keep the sums split (a kernel over the tensor axis, even a replicated bias's over the data
+axis): the first unit would receive its zeros in another sharding than the others receive
+their running sums, and ``jax.jit`` would compile it a second time (gpt-tiny S=2 m=16: 1.6 s
+more of compile, still so for a program under ``mm.jit`` that leaves its gradients
+unconstrained).
 
 Inside the unit a link's gradients pass an optimization barrier before the additions
 (``plan.behind_barrier``): otherwise XLA may fuse an addition into the computation of its
@@ -129,11 +134,13 @@ def sums_into_units(
         if any(id(e) in moved for e in frag.eqns):
             new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
     starts = _start_from_zeros(order, made_at, moves)
+    laid_out = _zeros_like_gradients(order, moves, starts)
     links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
     shardings = pack_chains(traced, new, links, starts, stack=STACK) if PACK else {}
     for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
-    return _with_zeros(new, starts, shardings), {id(e) for eqns in links.values() for e in eqns}
+    zeros = _with_zeros(new, starts, {**laid_out, **shardings})
+    return zeros, {id(e) for eqns in links.values() for e in eqns}
 
 
 def _left(eqn: Any) -> list[Any]:
@@ -170,6 +177,29 @@ def _start_from_zeros(
             eqns[k] = eqn.replace(invars=[*acc, *eqn.invars[len(left) :]])
             starts.setdefault(unit, []).extend(zeros)
     return starts
+
+
+def _zeros_like_gradients(
+    order: Sequence[Any], moves: dict[int, list[Any]], starts: dict[int, list[Any]]
+) -> dict[Any, Any]:
+    """The sharding of each zeros variable whose gradient operand its unit constrains (the
+    Flax step lays a split parameter's gradients out as the parameter): the zeros are made
+    in it, so the chain's first unit receives its running sums as every later one does and
+    runs the same program."""
+    shardings: dict[Any, Any] = {}
+    for pos, zeros in starts.items():
+        constrained = {
+            e.outvars[0]: e.params["sharding"]
+            for e in order[pos].eqns
+            if e.primitive.name == "sharding_constraint"
+        }
+        wanted = set(zeros)
+        for eqn in moves[pos]:
+            left = _left(eqn)
+            for acc, grad in zip(left, eqn.invars[len(left) :], strict=False):
+                if acc in wanted and grad in constrained:
+                    shardings[acc] = constrained[grad]
+    return shardings
 
 
 def _with_zeros(
