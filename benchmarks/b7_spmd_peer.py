@@ -88,8 +88,10 @@ TINY_GRID = [(2, 4), (2, 8), (2, 16), (4, 4), (4, 8), (4, 16)]
 # The function path (``mm.jit`` + ``mm.microbatch``): its residual-MLP stack, by this name.
 FUNCTION = "function"
 # ``MMFLAX_B7_SCOPE=targets`` (full runs): only issue 40's target grid -- both paths at
-# S in {2, 4}, m in {4, 8, 16} -- no scale points, one cold process per program: about 25
-# minutes instead of about 55, for a re-measurement after a change to the runtime.
+# S in {2, 4}, m in {4, 8, 16} -- no scale points, for a re-measurement after a change to
+# the runtime: about 40 minutes instead of about 55. Its cold starts are medians of
+# ``COLD_REPETITIONS`` rotated fresh processes too (issue 40's targets are medians; one
+# process each read 1.0-1.5x the peer for the same program on this host).
 # ``MMFLAX_B7_SCOPE=scale`` (full runs): only the scale points (S=8, m=32 and 64, no function
 # path), for a re-measurement of what many ops per step cost; write it to its own ``--out``.
 SCOPE = os.environ.get("MMFLAX_B7_SCOPE", "")
@@ -432,14 +434,14 @@ def run(quick: bool) -> dict[str, Any]:
         result = measure(stages, m, rounds, schedules, workload)
         if not quick:
             reps = COLD_REPETITIONS if workload == "tiny" else SCALE_COLD_REPETITIONS
-            result["cold"] = cold(stages, m, 1 if TARGETS_ONLY else reps, workload)
+            result["cold"] = cold(stages, m, reps, workload)
         configs.append(result)
         rows += _rows(result)
     function_configs = []
     for stages, m in function_grid(quick):
         result = measure_function(stages, m, rounds, schedules)
         if not quick:
-            result["cold"] = cold(stages, m, 1 if TARGETS_ONLY else COLD_REPETITIONS, FUNCTION)
+            result["cold"] = cold(stages, m, COLD_REPETITIONS, FUNCTION)
         function_configs.append(result)
         rows += _rows(result)
     return {
