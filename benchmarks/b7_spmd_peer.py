@@ -89,9 +89,9 @@ TINY_GRID = [(2, 4), (2, 8), (2, 16), (4, 4), (4, 8), (4, 16)]
 FUNCTION = "function"
 # ``MMFLAX_B7_SCOPE=targets`` (full runs): only issue 40's target grid -- both paths at
 # S in {2, 4}, m in {4, 8, 16} -- no scale points, for a re-measurement after a change to
-# the runtime: about 40 minutes instead of about 55. Its cold starts are medians of
-# ``COLD_REPETITIONS`` rotated fresh processes too (issue 40's targets are medians; one
-# process each read 1.0-1.5x the peer for the same program on this host).
+# the runtime: 25 minutes on a quiet host (session 33), about 55 for a full run. Its cold
+# starts are medians of ``COLD_REPETITIONS`` rotated fresh processes too (issue 40's targets
+# are medians; one process each read 1.0-1.5x the peer for the same program on this host).
 # ``MMFLAX_B7_SCOPE=scale`` (full runs): only the scale points (S=8, m=32 and 64, no function
 # path), for a re-measurement of what many ops per step cost; write it to its own ``--out``.
 SCOPE = os.environ.get("MMFLAX_B7_SCOPE", "")
