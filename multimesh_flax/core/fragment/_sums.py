@@ -65,7 +65,7 @@ from jax.extend.core import primitives
 
 from multimesh_flax.core.fragment._packed_sums import pack_chains
 from multimesh_flax.core.plan import behind_barrier, is_bundle
-from multimesh_flax.core.trace import TracedProgram, is_sum
+from multimesh_flax.core.trace import TracedProgram, concrete_constraint, is_sum
 
 ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
 PACK = True  # internal switch: False leaves every running sum an array of its own
@@ -188,11 +188,8 @@ def _zeros_like_gradients(
     runs the same program."""
     shardings: dict[Any, Any] = {}
     for pos, zeros in starts.items():
-        constrained = {
-            e.outvars[0]: e.params["sharding"]
-            for e in order[pos].eqns
-            if e.primitive.name == "sharding_constraint"
-        }
+        constraints = ((e.outvars[0], concrete_constraint(e)) for e in order[pos].eqns)
+        constrained = {v: sharding for v, sharding in constraints if sharding is not None}
         wanted = set(zeros)
         for eqn in moves[pos]:
             left = _left(eqn)
