@@ -3,6 +3,7 @@ of the core."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,3 +51,19 @@ def train_step(loss: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
         return value, optax.apply_updates(params, updates), opt_state
 
     return step
+
+
+def train(step, optimizer, data, steps=2, *, unparallelized=False):
+    """Each of ``steps`` optax steps' ``(loss, params, opt_state)`` as NumPy arrays, from
+    ``data = (params, x)``: by ``step(params, opt_state, x)``, or with ``unparallelized``
+    by ``train_step(step, optimizer)`` (``step`` a loss) under ``ignore_transforms``."""
+    params, x = data
+    state = optimizer.init(params)
+    if unparallelized:
+        step = train_step(step, optimizer)
+    results = []
+    with mm.ignore_transforms() if unparallelized else contextlib.nullcontext():
+        for _ in range(steps):
+            value, params, state = step(params, state, x)
+            results.append(jax.tree.map(np.asarray, (value, params, state)))
+    return results

@@ -16,8 +16,7 @@ import pytest
 from flax import linen as nn
 
 import multimesh_flax as mm
-from multimesh_flax.core.fragment import Fragment
-from multimesh_flax.core.run import _compile
+from multimesh_flax.core.fragment import Fragment, fragment_jaxpr
 from multimesh_flax.core.trace import structural_key
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
@@ -96,7 +95,7 @@ def test_units_of_a_stage_stay_structurally_equal(m, schedule):
     for f in part.fragments:
         if f.unit is not None:
             group = (f.unit.stage, f.unit.phase, f.place, len(f.parts))
-            keys.setdefault(group, set()).add(structural_key(_compile.fragment_jaxpr(f), memo))
+            keys.setdefault(group, set()).add(structural_key(fragment_jaxpr(f), memo))
     assert keys and all(len(k) == 1 for k in keys.values()), {g: len(k) for g, k in keys.items()}
     slices = [f for f in part.fragments if "slice" in _primitives(f)]
     assert slices and all(f.unit is None for f in slices)

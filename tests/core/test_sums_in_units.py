@@ -29,7 +29,7 @@ from multimesh_flax.core.declare import Phase
 from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
-from tests.core._chain import train_step
+from tests.core._chain import train, train_step
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -98,25 +98,12 @@ def _build(schedule, stages, enabled, monkeypatch, pack=False, devices=1, batch=
     return step, step.executable(params, OPTIMIZER.init(params), x), loss
 
 
-def _train(step, stages, steps=2):
-    params, x = _data(stages)
-    state = OPTIMIZER.init(params)
-    results = []
-    for _ in range(steps):
-        value, params, state = step(params, state, x)
-        results.append(jax.tree.map(np.asarray, (value, params, state)))
-    return results
+def _train(step, stages):
+    return train(step, OPTIMIZER, _data(stages))
 
 
-def _reference(loss, stages, steps=2):
-    params, x = _data(stages)
-    state = OPTIMIZER.init(params)
-    results = []
-    with mm.ignore_transforms():
-        for _ in range(steps):
-            value, params, state = train_step(loss, OPTIMIZER)(params, state, x)
-            results.append(jax.tree.map(np.asarray, (value, params, state)))
-    return results
+def _reference(loss, stages):
+    return train(loss, OPTIMIZER, _data(stages), unparallelized=True)
 
 
 def _gradient_units(partition, schedule):

@@ -42,7 +42,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax.core.declare import Place, make_auto_mesh
-from multimesh_flax.core.fragment import _fuse, _sink, _sums
+from multimesh_flax.core.fragment import _fuse, _shared_glue, _sink, _sums
 from multimesh_flax.core.fragment._place import PlacedProgram
 from multimesh_flax.core.plan import PipelinePlan, Unit, dispatch_order, equation_order
 from multimesh_flax.core.trace import Equation, Label, TracedProgram
@@ -351,17 +351,28 @@ def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list
     one where that delays nothing and adds no executable (``_fuse.fuse_adjacent``, its
     contract there); then each running sum over microbatches runs at the end of the unit
     producing its operands, its running sum donated (``_sums``, where that adds no ordering
-    constraint)."""
+    constraint); last, glue whose part another submesh runs as one program is split there
+    (``_shared_glue``)."""
     if placed.plan is None or not placed.plan.scheduled:
         return list(fragments)
     traced = placed.traced
     outputs = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
     fused = _fuse.fuse_adjacent(fragments, outputs)
     moved = _sums.sums_into_units(traced, fused)
-    if moved is None:
-        return fused
-    order, links = moved
-    return _sums.donate_running_sums(traced, _rebuild_boundaries(traced, order), links)
+    if moved is not None:
+        order, links = moved
+        fused = _sums.donate_running_sums(traced, _rebuild_boundaries(traced, order), links)
+    split = _shared_glue.split_shared_glue(traced, fused, functools.partial(_place_shape, placed))
+    return fused if split is None else split
+
+
+def _place_shape(placed: PlacedProgram, place: Place) -> tuple[Any, ...]:
+    """What a program on ``place`` depends on besides the devices: its mesh's axes and shape
+    (the one-axis mesh ``make_partition`` gives a place without a mesh of its own)."""
+    mesh = placed.meshes.get(place)
+    if mesh is None:
+        return ("devices",), (len(place),)
+    return tuple(mesh.axis_names), mesh.devices.shape
 
 
 def make_partition(placed: PlacedProgram, fragments: Sequence[Fragment]) -> Partition:

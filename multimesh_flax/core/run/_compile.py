@@ -11,22 +11,19 @@ with the same shapes, specs and mesh shapes, the executable is relocated
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core.fragment import Fragment, canonical_spec
+from multimesh_flax.core.fragment import Fragment, canonical_spec, fragment_jaxpr
 from multimesh_flax.core.run import _relocate
 from multimesh_flax.core.run._explicit import explicit_fun, has_explicit_axes, untyped
 from multimesh_flax.core.trace import (
     BoundedCache,
     block_body,
-    concrete_constraint,
     is_block,
-    make_jaxpr_object,
     structural_key,
 )
 
@@ -44,48 +41,6 @@ def _as_tuple_fun(jaxpr: jex.Jaxpr) -> Any:
         return tuple(run(*[untyped(x) for x in args]))
 
     return fragment
-
-
-# The abstract-mesh parameters of each block body: one dict per body, so the copies of a
-# block keep sharing their parameters (``structural_key`` memoises them by identity).
-_ABSTRACT_BLOCKS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-
-
-def _abstract_block(eqn: Any) -> Any:
-    body = eqn.params["call_jaxpr"]
-    params = _ABSTRACT_BLOCKS.get(body)
-    if params is None:
-        inner = body.jaxpr
-        eqns = [_abstract_constraint(e) for e in inner.eqns]
-        jaxpr = inner.replace(eqns=eqns)
-        params = _ABSTRACT_BLOCKS[body] = {**eqn.params, "call_jaxpr": jex.ClosedJaxpr(jaxpr, [])}
-    return eqn.replace(params=params)
-
-
-def _abstract_constraint(eqn: Any) -> Any:
-    """The equation with a concrete-mesh sharding constraint rewritten onto the abstract mesh
-    (inside a block too).
-
-    Identical stages on different submeshes then have identical fragment jaxprs, so they share
-    one ``FragmentProgram``: traced and lowered once, compiled once, relocated to the others.
-    """
-    if is_block(eqn):
-        return _abstract_block(eqn)
-    sharding = concrete_constraint(eqn)
-    if sharding is None:
-        return eqn
-    abstract = NamedSharding(
-        sharding.mesh.abstract_mesh, sharding.spec, memory_kind=sharding.memory_kind
-    )
-    return eqn.replace(params={**eqn.params, "sharding": abstract})
-
-
-def fragment_jaxpr(frag: Fragment) -> jex.Jaxpr:
-    """The fragment as a closed-over-nothing jaxpr, sharding constraints on abstract meshes."""
-    eqns = [_abstract_constraint(e) for e in frag.eqns]
-    return make_jaxpr_object(
-        [], list(frag.invars), list(frag.outvars), eqns, f"fragment {frag.index}"
-    )
 
 
 class FragmentProgram:
