@@ -98,12 +98,11 @@ def split_shared_glue(
 
 
 def _splittable(frag: Any) -> bool:
-    """Glue run once a step, of one piece of code (not a fusion of fragments), without
-    effects (their order would be split too)."""
+    """Glue run once a step (fused glue too, ``_fuse``), without effects (their order would
+    be split too)."""
     return (
         frag.unit is None
         and frag.microbatch is None
-        and not frag.parts
         and len(frag.eqns) > 1
         and not any(e.effects for e in frag.eqns)
     )
@@ -215,7 +214,9 @@ def _part(pieces: _Pieces, which: Sequence[int], needed: set[Any]) -> Any:
     outvars = [v for e in eqns for v in e.outvars if v in needed]
     inputs = set(invars)
     consts = tuple((v, x) for v, x in frag.consts if v in inputs)
-    return dataclasses.replace(frag, eqns=eqns, invars=invars, outvars=outvars, consts=consts)
+    return dataclasses.replace(
+        frag, eqns=eqns, invars=invars, outvars=outvars, consts=consts, parts=()
+    )
 
 
 def _shared_pieces(
