@@ -62,7 +62,12 @@ def split_shared_glue(
     if not ENABLED:
         return None
     needed = _needed(traced, fragments)
-    found = {pos: _pieces(frag, needed) for pos, frag in enumerate(fragments) if _splittable(frag)}
+    ranks = {v: i for i, v in enumerate(traced.jaxpr.outvars) if not isinstance(v, jex.Literal)}
+    found = {
+        pos: _pieces(_canonical(frag, ranks, needed), needed)
+        for pos, frag in enumerate(fragments)
+        if _splittable(frag)
+    }
     memo: dict[int, Any] = {}
 
     def key(part: Any) -> Hashable:
@@ -85,15 +90,18 @@ def split_shared_glue(
     kept = _matched(fragments, split_keys, whole_keys)
     if not kept:
         return None
+    targets = {split_keys[pos] for pos in kept}
     index = 1 + max(p.index for f in fragments for p in f.parts or (f,))
     result = []
     for pos, frag in enumerate(fragments):
-        if pos not in kept:
+        if pos in kept:
+            first, rest = splits[pos]
+            result += [first, dataclasses.replace(rest, index=index)]
+            index += 1
+        elif whole_keys.get(pos) in targets:  # run as compared: in canonical order
+            result.append(found[pos].frag)
+        else:
             result.append(frag)
-            continue
-        first, rest = splits[pos]
-        result += [first, dataclasses.replace(rest, index=index)]
-        index += 1
     return result
 
 
@@ -105,6 +113,61 @@ def _splittable(frag: Any) -> bool:
         and frag.microbatch is None
         and len(frag.eqns) > 1
         and not any(e.effects for e in frag.eqns)
+    )
+
+
+def _canonical(frag: Any, ranks: dict[Any, int], needed: set[Any]) -> Any:
+    """``frag`` with its equations in an order that depends on what they compute, not on
+    how the passes before merged them: each equation right after the ones it reads, first
+    those of the program's first output (``ranks``: a variable's position among the
+    program's outputs), operands in order -- a depth-first walk back from the outputs.
+
+    The optimizer's update of the same blocks on two stages then lists its equations in one
+    order (a parameter's moments and update, then the next parameter's), though the glue
+    merged into each (``_partition._merge_glue``, one fragment per dependency pattern) came
+    in different orders."""
+    eqns = frag.eqns
+    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+
+    def rank(i: int) -> tuple[int, int]:
+        outs = [ranks[v] for v in eqns[i].outvars if v in ranks]
+        return min(outs, default=len(ranks)), i
+
+    roots = sorted((i for i, e in enumerate(eqns) if any(v in needed for v in e.outvars)), key=rank)
+    order: list[int] = []
+    done: set[int] = set()
+    for root in [*roots, *range(len(eqns))]:  # then whatever no output needs, as it was
+        stack = [(root, False)]
+        while stack:
+            i, ready = stack.pop()
+            if i in done:
+                continue
+            if ready:
+                done.add(i)
+                order.append(i)
+                continue
+            stack.append((i, True))
+            reads = [made.get(v) for v in eqns[i].invars if not isinstance(v, jex.Literal)]
+            stack += [(j, False) for j in reversed(reads) if j is not None and j not in done]
+    if order == list(range(len(eqns))):
+        return frag
+    return _with_boundaries(frag, [eqns[i] for i in order], needed)
+
+
+def _with_boundaries(frag: Any, eqns: list[Any], needed: set[Any]) -> Any:
+    """``frag`` running ``eqns``: inputs in order of first use, outputs (those read
+    elsewhere) in order of making, the constants it still reads."""
+    made = {v for e in eqns for v in e.outvars}
+    invars = list(
+        dict.fromkeys(
+            v for e in eqns for v in e.invars if not isinstance(v, jex.Literal) and v not in made
+        )
+    )
+    outvars = [v for e in eqns for v in e.outvars if v in needed]
+    inputs = set(invars)
+    consts = tuple((v, x) for v, x in frag.consts if v in inputs)
+    return dataclasses.replace(
+        frag, eqns=eqns, invars=invars, outvars=outvars, consts=consts, parts=()
     )
 
 
@@ -205,18 +268,7 @@ def _part(pieces: _Pieces, which: Sequence[int], needed: set[Any]) -> Any:
             new = reads(e)
             same = all(a is b for a, b in zip(new, e.invars, strict=True))
             eqns.append(e if same else e.replace(invars=new))
-    made = {v for e in eqns for v in e.outvars}
-    invars = list(
-        dict.fromkeys(
-            v for e in eqns for v in e.invars if not isinstance(v, jex.Literal) and v not in made
-        )
-    )
-    outvars = [v for e in eqns for v in e.outvars if v in needed]
-    inputs = set(invars)
-    consts = tuple((v, x) for v, x in frag.consts if v in inputs)
-    return dataclasses.replace(
-        frag, eqns=eqns, invars=invars, outvars=outvars, consts=consts, parts=()
-    )
+    return _with_boundaries(frag, eqns, needed)
 
 
 def _shared_pieces(
