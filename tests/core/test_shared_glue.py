@@ -163,14 +163,17 @@ def _glue(fun, place, *shapes):
 
 
 def test_each_part_computes_the_scalars_its_pieces_share():
-    # Place 0 scales two arrays by one scalar it computes, place 1 the first array alone:
-    # place 0 splits, each part with its own copy of the scalar's equations.
+    # Place 0 updates two arrays with one scalar it computes, place 1 the first array alone,
+    # its equations written in another order: place 0 splits, each part with its own copy
+    # of the scalar's equations, and both places run the first array's update in one order.
     def both(c, a, b):
         scale = jnp.cos(c) * 2.0
-        return a * scale, b * scale
+        moved = a * scale
+        return moved + a**2, b * scale
 
     def one(c, a):
-        return (a * (jnp.cos(c) * 2.0),)
+        square = a**2
+        return (a * (jnp.cos(c) * 2.0) + square,)
 
     first, second = _glue(both, 0, (), (3,), (4,)), _glue(one, 1, (), (3,))
     outputs = [*first.outvars, *second.outvars]
@@ -178,9 +181,11 @@ def test_each_part_computes_the_scalars_its_pieces_share():
     split = _shared_glue.split_shared_glue(traced, [first, second], lambda place: ())
     assert split is not None and len(split) == 3
     shared, rest, same = split
-    assert same is second and shared.outvars == first.outvars[:1]
-    assert rest.outvars == first.outvars[1:] and rest.index != shared.index
-    assert [e.primitive.name for e in shared.eqns] == ["cos", "mul", "mul"]
+    assert shared.outvars == first.outvars[:1] and rest.outvars == first.outvars[1:]
+    assert rest.index != shared.index and same.outvars == second.outvars
+    update = ["cos", "mul", "mul", "integer_pow", "add"]  # operands first, in operand order
+    assert [e.primitive.name for e in shared.eqns] == update
+    assert [e.primitive.name for e in same.eqns] == update
     assert [e.primitive.name for e in rest.eqns] == ["cos", "mul", "mul"]
     assert not {v for e in shared.eqns for v in e.outvars} & {
         v for e in rest.eqns for v in e.outvars
@@ -191,5 +196,6 @@ def test_each_part_computes_the_scalars_its_pieces_share():
     run = lambda f, *args: jax.core.eval_jaxpr(fragment_jaxpr(f), [], *args)  # noqa: E731
     np.testing.assert_array_equal(run(shared, x[0], x[1])[0], run(first, *x)[0])
     np.testing.assert_array_equal(run(rest, x[0], x[2])[0], run(first, *x)[1])
+    np.testing.assert_array_equal(run(same, x[0], x[1])[0], run(second, x[0], x[1])[0])
     alone = _shared_glue.split_shared_glue(traced, [first], lambda place: ())
     assert alone is None  # nothing else runs either part

@@ -5,8 +5,8 @@ optimizer's update, with the slicing of its packed running sums, ``_packed_sums`
 that hold the same blocks run the same update program: compiled once, relocated to the
 others (``run._relocate``). But the first stage updates its blocks together with the
 embedding, and the last together with the head: two programs of their own, each as costly to
-compile as the blocks' update alone (gpt-tiny S=4: 0.40 and 0.37 s against 0.31 s for a middle
-stage's, most of a second of cold start).
+compile as the blocks' update alone (gpt-tiny S=4 m=8 GPipe: 0.40 and 0.37 s against
+0.31 s for a middle stage's).
 
 :func:`split_shared_glue` cuts such a fragment in two when a part of it is what glue on
 another submesh of the same shape runs. The fragment's *pieces* are the connected components
@@ -16,6 +16,12 @@ shared pieces become one fragment, the others a second one right after it, when 
 part has the structure of another submesh's (split or whole) fragment: the program sharing is
 then certain, not hoped for. The cost is one op more per step on that submesh; only glue
 outside every microbatch is split, so never one more per microbatch.
+
+Structures are compared, and the fragments involved run, with their equations in a
+canonical order (:func:`_canonical`): the passes before merge each stage's glue in an order
+of their own (gpt-tiny's 2-block stages: one stage computes a gradient's square before
+adding it to the first moment, the other after), and that order would otherwise make
+two equal updates different programs.
 
 Pieces are independent but for scalars computed from the fragment's scalar inputs (an
 optimizer's step count and bias corrections): each part computes its own copy of those
