@@ -115,7 +115,8 @@ def _splittable(frag: Any) -> bool:
     """Glue run once a step (fused glue too, ``_fuse``), without effects (their order would
     be split too)."""
     return (
-        frag.unit is None
+        frag.label is None
+        and frag.unit is None
         and frag.microbatch is None
         and len(frag.eqns) > 1
         and not any(e.effects for e in frag.eqns)
