@@ -14,9 +14,10 @@ optimizer state that mirrors it) where its task is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -108,15 +109,31 @@ def _registered_owner(owners: dict[ModulePath, Task]) -> Callable[..., Any]:
     return intercept
 
 
+@contextlib.contextmanager
+def recording_owners() -> Iterator[tuple[dict[ModulePath, Task], dict[ModulePath, Task]]]:
+    """``(owners, registered)``, filled by the modules called in the block: ``Task[Module]``
+    modules by path, and modules that ``register_task`` places (under ``ignore_transforms``
+    too: the tasks are recorded, not run as tasks)."""
+    registered: dict[ModulePath, Task] = {}
+    with (
+        _flax_task.record_task_paths() as owners,
+        nn.intercept_methods(_registered_owner(registered)),
+    ):
+        yield owners, registered
+
+
+def abstract(tree: Any) -> Any:
+    """``tree`` with each array (a tracer, too) as a ``ShapeDtypeStruct``, boxes kept."""
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
 def trace_variables(
     init: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> tuple[Any, dict[ModulePath, Task], dict[ModulePath, Task]]:
     """Abstract (boxed) variables of ``init(*args, **kwargs)`` and the task module paths:
     ``Task[Module]`` modules, and modules placed by ``register_task``."""
-    registered: dict[ModulePath, Task] = {}
     with (
-        _flax_task.record_task_paths() as owners,
-        nn.intercept_methods(_registered_owner(registered)),
+        recording_owners() as (owners, registered),
         shape_only_trace(),  # tasks are not placed here, by design
     ):
         variables = jax.eval_shape(lambda *a: init(*a, **kwargs), *args)

@@ -388,27 +388,34 @@ class _Setup:
         self.batch_constraints: Any = None
         self.state_program: Any = None  # the state initializer, traced (derive_constraints)
 
-    def make_state(self, batch_shape: Any) -> Any:
+    def make_state(self, batch_shape: Any, boxed: dict[str, Any] | None = None) -> Any:
+        """The train state; ``boxed`` (a dict) gets the variables' abstract boxed tree
+        (``"variables"``: shapes and logical names) on the way."""
         with ignore_transforms():
-            variables = nn.meta.unbox(self.runner.init_variables(_zeros(batch_shape)))
-        variables = dict(variables)
+            made = self.runner.init_variables(_zeros(batch_shape))
+        if boxed is not None:
+            boxed["variables"] = _placement.abstract(made)
+        variables = dict(nn.meta.unbox(made))
         params = _precision.stored(self.precision, variables.pop("params", {}))
         return TrainState.create(
             apply_fn=self.model.apply, params=params, tx=self.optimizer, model_state=variables
         )
 
     def derive_constraints(self, batch_shape: Any, devices: Any) -> Any:
-        boxed, owners, registered = _placement.trace_variables(
-            self.runner.init_variables, batch_shape
-        )
-        param_sh, param_owners = _placement.owner_shardings(
-            boxed.get("params", {}), owners, devices, registered=registered
-        )
-        with shape_only_trace():  # initialising for shapes: tasks are not placed here
-            # Traced once: the shapes here, the sharded initializer replays the program.
+        # The model's init traced once: the tasks that own each parameter and its logical
+        # names on the way, the state's shapes, and the program the sharded initializer
+        # replays.
+        boxed: dict[str, Any] = {}
+        with (
+            _placement.recording_owners() as (owners, registered),
+            shape_only_trace(),  # initialising for shapes: tasks are not placed here
+        ):
             self.state_program, state = jax.make_jaxpr(
-                lambda: self.make_state(batch_shape), return_shape=True
+                lambda: self.make_state(batch_shape, boxed), return_shape=True
             )()
+        param_sh, param_owners = _placement.owner_shardings(
+            boxed["variables"].get("params", {}), owners, devices, registered=registered
+        )
         nothing = jax.tree_util.tree_map(lambda _: None, state.model_state)
 
         def per_leaf(per_param: Any) -> Any:

@@ -52,7 +52,6 @@ from multimesh_flax.core.declare import (
     Task,
     call_recomputed,
     check_rules_have_mesh,
-    get_flag,
     ignore_transforms,
     linen_transform,
     make_task,
@@ -140,8 +139,7 @@ def call_as_task(
     if spec.name is None:  # unnamed: the module's name (``layer_0``), else its class's
         display = module.name or type(module).wrapped_module.__name__
         spec = dataclasses.replace(spec, name=display)
-    if not get_flag("ignore_transforms"):
-        _record(tuple(module.path), spec)
+    _record(tuple(module.path), spec)  # only inside ``record_task_paths``
     fun, transform = linen_transform(module, method)
 
     def recomputed(*positional: Any, **keywords: Any) -> Any:
