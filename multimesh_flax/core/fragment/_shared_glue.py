@@ -266,12 +266,13 @@ def _part(pieces: _Pieces, which: Sequence[int], needed: set[Any]) -> Any:
         return [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in e.invars]
 
     eqns = []
-    for i, e in enumerate(frag.eqns):
+    for i in sorted(keep | copies):  # the part's own positions: linear in its size, so
+        e = frag.eqns[i]  # keying every piece of a fragment costs one pass over it
         if i in copies:
             outs = [jex.Var(v.aval) for v in e.outvars]
             eqns.append(e.replace(invars=reads(e), outvars=outs))
             renamed.update(zip(e.outvars, outs, strict=True))
-        elif i in keep:
+        else:
             new = reads(e)
             same = all(a is b for a, b in zip(new, e.invars, strict=True))
             eqns.append(e if same else e.replace(invars=new))
