@@ -94,8 +94,12 @@ FUNCTION = "function"
 # are medians; one process each read 1.0-1.5x the peer for the same program on this host).
 # ``MMFLAX_B7_SCOPE=scale`` (full runs): only the scale points (S=8, m=32 and 64, no function
 # path), for a re-measurement of what many ops per step cost; write it to its own ``--out``.
+# ``MMFLAX_B7_SCOPE=steps`` (full runs): the target grid's step times alone, both paths (no
+# breakdown, collectives, peak bytes or cold starts): where the two stand on another host,
+# in minutes (5 on a 16-core host, session 35); write it to its own ``--out``.
 SCOPE = os.environ.get("MMFLAX_B7_SCOPE", "")
-TARGETS_ONLY, SCALE_ONLY = SCOPE == "targets", SCOPE == "scale"
+STEPS_ONLY = SCOPE == "steps"
+TARGETS_ONLY, SCALE_ONLY = SCOPE in ("targets", "steps"), SCOPE == "scale"
 
 
 def grid(quick: bool) -> list[tuple[str, int, int]]:
@@ -220,6 +224,8 @@ def _compare(
         "schedules": list(ours),
         **step_times(ours, peer, rounds),
     }
+    if STEPS_ONLY:
+        return result
     result["breakdown"] = {
         schedule: _breakdown.step_breakdown(runner, result[f"{schedule}_median_ms"] / 1e3, rounds)
         for schedule, runner in ours.items()
@@ -350,11 +356,15 @@ def _collective_row(name: str, c: dict[str, Any]) -> dict[str, Any]:
 def _rows(c: dict[str, Any]) -> list[dict[str, Any]]:
     label = config_label(c)
     names, steps = ratios(c, "ratio", c["schedules"])
-    _, peaks = ratios(c, "peak_ratio", c["schedules"])
-    peer_mib = c["peer_bytes"]["peak"] / 2**20
     rows = [
         _common.row(SECTION, f"{label}: SPMD peer step", c["peer_median_ms"], unit="ms"),
         _common.row(SECTION, f"{label}: step / SPMD peer's ({names})", steps),
+    ]
+    if "breakdown" not in c:  # MMFLAX_B7_SCOPE=steps
+        return rows
+    _, peaks = ratios(c, "peak_ratio", c["schedules"])
+    peer_mib = c["peer_bytes"]["peak"] / 2**20
+    rows += [
         _common.row(
             SECTION,
             f"{label}: peak bytes per device / SPMD peer's ({names}; peer {peer_mib:.1f} MiB)",
@@ -432,7 +442,7 @@ def run(quick: bool) -> dict[str, Any]:
     configs, rows = [], []
     for workload, stages, m in grid(quick):
         result = measure(stages, m, rounds, schedules, workload)
-        if not quick:
+        if not quick and not STEPS_ONLY:
             reps = COLD_REPETITIONS if workload == "tiny" else SCALE_COLD_REPETITIONS
             result["cold"] = cold(stages, m, reps, workload)
         configs.append(result)
@@ -440,7 +450,7 @@ def run(quick: bool) -> dict[str, Any]:
     function_configs = []
     for stages, m in function_grid(quick):
         result = measure_function(stages, m, rounds, schedules)
-        if not quick:
+        if not quick and not STEPS_ONLY:
             result["cold"] = cold(stages, m, COLD_REPETITIONS, FUNCTION)
         function_configs.append(result)
         rows += _rows(result)
@@ -450,7 +460,7 @@ def run(quick: bool) -> dict[str, Any]:
         "scale_workload": SCALE.describe(),
         "function_workload": fp.FN.describe(),
         "rounds": rounds,
-        "scope": SCOPE if SCOPE in ("targets", "scale") and not quick else "all",
+        "scope": SCOPE if SCOPE in ("targets", "scale", "steps") and not quick else "all",
         "configs": configs,
         "function_configs": function_configs,
         "rows": rows,

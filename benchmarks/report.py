@@ -330,14 +330,14 @@ def _b7_configs(configs: list[dict[str, Any]], prefix: str) -> list[dict]:
             parts.append(f"S={c['stages']} m={c['microbatches']}{layers}: {text}")
         return "; ".join(parts)
 
-    rows = [
-        _row("B7", f"{prefix}step / SPMD peer's step ({label})", by_config("ratio")),
+    rows = [_row("B7", f"{prefix}step / SPMD peer's step ({label})", by_config("ratio"))]
+    if all("peak_ratio" not in c for c in configs):  # MMFLAX_B7_SCOPE=steps: step times alone
+        return rows
+    rows.append(
         _row(
-            "B7",
-            f"{prefix}peak bytes per device / SPMD peer's ({label})",
-            by_config("peak_ratio"),
-        ),
-    ]
+            "B7", f"{prefix}peak bytes per device / SPMD peer's ({label})", by_config("peak_ratio")
+        )
+    )
     if all("cold" in c for c in configs):
         counts = sorted({len(c["cold"]["repetitions"]["peer"]) for c in configs})
         reps = counts[-1]
@@ -361,6 +361,18 @@ def _b0(data: dict[str, Any]) -> list[dict]:
             f"{data['concurrency']['8']:.2f}",
         )
     ]
+    submeshes = data.get("submeshes")
+    if submeshes:
+        k = max(submeshes["concurrency"], key=int)
+        rows.append(
+            _row(
+                "B0",
+                f"the same for {k} programs on {k} submeshes of "
+                f"{submeshes['devices_per_program']} devices (XLA's CPU client runs them one "
+                "at a time)",
+                f"{submeshes['concurrency'][k]:.2f}",
+            )
+        )
     allreduce = data.get("allreduce")
     for floats, size in (allreduce or {}).get("floats_per_device", {}).items():
         ms = size["median_ms"]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.xdist_group("test_benchmarks")
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION_FILES = {
-    "b0_calibration": ["concurrency", "effective_parallel_devices"],
+    "b0_calibration": ["concurrency", "effective_parallel_devices", "submeshes"],
     "b1_step_time": ["workloads"],
     "b2_dispatch": ["configs", "ambient_mesh_us"],
     "b3_compile": ["cold", "recompiles"],
@@ -106,6 +106,17 @@ def test_sweep_point_takes_medians_over_its_processes():
     assert point["trace_partition_samples"] == [1.5, 3.5, 2.5]
     assert point["trace_partition_median_s"] == 2.5
     assert [r["scan_first"] for r in point["repetitions"]] == [False, True, False]
+
+
+def test_report_renders_a_b7_run_of_step_times_alone():
+    # MMFLAX_B7_SCOPE=steps: no peak bytes, breakdown, collectives or cold starts.
+    from benchmarks import report
+
+    config = {"stages": 2, "microbatches": 4, "schedules": ["gpipe", "1f1b"]}
+    config |= {"gpipe_ratio": 1.16, "1f1b_ratio": 1.07, "peer_median_ms": 37.7}
+    rows = report._b7({"configs": [config], "function_configs": [dict(config, workload="fn")]})
+    assert [r["value"] for r in rows] == ["S=2 m=4: 1.16 / 1.07"] * 2
+    assert "function path" in rows[1]["metric"]
 
 
 def test_planner_pipeline_takes_median_errors_over_its_passes():
