@@ -417,10 +417,13 @@ def _breakdown_rows(label: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
             _common.row(
                 SECTION,
                 f"{label} {NAMES[schedule]}: step {ms['step_s']:.1f} ms; CPU outside / inside "
-                "JAX's calls; busiest submesh's compute / transfers / beyond it (ms)",
+                "JAX's calls; busiest submesh's compute / transfers / beyond it; all "
+                "submeshes' compute (each op recorded alone; XLA's CPU client runs programs "
+                "of several devices one at a time, B0) (ms)",
                 f"{ms['runtime_cpu_s']:.1f} / {ms['inside_jax_calls_cpu_s']:.1f}; "
                 f"{ms['busiest_compute_s']:.1f} / {ms['transfers_s']:.1f} / "
-                f"{ms['beyond_busiest_s']:.1f}",
+                f"{ms['beyond_busiest_s']:.1f}; "
+                f"{1e3 * sum(b['compute_per_submesh_s'].values()):.1f}",
             ),
         ]
     peer = parts["peer"]
