@@ -165,7 +165,9 @@ def test_each_microbatch_sums_its_gradients_in_the_unit_making_them(schedule, st
         for before, after in zip(frags, frags[1:], strict=False):
             assert len(set(after.donate) & set(before.outvars)) == 3, (key, after.index)
         zeros = on.partition.fragments[on.partition.fragments.index(frags[0]) - 1]
-        assert zeros.unit is None and not zeros.invars, zeros.index
+        assert zeros.unit is None, zeros.index
+        # Its one input is the constant 0 placed on its place: it fills the sums with it.
+        assert [(v, int(x)) for v, x in zeros.consts] == [(zeros.invars[0], 0)], zeros.index
         assert len(set(frags[0].donate) & set(zeros.outvars)) == 3, key
     # Every microbatch's copy of a unit runs one program, as before.
     programs: dict[tuple, set] = {}
@@ -181,11 +183,22 @@ def test_each_microbatch_sums_its_gradients_in_the_unit_making_them(schedule, st
     zeros = [
         f
         for f in on.partition.fragments
-        if f.unit is None and not f.invars and f.outvars and set(f.outvars) <= donated
+        if f.unit is None and f.consts and f.outvars and set(f.outvars) <= donated
     ]
     assert len(zeros) >= stages, [f.index for f in zeros]
     assert len(runs_on) == len(runs_off) - len(_running_sum_glue(off.partition)) + len(zeros)
     assert _programs(on) <= _programs(off)
+    # Zeros of the same shapes are one program on both places: compiled for one, relocated
+    # to the other (a program without inputs could not be). The stages are alike, so some
+    # shapes are made on both.
+    homes, made = on.slot_homes(), {v for f in zeros for v in f.outvars}
+    zero_ops = [op for op in runs_on if op.outs and all(homes[s][0] in made for s in op.outs)]
+    alike: dict[tuple, list] = {}
+    for op in zero_ops:
+        alike.setdefault(tuple(homes[s][0].aval.shape for s in op.outs), []).append(op)
+    assert all(len({id(op.program) for op in ops}) == 1 for ops in alike.values()), alike
+    if schedule in ("gpipe", "1f1b"):  # one chain of three gradient sums a place
+        assert any(len({op.place for op in ops}) == 2 for ops in alike.values()), alike
 
 
 def _arrays_per_op(executable, schedule):
@@ -232,11 +245,17 @@ def test_a_chain_on_one_device_carries_one_flat_running_sum(schedule, stages, mo
     _assert_offsets_are_inputs(flat)
 
 
+def _makes_zeros(frag):
+    """Whether ``frag`` fills a chain's first running sums from its one constant (``_sums``)."""
+    (var, value), *more = frag.consts
+    return not more and len(frag.eqns) == 1 and frag.eqns[0].invars == [var] and value == 0
+
+
 def _assert_offsets_are_inputs(executable):
     """Each flat sum is sliced at offsets its glue takes as inputs, placed once (so XLA
     compiles one update kernel per gradient shape, not one per gradient): int32 scalars,
     the running sizes of the sums sliced out."""
-    slicing = [f for f in executable.partition.fragments if f.consts]
+    slicing = [f for f in executable.partition.fragments if f.consts and not _makes_zeros(f)]
     assert slicing
     for frag in slicing:
         assert frag.unit is None

@@ -21,8 +21,9 @@ stage) leave once the additions are done too. A link whose operands meet from tw
 as it is, the first unit would run without a link and the others with one: two programs
 of every backward (a full backward compile more each, measured 1.5-2 s for gpt-tiny's
 stages). So each chain starts from zeros: ``acc_0 = zeros + g_0`` runs in the first unit,
-the zeros made by a small glue fragment with no inputs dispatched right before it
-(replicated on its submesh: the compiler pins a fragment without inputs there). Every copy
+the zeros made by a small glue fragment dispatched right before it, from the constant 0
+placed on its submesh (its one input: so it runs there, replicated, and an equally shaped
+submesh's zeros relocate its program rather than compile their own). Every copy
 of the unit then runs one program, and the glue programs of the links are gone. ``0 + g`` is
 ``g`` for every float but ``-0.0``, which becomes ``+0.0``: a final sum differs from the
 unmoved chain's only where every microbatch's gradient element is ``-0.0`` (it is then
@@ -61,6 +62,7 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import primitives
 
 from multimesh_flax.core.fragment._packed_sums import pack_chains
@@ -203,8 +205,11 @@ def _with_zeros(
     order: list[Any], starts: dict[int, list[Any]], shardings: dict[Any, Any]
 ) -> list[Any]:
     """``order`` with, right before each unit position in ``starts``, a glue fragment that
-    makes its zeros (no inputs: the compiler pins its results to the place, replicated, or
-    in the sharding ``shardings`` gives the variable)."""
+    makes its zeros: each array filled with the fragment's one input, the constant 0 placed
+    on its place (``Fragment.consts``), replicated or in the sharding ``shardings`` gives the
+    variable. The input places the program: a program without inputs is compiled for its
+    place's devices alone, and the same zeros on another place of the same shape would be
+    compiled again; with it, they are relocated (``run._relocate``)."""
     if not starts:
         return order
     index = 1 + max(p.index for f in order for p in f.parts or (f,))
@@ -213,32 +218,32 @@ def _with_zeros(
         if pos in starts:
             zeros = starts[pos]
             signature = tuple((v.aval.shape, v.aval.dtype, shardings.get(v)) for v in zeros)
-            eqn = _zeros_eqn(signature, zeros)
-            result.append(type(frag)(index=index, place=frag.place, label=None, eqns=[eqn]))
+            params = _zeros_params(signature)
+            fill = jex.Var(params["call_jaxpr"].in_avals[0])
+            eqn = jex.new_jaxpr_eqn([fill], zeros, primitives.closed_call_p, params, frozenset())
+            consts = ((fill, np.int32(0)),)
+            result.append(
+                type(frag)(index=index, place=frag.place, label=None, eqns=[eqn], consts=consts)
+            )
             index += 1
         result.append(frag)
     return result
 
 
-def _zeros_eqn(signature: tuple[Any, ...], outvars: list[Any]) -> Any:
-    return jex.new_jaxpr_eqn(
-        [], outvars, primitives.closed_call_p, _zeros_params(signature), frozenset()
-    )
-
-
 @functools.lru_cache(maxsize=64)
 def _zeros_params(signature: tuple[Any, ...]) -> dict[str, Any]:
-    """The parameters of a call making zeros of each ``(shape, dtype, sharding or None)``
-    (one dict per signature, so the zeros of every step's chains share one program)."""
+    """The parameters of a call filling arrays of each ``(shape, dtype, sharding or None)``
+    with its one input, an int32 scalar (one dict per signature, so the zeros of every
+    step's chains share one program)."""
 
-    def zeros() -> tuple[Any, ...]:
-        made = [jnp.zeros(shape, dtype) for shape, dtype, _ in signature]
+    def zeros(fill: jax.Array) -> tuple[Any, ...]:
+        made = [jax.lax.full(shape, fill, dtype) for shape, dtype, _ in signature]
         return tuple(
             x if s is None else jax.lax.with_sharding_constraint(x, s)
             for x, (_, _, s) in zip(made, signature, strict=True)
         )
 
-    closed = jax.make_jaxpr(zeros)()
+    closed = jax.make_jaxpr(zeros)(jax.ShapeDtypeStruct((), jnp.int32))
     return {"call_jaxpr": closed}
 
 

@@ -134,7 +134,7 @@ def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
 
 def _constrained_specs(frag: Fragment) -> dict[Any, PartitionSpec]:
     """The spec of each output of ``frag`` that a sharding constraint makes, at its top level
-    or as a block's result (the zeros of a stacked running sum, ``fragment._stacked_sums``)."""
+    or as a block's result (a call whose body ends in the constraint)."""
     specs = {}
     for eqn in frag.eqns:
         if eqn.primitive.name == "sharding_constraint":
