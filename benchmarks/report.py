@@ -331,8 +331,8 @@ def _b7_configs(configs: list[dict[str, Any]], prefix: str) -> list[dict]:
         return "; ".join(parts)
 
     rows = [_row("B7", f"{prefix}step / SPMD peer's step ({label})", by_config("ratio"))]
-    if all("peak_ratio" not in c for c in configs):  # MMFLAX_B7_SCOPE=steps: step times alone
-        return rows
+    if not all(f"{s}_peak_ratio" in c for c in configs for s in schedules):
+        return rows  # MMFLAX_B7_SCOPE=steps: step times alone
     rows.append(
         _row(
             "B7", f"{prefix}peak bytes per device / SPMD peer's ({label})", by_config("peak_ratio")

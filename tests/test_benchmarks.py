@@ -117,6 +117,10 @@ def test_report_renders_a_b7_run_of_step_times_alone():
     rows = report._b7({"configs": [config], "function_configs": [dict(config, workload="fn")]})
     assert [r["value"] for r in rows] == ["S=2 m=4: 1.16 / 1.07"] * 2
     assert "function path" in rows[1]["metric"]
+    # A full run's configuration adds its peak bytes (and cold starts, when measured).
+    full = config | {"gpipe_peak_ratio": 0.85, "1f1b_peak_ratio": 0.5}
+    rows = report._b7({"configs": [full]})
+    assert [r["value"] for r in rows] == ["S=2 m=4: 1.16 / 1.07", "S=2 m=4: 0.85 / 0.50"]
 
 
 def test_planner_pipeline_takes_median_errors_over_its_passes():
