@@ -42,20 +42,9 @@ from benchmarks import _collectives, _common
 SECTION = "B0"
 
 
-def _program(width: int, repeats: int) -> Any:
-    def chain(x: jax.Array) -> jax.Array:
-        def body(_: int, y: jax.Array) -> jax.Array:
-            return jnp.tanh(y @ x) * 0.5
+def _program(repeats: int) -> Any:
+    """``chain(y, x)``: ``y`` multiplied by ``x`` ``repeats`` times, a ``tanh`` after each."""
 
-        return jax.lax.fori_loop(0, repeats, body, x)
-
-    return jax.jit(chain)
-
-
-SUBMESH_DEVICES = 2
-
-
-def _submesh_program(repeats: int) -> Any:
     def chain(y: jax.Array, x: jax.Array) -> jax.Array:
         def body(_: int, z: jax.Array) -> jax.Array:
             return jnp.tanh(z @ x) * 0.5
@@ -63,6 +52,23 @@ def _submesh_program(repeats: int) -> Any:
         return jax.lax.fori_loop(0, repeats, body, y)
 
     return jax.jit(chain)
+
+
+def _medians_together(
+    fn: Any, inputs: list[tuple[Any, ...]], ks: list[int], rounds: int
+) -> dict[int, float]:
+    """Per ``k`` in ``ks``, the median seconds of ``fn`` on the first ``k`` argument tuples,
+    dispatched together and waited for together (interleaved rounds)."""
+    jax.block_until_ready([fn(*args) for args in inputs])  # compile for every device set
+
+    def together(k: int) -> Any:
+        return lambda: jax.block_until_ready([fn(*args) for args in inputs[:k]])
+
+    times = _common.interleaved([together(k) for k in ks], rounds)
+    return {k: _common.median(t) for k, t in zip(ks, times, strict=True)}
+
+
+SUBMESH_DEVICES = 2
 
 
 def submesh_concurrency(width: int, repeats: int, rounds: int) -> dict[str, Any]:
@@ -73,7 +79,6 @@ def submesh_concurrency(width: int, repeats: int, rounds: int) -> dict[str, Any]
     pairs = len(devices) // SUBMESH_DEVICES
     if pairs < 2:
         return {}  # nothing to run side by side
-    fn = _submesh_program(repeats)
     x = jax.random.normal(jax.random.key(0), (width, width)) / width**0.5
     y = jax.random.normal(jax.random.key(1), (SUBMESH_DEVICES * width, width))
     inputs = []
@@ -82,14 +87,8 @@ def submesh_concurrency(width: int, repeats: int, rounds: int) -> dict[str, Any]
         mesh = jax.make_mesh((SUBMESH_DEVICES,), ("x",), (AxisType.Auto,), devices=pair)
         sharded = jax.device_put(y, NamedSharding(mesh, P("x")))
         inputs.append((sharded, jax.device_put(x, NamedSharding(mesh, P()))))
-    jax.block_until_ready([fn(*args) for args in inputs])  # compile on every pair
-
-    def together(k: int) -> Any:
-        return lambda: jax.block_until_ready([fn(*args) for args in inputs[:k]])
-
     ks = [k for k in (1, 2, 4) if k <= pairs]
-    times = _common.interleaved([together(k) for k in ks], rounds)
-    medians = {k: _common.median(t) for k, t in zip(ks, times, strict=True)}
+    medians = _medians_together(_program(repeats), inputs, ks, rounds)
     return {
         "devices_per_program": SUBMESH_DEVICES,
         "median_ms": {str(k): 1e3 * v for k, v in medians.items()},
@@ -188,19 +187,12 @@ def run(quick: bool) -> dict[str, Any]:
     width, repeats = 256, 24 if quick else 48
     rounds = 5 if quick else 11
     devices = jax.devices()
-    fn = _program(width, repeats)
-    inputs = [
+    placed = [
         jax.device_put(jax.random.normal(jax.random.key(i), (width, width)) / width**0.5, d)
         for i, d in enumerate(devices)
     ]
-    jax.block_until_ready([fn(x) for x in inputs])  # compile on every device
-
-    def together(k: int) -> Any:
-        return lambda: jax.block_until_ready([fn(x) for x in inputs[:k]])
-
     ks = [k for k in (1, 2, 4, 8) if k <= len(devices)]
-    times = _common.interleaved([together(k) for k in ks], rounds)
-    medians = {k: _common.median(t) for k, t in zip(ks, times, strict=True)}
+    medians = _medians_together(_program(repeats), [(x, x) for x in placed], ks, rounds)
     concurrency = {k: k * medians[1] / medians[k] for k in ks}
     best = max(concurrency.values())
     submeshes = submesh_concurrency(width, repeats, rounds)

@@ -422,8 +422,7 @@ def _breakdown_rows(label: str, parts: dict[str, Any]) -> list[dict[str, Any]]:
                 "of several devices one at a time, B0) (ms)",
                 f"{ms['runtime_cpu_s']:.1f} / {ms['inside_jax_calls_cpu_s']:.1f}; "
                 f"{ms['busiest_compute_s']:.1f} / {ms['transfers_s']:.1f} / "
-                f"{ms['beyond_busiest_s']:.1f}; "
-                f"{1e3 * sum(b['compute_per_submesh_s'].values()):.1f}",
+                f"{ms['beyond_busiest_s']:.1f}; {ms['all_compute_s']:.1f}",
             ),
         ]
     peer = parts["peer"]
