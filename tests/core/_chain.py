@@ -31,6 +31,26 @@ def chain_loss(tasks: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 
 
+def tanh_stage(p, x):
+    """A stage of three parameters: ``tanh(x @ w1 + b) @ w2``."""
+    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
+
+
+def tanh_stages_data(seed: int, stages: int, width: int = 6, rows: int = 16):
+    """``(params, x)`` for ``stages`` chained :func:`tanh_stage` s: each stage's weights
+    normal / 3, then ``x`` of ``rows`` normal rows (keys split from ``seed`` in that order)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 3 * stages + 1))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape) / 3
+
+    params = [
+        {"w1": normal(width, width), "b": normal(width), "w2": normal(width, width)}
+        for _ in range(stages)
+    ]
+    return params, jax.random.normal(next(keys), (rows, width))
+
+
 def assert_matches_unparallelized(step, loss, params, batch, tol=TOL):
     """``step(params, batch)`` (a ``(value, grads)`` step) equals ``jax.value_and_grad(loss)``
     run unplaced (``ignore_transforms``), at ``tol``."""

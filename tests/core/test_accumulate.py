@@ -14,6 +14,7 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.plan import is_bundle
+from tests.core._chain import tanh_stage, tanh_stages_data
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -69,29 +70,19 @@ def _reference(loss, params, x):
         return jax.value_and_grad(loss)(params, x)
 
 
-def _stage(p, x):
-    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
-
-
 def _two_stage_model():
     """Two stages (devices 0 and 1) of three parameters each."""
-    stages = [mm.task(_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)]
+    stages = [
+        mm.task(tanh_stage, name=f"stage{s}", mesh=mm.TaskMesh(devices=[s])) for s in range(2)
+    ]
 
     def loss(params, x):
         for stage, p in zip(stages, params, strict=True):
             x = stage(p, x)
         return jnp.mean(x**2)
 
-    keys = iter(jax.random.split(jax.random.key(1), 7))
-    params = [
-        {
-            "w1": jax.random.normal(next(keys), (6, 6)) / 3,
-            "b": jax.random.normal(next(keys), (6,)) / 3,
-            "w2": jax.random.normal(next(keys), (6, 6)) / 3,
-        }
-        for _ in range(2)
-    ]
-    return loss, params, jax.random.normal(next(keys), (16, 6))
+    params, x = tanh_stages_data(1, 2)
+    return loss, params, x
 
 
 def _inner_step(loss, schedule):

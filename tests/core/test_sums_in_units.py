@@ -29,20 +29,16 @@ from multimesh_flax.core.declare import Phase
 from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
-from tests.core._chain import train, train_step
+from tests.core._chain import tanh_stage, tanh_stages_data, train, train_step
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
 OPTIMIZER = optax.sgd(0.1, momentum=0.9)
 
 
-def _stage(p, x):
-    return jnp.tanh(x @ p["w1"] + p["b"]) @ p["w2"]
-
-
 def _sharded_stage(p, x):
-    """``_stage`` with its rows sharded over the ``batch`` axes (``_loss``'s rules)."""
-    return _stage(p, mm.with_sharding_constraint(x, P("batch", None)))
+    """``tanh_stage`` with its rows sharded over the ``batch`` axes (``_loss``'s rules)."""
+    return tanh_stage(p, mm.with_sharding_constraint(x, P("batch", None)))
 
 
 def _loss(stages, devices=1, batch=None):
@@ -55,7 +51,7 @@ def _loss(stages, devices=1, batch=None):
         mm.TaskMesh(devices=[devices * (s % 2) + d for d in range(devices)], **shape)
         for s in range(2)
     ]
-    stage = _stage if batch is None else _sharded_stage
+    stage = tanh_stage if batch is None else _sharded_stage
     rules = (("batch", batch),) if batch else None
     tasks = [
         mm.task(stage, name=f"stage{s}", mesh=meshes[s % 2], logical_axes=rules)
@@ -71,16 +67,7 @@ def _loss(stages, devices=1, batch=None):
 
 
 def _data(stages):
-    keys = iter(jax.random.split(jax.random.key(3), 3 * stages + 1))
-    params = [
-        {
-            "w1": jax.random.normal(next(keys), (6, 6)) / 3,
-            "b": jax.random.normal(next(keys), (6,)) / 3,
-            "w2": jax.random.normal(next(keys), (6, 6)) / 3,
-        }
-        for _ in range(stages)
-    ]
-    return params, jax.random.normal(next(keys), (16, 6))
+    return tanh_stages_data(3, stages)
 
 
 def _build(schedule, stages, enabled, monkeypatch, pack=False, devices=1, batch=None, stack=True):

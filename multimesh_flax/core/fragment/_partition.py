@@ -22,7 +22,8 @@ Three passes, each a value in and a value out (placement, the pass before them, 
   its place as one fragment where that changes no value or order and adds no executable
   (``_fuse``: the last stage's ``F_k`` and ``B_k``), then runs each microbatch's gradient
   accumulation at the end of the unit that produces the gradients, the running sum donated
-  (``_sums``).
+  (``_sums``), splits glue another submesh shares (``_shared_glue``) and packs the small
+  values a unit hands to another on its place into one array per dtype (``_packed_values``).
 
 :func:`make_partition` then records where every value is produced and every program input
 must arrive: the :class:`Partition` the runtime compiles.
@@ -42,7 +43,7 @@ import jax.extend.core as jex
 import numpy as np
 
 from multimesh_flax.core.declare import Place, make_auto_mesh
-from multimesh_flax.core.fragment import _fuse, _shared_glue, _sink, _sums
+from multimesh_flax.core.fragment import _fuse, _packed_values, _shared_glue, _sink, _sums
 from multimesh_flax.core.fragment._place import PlacedProgram
 from multimesh_flax.core.plan import PipelinePlan, Unit, dispatch_order, equation_order
 from multimesh_flax.core.trace import Equation, Label, TracedProgram
@@ -351,8 +352,9 @@ def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list
     one where that delays nothing and adds no executable (``_fuse.fuse_adjacent``, its
     contract there); then each running sum over microbatches runs at the end of the unit
     producing its operands, its running sum donated (``_sums``, where that adds no ordering
-    constraint); last, glue whose part another submesh runs as one program is split there
-    (``_shared_glue``)."""
+    constraint); then glue whose part another submesh runs as one program is split there
+    (``_shared_glue``); last, the small values a unit hands to one other unit on its place
+    travel as one array per dtype (``_packed_values``)."""
     if placed.plan is None or not placed.plan.scheduled:
         return list(fragments)
     traced = placed.traced
@@ -363,7 +365,9 @@ def fuse_fragments(placed: PlacedProgram, fragments: Sequence[Fragment]) -> list
         order, links = moved
         fused = _sums.donate_running_sums(traced, _rebuild_boundaries(traced, order), links)
     split = _shared_glue.split_shared_glue(traced, fused, functools.partial(_place_shape, placed))
-    return fused if split is None else split
+    fused = fused if split is None else split
+    packed = _packed_values.pack_crossings(traced, fused)
+    return fused if packed is None else _rebuild_boundaries(traced, packed)
 
 
 def _place_shape(placed: PlacedProgram, place: Place) -> tuple[Any, ...]:
