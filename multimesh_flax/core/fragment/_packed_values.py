@@ -56,9 +56,11 @@ _APART = object()  # a value that is not packed (``_layout``)
 
 
 def pack_crossings(traced: TracedProgram, fragments: Sequence[Any]) -> list[Any] | None:
-    """``fragments`` (in dispatch order, boundaries set) with the small values each hands to
-    one other fragment on its place packed (module doc), their boundaries left to rebuild;
-    ``None`` if nothing is. ``fragments`` are not edited."""
+    """``fragments`` (in dispatch order, boundaries set) with the small values each unit
+    hands to one other unit on its place packed (module doc): the maker's last equation packs
+    them, the reader's first unpacks them into new variables its equations read instead.
+    Their boundaries are left to rebuild; ``None`` if nothing is packed. ``fragments`` are
+    not edited."""
     if not ENABLED:
         return None
     groups = _groups(traced, fragments)
