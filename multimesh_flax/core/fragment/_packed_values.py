@@ -46,7 +46,7 @@ from jax.extend.core import primitives
 from jax.sharding import AxisType
 
 from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes
-from multimesh_flax.core.trace import TracedProgram
+from multimesh_flax.core.trace import TracedProgram, reading_renamed
 
 ENABLED = True  # internal switch: False hands every value over as an array of its own
 SMALL_BYTES = 16 * 1024  # the most bytes per device of a value that is packed
@@ -149,14 +149,8 @@ def _layout(aval: Any, devices: int, batches: dict[int, Batch]) -> Batch | None 
 
 def _reading(frag: Any, unpack: Any, renamed: dict[Any, Any]) -> Any:
     """``frag`` starting with ``unpack``, its equations reading the renamed values."""
-
-    def read(eqn: Any) -> Any:
-        if not any(not isinstance(v, jex.Literal) and v in renamed for v in eqn.invars):
-            return eqn
-        invars = [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars]
-        return eqn.replace(invars=invars)
-
-    return dataclasses.replace(frag, eqns=[unpack, *(read(e) for e in frag.eqns)])
+    eqns = [unpack, *(reading_renamed(e, renamed) for e in frag.eqns)]
+    return dataclasses.replace(frag, eqns=eqns)
 
 
 @functools.lru_cache(maxsize=256)

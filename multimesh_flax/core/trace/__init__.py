@@ -17,6 +17,7 @@ from multimesh_flax.core.trace._blocks import block_body as block_body
 from multimesh_flax.core.trace._blocks import is_block as is_block
 from multimesh_flax.core.trace._blocks import is_sum as is_sum
 from multimesh_flax.core.trace._blocks import reaches_other_owner as reaches_other_owner
+from multimesh_flax.core.trace._blocks import reading_renamed as reading_renamed
 from multimesh_flax.core.trace._blocks import with_producers as with_producers
 from multimesh_flax.core.trace._colour import abstract_mesh as abstract_mesh
 from multimesh_flax.core.trace._colour import flax_rules as flax_rules

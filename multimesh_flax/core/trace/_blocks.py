@@ -417,9 +417,15 @@ def rename(equations: list[Equation], renamed: dict[Any, Any]) -> list[Equation]
         return equations
     out = []
     for equation in equations:
-        eqn = equation.eqn
-        if any(not isinstance(v, jex.Literal) and v in renamed for v in eqn.invars):
-            invars = [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars]
-            equation = equation._replace(eqn=eqn.replace(invars=invars))
-        out.append(equation)
+        eqn = reading_renamed(equation.eqn, renamed)
+        out.append(equation if eqn is equation.eqn else equation._replace(eqn=eqn))
     return out
+
+
+def reading_renamed(eqn: Any, renamed: dict[Any, Any]) -> Any:
+    """``eqn`` reading ``renamed[v]`` wherever it reads a renamed ``v`` (``eqn`` itself if it
+    reads none)."""
+    if not any(not isinstance(v, jex.Literal) and v in renamed for v in eqn.invars):
+        return eqn
+    invars = [v if isinstance(v, jex.Literal) else renamed.get(v, v) for v in eqn.invars]
+    return eqn.replace(invars=invars)
