@@ -13,8 +13,10 @@ The directory is, in order: the ``directory`` argument; the environment variable
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -66,40 +68,59 @@ def enable_compilation_cache(directory: str | os.PathLike[str] | None = None) ->
 
 
 class _Events:
-    """Process-wide counts of XLA compilations and persistent-cache hits (``jax.monitoring``)."""
+    """Counts of XLA compilations and persistent-cache hits (``jax.monitoring``), for the
+    process and for each thread: JAX reports them in the thread that compiles."""
 
     COMPILE = "/jax/core/compile/backend_compile_duration"
     HIT = "/jax/compilation_cache/cache_hits"
 
     def __init__(self) -> None:
-        self.compiles = 0
-        self.compile_seconds = 0.0
-        self.cache_hits = 0
-        self._hit = False  # the compilation in progress was a cache hit
+        self.process = _Counts()
+        self._threads = threading.local()
         jax.monitoring.register_event_duration_secs_listener(self._on_duration)
         jax.monitoring.register_event_listener(self._on_event)
+
+    def thread(self) -> _Counts:
+        """This thread's counts."""
+        counts = getattr(self._threads, "counts", None)
+        if counts is None:
+            counts = self._threads.counts = _Counts()
+        return counts
 
     def _on_duration(self, event: str, duration: float, **_: Any) -> None:
         # JAX reports every compile-or-load with this event, a hit just before it ends.
         if event != self.COMPILE:
             return
-        if self._hit:
-            self._hit = False
+        mine = self.thread()
+        if mine.hit:
+            mine.hit = False
             return
-        self.compiles += 1
-        self.compile_seconds += duration
+        for counts in (self.process, mine):
+            counts.compiles += 1
+            counts.compile_seconds += duration
 
     def _on_event(self, event: str, **_: Any) -> None:
         if event == self.HIT:
-            self.cache_hits += 1
-            self._hit = True
+            mine = self.thread()
+            self.process.cache_hits += 1
+            mine.cache_hits += 1
+            mine.hit = True
+
+
+@dataclasses.dataclass
+class _Counts:
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    cache_hits: int = 0
+    hit: bool = False  # the compilation in progress in this thread was a cache hit
 
 
 _EVENTS: _Events | None = None
 
 
-def compilation_counter() -> Callable[[], dict[str, float]]:
-    """A function that reads what was compiled since this call.
+def compilation_counter(*, this_thread: bool = False) -> Callable[[], dict[str, float]]:
+    """A function that reads what was compiled since this call (``this_thread``: by the
+    calling thread only).
 
     Its result: ``compiles`` (XLA compilations, persistent-cache hits excluded),
     ``compile_seconds`` (their time) and ``cache_hits`` (executables loaded from the
@@ -115,14 +136,14 @@ def compilation_counter() -> Callable[[], dict[str, float]]:
     global _EVENTS
     if _EVENTS is None:
         _EVENTS = _Events()
-    events = _EVENTS
-    before = (events.compiles, events.compile_seconds, events.cache_hits)
+    counts = _EVENTS.thread() if this_thread else _EVENTS.process
+    before = (counts.compiles, counts.compile_seconds, counts.cache_hits)
 
     def read() -> dict[str, float]:
         return {
-            "compiles": events.compiles - before[0],
-            "compile_seconds": events.compile_seconds - before[1],
-            "cache_hits": events.cache_hits - before[2],
+            "compiles": counts.compiles - before[0],
+            "compile_seconds": counts.compile_seconds - before[1],
+            "cache_hits": counts.cache_hits - before[2],
         }
 
     return read

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +53,15 @@ from multimesh_flax.core.declare import (
 )
 from multimesh_flax.core.declare import context as flag_context
 from multimesh_flax.core.front import MpmdJit, jit, shape_structs, sharded_initializer
+from multimesh_flax.core.run import CompileAhead
 from multimesh_flax.core.trace import microbatch, shape_only_trace
 from multimesh_flax.layers import _nonfinite, _placement, _precision
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
+
+# ``parallelize_step`` compiles the step's fragments in a thread while the initializer of
+# the state compiles (``MpmdJit.compile_ahead``); False: at the first call (tests compare)
+COMPILE_AHEAD = True
 
 
 class TrainState(train_state.TrainState):
@@ -576,6 +582,8 @@ class StepFn:
         nonfinite: the ``NonFinite`` mode the step was built with, or ``None``.
         last_check: with ``nonfinite``, the last call's ``StepCheck`` (device scalars
             ``loss``, ``grad_norm``, ``applied``); ``None`` before the first call.
+        ahead: the compile of the step's fragments that ``parallelize_step`` started in a
+            thread (``MpmdJit.compile_ahead``: ``ahead.wait()`` waits for it), or ``None``.
     """
 
     def __init__(
@@ -583,9 +591,11 @@ class StepFn:
         jitted: MpmdJit,
         multi: MultiMesh | None,
         nonfinite: _nonfinite.NonFinite | None = None,
+        ahead: CompileAhead | None = None,
     ) -> None:
         self.jitted = jitted
         self.nonfinite = nonfinite
+        self.ahead = ahead
         self.last_check: _nonfinite.StepCheck | None = None
         # The registries active when the step was built, outermost first (the process-wide
         # default is always active); the MultiMesh goes outside them unless it is one.
@@ -811,7 +821,8 @@ def parallelize_step(
     mode = _nonfinite.normalize(nonfinite)
     policy = make_recompute(recompute)
     dtype = _precision.normalize(precision)
-    batch_shape = _abstract(_check_batches(global_batch, local_batch))
+    batch = _check_batches(global_batch, local_batch)
+    batch_shape = _abstract(batch)
     keywords = {
         "microbatches": microbatches,
         "schedule": schedule,
@@ -840,10 +851,15 @@ def parallelize_step(
         if mode is not None and setup.pin_state(state_sh):
             jitted.clear_cache()  # the step now keeps every leaf where it came in
             state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
+        # The step's fragments compile in a thread while the state's initializer compiles
+        # and runs here (``MpmdJit.compile_ahead``), the batch in its example's shardings.
+        ahead = jitted.compile_ahead(abstract_state, batch) if COMPILE_AHEAD else None
         state = sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
-    step_fn = StepFn(jitted, multi, mode)
+    step_fn = StepFn(jitted, multi, mode, ahead)
+    if ahead is not None:  # a step dropped before its first call needs none of it
+        weakref.finalize(step_fn, ahead.cancel)
     if local_batch is None:
         return ParallelStep(step_fn, state, result_mesh)
 

@@ -1,6 +1,8 @@
 """``parallelize_step``: placement of parameters and optimizer state, and training numerics
 against plain Flax + optax on one device."""
 
+import gc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors, layers
-from multimesh_flax.core.run import OpKind
+from multimesh_flax.core.run import OpKind, _compile
+from multimesh_flax.core.trace import BoundedCache
 from tests.layers._models import RULES, MLPBlock, Pipeline, device_ids
 
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -125,6 +128,38 @@ def test_later_steps_compile_nothing_and_move_no_state():
         state.params,
         shardings,
     )
+
+
+def test_the_step_compiles_while_the_state_initializes_and_trains_the_same(monkeypatch):
+    """``parallelize_step`` compiles the step's fragments in a thread (``step.ahead``) while
+    the state's initializer compiles: the first step then compiles nothing, and trains bit
+    for bit as a step compiled at its first call."""
+    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))  # none made
+    built = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
+    assert built.step.ahead.wait(timeout=300) and built.step.ahead.error is None
+    executable = built.step.executable(built.state, (X, Y))
+    assert built.step.ahead.walked == len(executable.ops)
+    made = executable.compile_count()
+    assert made > 0
+    losses, state = _train(built.step, built.state, [(X, Y)] * 2)
+    assert executable.compile_count() == made
+    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+    monkeypatch.setattr(layers._step, "COMPILE_AHEAD", False)
+    plain = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
+    assert plain.step.ahead is None
+    plain_losses, plain_state = _train(plain.step, plain.state, [(X, Y)] * 2)
+    assert losses == plain_losses
+    jax.tree_util.tree_map(np.testing.assert_array_equal, state.params, plain_state.params)
+
+
+def test_a_step_dropped_before_its_first_call_stops_compiling_ahead(monkeypatch):
+    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+    built = layers.parallelize_step(Pipeline(), optax.sgd(0.1), global_batch=(X, Y))
+    ahead = built.step.ahead
+    del built
+    gc.collect()
+    assert ahead.cancelled
+    assert ahead.wait(timeout=120)  # after the compile under way, if any
 
 
 class Classifier(nn.Module):

@@ -41,7 +41,7 @@ from multimesh_flax.core.front._build import (
     collector_paused,
     partition_program,
 )
-from multimesh_flax.core.run import MpmdExecutable
+from multimesh_flax.core.run import CompileAhead, MpmdExecutable
 from multimesh_flax.core.trace import BoundedCache, TracedProgram
 
 # Programs one jitted function keeps (each holds its compiled fragments and op list).
@@ -379,6 +379,44 @@ class MpmdJit:
         dynamic, _ = self._split(args)
         tree = jax.tree_util.tree_structure((dynamic, kwargs))
         return jax.tree_util.tree_unflatten(tree, entry.input_shardings())
+
+    def compile_ahead(self, *args: Any, **kwargs: Any) -> CompileAhead | None:
+        """Starts compiling the program for these arguments (arrays or
+        ``ShapeDtypeStruct``\\ s) in a thread, and returns at once.
+
+        Builds the program as ``input_shardings`` does, then makes the executable of each
+        fragment in a thread of its own (``run._ahead``): for arguments in the program's
+        input shardings, each fragment's inputs in the shardings the fragments and
+        transfers before it give them. Whatever the caller does meanwhile (compiling and
+        running an initializer) overlaps with it; the first call with arrays of these
+        shapes takes the executables made, waits for one being made, or makes one the
+        thread has not reached. Pass the arguments the first call will get where their
+        shardings fit the input shardings (a one-device array for a one-device submesh, which
+        the call then uses as it is); a ``ShapeDtypeStruct`` stands for an argument the
+        call moves into its input sharding. Returns the ``CompileAhead`` (``wait()``, ``walked``,
+        ``error``), or ``None`` where nothing is compiled ahead: the fast path (one
+        ``jax.jit``) and a multi-process job (each process compiles its own fragments).
+
+        Example:
+            >>> import multimesh_flax as mm
+            >>> def f(x):
+            ...     y = mm.task(jnp.sin, mesh=mm.TaskMesh(devices=[0]))(x)
+            ...     return mm.task(jnp.cos, mesh=mm.TaskMesh(devices=[1]))(y)
+            >>> g = mm.jit(f)
+            >>> ahead = g.compile_ahead(jax.ShapeDtypeStruct((4,), jnp.float32))
+            >>> ahead.wait(), ahead.walked, ahead.error  # two fragments, one transfer
+            (True, 3, None)
+            >>> x = np.ones(4, np.float32)  # the call places it in its input sharding
+            >>> made = g.executable(x).compile_count()
+            >>> _ = g(x)  # takes the executables made ahead: none more
+            >>> g.executable(x).compile_count() == made
+            True
+        """
+        entry, leaves = self._entry(args, kwargs)
+        run = entry.run
+        if not isinstance(run, MpmdExecutable) or run.processes is not None:
+            return None
+        return CompileAhead(run, leaves)
 
     def build_seconds(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Seconds spent on the passes of ``_build`` for these arguments, when the program

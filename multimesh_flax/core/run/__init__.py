@@ -1,13 +1,16 @@
 """Stage 5, compile and dispatch: one cached program per distinct fragment (``_compile``,
 keyed by ``trace._structure``), compiled once and relocated to other submeshes
 (``_relocate``), a flat op list (``_ops``: immutable records, and the state a call learns)
-dispatched in schedule order (``_dispatch``), and recorded timelines (``_timeline_plot``).
+dispatched in schedule order (``_dispatch``), compiled ahead of the first call where asked
+(``_ahead``), and recorded timelines (``_timeline_plot``).
 
 The op list (``_ops``) is what ``multimesh_flax.distributed`` reads to dispatch the same
 program in each process of a multi-process job; it hands back a ``ProcessHandOff``, which the
 build passes to ``compile_program``. Nothing here imports ``multimesh_flax.distributed``.
 """
 
+from multimesh_flax.core.run._ahead import CompileAhead as CompileAhead
+from multimesh_flax.core.run._ahead import compile_ahead as compile_ahead
 from multimesh_flax.core.run._compile import FragmentProgram as FragmentProgram
 from multimesh_flax.core.run._compile import compile_fragment as compile_fragment
 from multimesh_flax.core.run._dispatch import MpmdExecutable as MpmdExecutable

@@ -11,6 +11,7 @@ with the same shapes, specs and mesh shapes, the executable is relocated
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 import jax
@@ -57,11 +58,20 @@ class FragmentProgram:
         # (avals and shardings up to the devices) -> executables made for them
         self._executables: dict[Any, list[_Made]] = {}
         self.relocations = 0
+        # held while making an executable: a first call and a walk compiling ahead of it
+        # (``_ahead``) make each executable once
+        self._lock = threading.Lock()
 
     def executable_count(self) -> int:
         return sum(len(made) for made in self._executables.values())
 
     def executable(self, args: Any) -> Any:
+        """The executable for arguments like ``args`` (arrays, or ``jax.ShapeDtypeStruct``\\ s
+        with their shardings)."""
+        with self._lock:
+            return self._executable(args)
+
+    def _executable(self, args: Any) -> Any:
         key, devices = _signature(args)
         made = self._executables.setdefault(key, [])
         for entry in made:

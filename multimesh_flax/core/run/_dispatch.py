@@ -176,6 +176,12 @@ def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
     return dataclasses.replace(frag, eqns=kept[::-1], invars=invars, outvars=outvars)
 
 
+def fits_input(have: Any, want: Any, ndim: int) -> bool:
+    """Whether an argument in sharding ``have`` (``None``: not an array) runs as it is for an
+    input wanted in ``want``: the same or an equivalent sharding (else the call moves it)."""
+    return have is not None and (have == want or have.is_equivalent_to(want, ndim))
+
+
 def compile_program(
     part: Partition, donate: Sequence[int] = (), processes: ProcessHandOff | None = None
 ) -> MpmdExecutable:
@@ -428,6 +434,10 @@ class MpmdExecutable:
         """The slots of traced constants, filled by ``make_env`` before any op runs."""
         return frozenset(self._consts)
 
+    def constants(self) -> dict[int, Any]:
+        """``{slot: placed constant}``: what ``make_env`` puts in ``constant_slots``."""
+        return dict(self._consts)
+
     def _place_inputs(
         self, env: list[Any], args: Sequence[Any], unread: frozenset[int] = frozenset()
     ) -> None:
@@ -453,7 +463,7 @@ class MpmdExecutable:
         ):
             if have is fits[i] or want is None or i in unread:
                 env[slot] = x
-            elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
+            elif fits_input(have, want, x.ndim):
                 # Outputs of one step arrive with the same sharding objects every step:
                 # remembering the last one that fitted makes the check an identity test.
                 fits[i] = have

@@ -37,11 +37,9 @@ from multimesh_flax import _compilation_cache
 def compile(lowered: Any) -> tuple[Any, bool]:  # noqa: A001 -- the stage it performs
     """``(lowered.compile(), whether the backend compiled it here)``: only then is it a
     source :func:`relocate` can use (else it came from the persistent compilation cache).
-
-    A cache hit in another thread meanwhile reads as a hit here too: that only skips a
-    relocation, never relocates a cached executable.
-    """
-    read = _compilation_cache.compilation_counter()
+    Hits are counted in the calling thread: another thread compiling meanwhile (``_ahead``)
+    does not count."""
+    read = _compilation_cache.compilation_counter(this_thread=True)
     compiled = lowered.compile()
     return compiled, read()["cache_hits"] == 0
 

@@ -1,0 +1,98 @@
+"""Compiling a program's fragments ahead of its first call, in a thread (``run._ahead``).
+
+A two-stage MLP on two data-parallel devices a stage, microbatched under 1F1B, trained with
+SGD and momentum through ``mm.jit``. Compiled ahead from abstract arguments, its first call
+must compile nothing more (the walk predicted every fragment's argument shardings) and train
+like the unparallelized step. A walk stopped early leaves a program whose first call compiles
+the rest; a first call racing the walk compiles nothing twice. In a process's counts, a
+thread's compiles are its own (``compilation_counter(this_thread=True)``): that is how a
+compile tells whether it may serve as a relocation source while another thread compiles.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import multimesh_flax as mm
+from multimesh_flax._compilation_cache import compilation_counter
+from multimesh_flax.core.run import _ahead, _compile
+from multimesh_flax.core.trace import BoundedCache
+from tests.core._chain import TOL, train, train_step
+from tests.core.test_packed_values import _data, _loss
+
+OPTIMIZER = optax.sgd(0.1, momentum=0.9)
+M = 4
+
+
+@pytest.fixture(autouse=True)
+def _own_programs(monkeypatch):
+    """Programs of this test's own: executables are counted from none."""
+    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+
+
+def _step():
+    """A fresh ``mm.jit`` of the microbatched training step (its own program cache)."""
+    mb_loss = mm.microbatch(_loss(2), 0, M, argnum=1, schedule="1f1b", reduce="mean")
+    return mm.jit(train_step(mb_loss, OPTIMIZER))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _arguments():
+    params, x = _data()
+    return params, OPTIMIZER.init(params), x
+
+
+def test_first_call_compiles_nothing_more_and_trains_like_the_unparallelized_step():
+    step, args = _step(), _arguments()
+    ahead = step.compile_ahead(*_abstract(args))
+    assert ahead.wait(timeout=300) and ahead.error is None
+    program = step.executable(*args)
+    assert ahead.walked == len(program.ops)
+    made = program.compile_count()
+    assert made > 0
+    got = train(step, OPTIMIZER, _data())
+    assert program.compile_count() == made
+    want = train(_loss(2), OPTIMIZER, _data(), unparallelized=True)
+    for mine, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(mine, ref, **TOL)
+
+
+def test_a_stopped_walk_leaves_a_program_the_first_call_completes():
+    step, args = _step(), _arguments()
+    program = step.executable(*args)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(_ahead._Stopped):
+        _ahead.compile_ahead(program, jax.tree.leaves(_abstract(args)), stop)
+    assert program.compile_count() == 0
+    loss, _, _ = step(*args)
+    assert np.isfinite(loss) and program.compile_count() > 0
+
+
+def test_a_first_call_racing_the_walk_compiles_nothing_twice():
+    step, args = _step(), _arguments()
+    read = compilation_counter()
+    ahead = step.compile_ahead(*_abstract(args))
+    step(*args)  # while the walk runs: each fragment's executable is made once, by either
+    assert ahead.wait(timeout=300) and ahead.error is None
+    program = step.executable(*args)
+    counts = read()
+    made = counts["compiles"] + counts["cache_hits"]
+    assert made == program.compile_count() - program.relocation_count()
+
+
+def test_a_threads_compiles_are_counted_apart_from_the_process():
+    process, mine = compilation_counter(), compilation_counter(this_thread=True)
+    other = threading.Thread(target=lambda: jax.jit(lambda v: v * 7 - 3).lower(2.0).compile())
+    other.start()
+    other.join()
+    assert process()["compiles"] + process()["cache_hits"] >= 1
+    assert mine() == {"compiles": 0, "compile_seconds": 0.0, "cache_hits": 0}
