@@ -3,7 +3,8 @@
 A two-stage MLP on two data-parallel devices a stage, microbatched under 1F1B, trained with
 SGD and momentum through ``mm.jit``. Compiled ahead from abstract arguments, its first call
 must compile nothing more (the walk predicted every fragment's argument shardings) and train
-like the unparallelized step. A walk stopped early leaves a program whose first call compiles
+like the unparallelized step; ``mm.parallelize`` starts the same walk for its function
+while the caller initializes. A walk stopped early leaves a program whose first call compiles
 the rest; a first call racing the walk compiles nothing twice. In a process's counts, a
 thread's compiles are its own (``compilation_counter(this_thread=True)``): that is how a
 compile tells whether it may serve as a relocation source while another thread compiles.
@@ -62,6 +63,26 @@ def test_first_call_compiles_nothing_more_and_trains_like_the_unparallelized_ste
     assert program.compile_count() == made
     want = train(_loss(2), OPTIMIZER, _data(), unparallelized=True)
     for mine, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(mine, ref, **TOL)
+
+
+def test_parallelize_compiles_the_function_while_the_caller_initializes():
+    mb_loss = mm.microbatch(_loss(2), 0, M, argnum=1, schedule="gpipe", reduce="mean")
+    params, x = _data()
+    sharded, init = mm.parallelize(
+        jax.value_and_grad(mb_loss), init_params=lambda: params, initial_batch=x
+    )
+    assert sharded.ahead.wait(timeout=300) and sharded.ahead.error is None
+    placed = init()
+    program = sharded.executable(placed, x)
+    made = program.compile_count()
+    assert made > 0
+    value, grads = sharded(placed, x)
+    assert program.compile_count() == made
+    with mm.ignore_transforms():
+        want_value, want_grads = jax.value_and_grad(_loss(2))(params, x)
+    np.testing.assert_allclose(value, want_value, **TOL)
+    for mine, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(mine, ref, **TOL)
 
 

@@ -237,6 +237,7 @@ class MpmdJit:
         self.static_argnums = static_argnums
         self.donate_argnums = donate_argnums
         self._cache = BoundedCache(capacity=PROGRAMS_PER_FUNCTION)
+        self.ahead: CompileAhead | None = None  # the last ``compile_ahead`` started
 
     def _split(self, args: tuple[Any, ...]) -> tuple[list[Any], tuple[Any, ...]]:
         bad = [i for i in self.static_argnums if i >= len(args)]
@@ -416,7 +417,8 @@ class MpmdJit:
         run = entry.run
         if not isinstance(run, MpmdExecutable) or run.processes is not None:
             return None
-        return CompileAhead(run, leaves)
+        self.ahead = CompileAhead(run, leaves)
+        return self.ahead
 
     def build_seconds(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Seconds spent on the passes of ``_build`` for these arguments, when the program

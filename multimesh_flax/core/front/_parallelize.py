@@ -13,6 +13,7 @@ its first consumer), and returns:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,7 +88,9 @@ def parallelize(
 
     Returns:
         ``(sharded_fun, sharded_init_params, sharded_get_input_batch)`` when
-        ``get_input_batch`` is given, else ``(sharded_fun, sharded_init_params)``.
+        ``get_input_batch`` is given, else ``(sharded_fun, sharded_init_params)``. The
+        fragments of ``sharded_fun`` start compiling in a thread right away
+        (``MpmdJit.compile_ahead``; ``sharded_fun.ahead``), while the caller initializes.
 
     Raises:
         ParallelizeArgumentError: both ``get_input_batch`` and ``initial_batch``, or ``fun``
@@ -125,6 +128,12 @@ def parallelize(
     # Builds the program the first call runs (one trace, one partition), then reads from it
     # where the arguments must live.
     (shardings, _) = sharded_fun.input_shardings(*args)
+    # Its fragments compile in a thread meanwhile (``compile_ahead``): while the caller
+    # initializes the parameters and the batch. Dropping ``sharded_fun`` ends that.
+    example = args if initial_batch is None else (*args[:-1], initial_batch)  # batch last
+    ahead = sharded_fun.compile_ahead(*example)
+    if ahead is not None:
+        weakref.finalize(sharded_fun, ahead.cancel)
     parts = iter(shardings)
     sharded_init = sharded_initializer(init_params, next(parts)) if init_params else None
     if get_input_batch is not None:
