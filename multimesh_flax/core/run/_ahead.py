@@ -23,7 +23,9 @@ signature of its actual arguments.
 
 The thread is a daemon that an ``atexit`` hook stops after its current compile, so a
 process that ends (or is interrupted) before the walk finishes waits for at most one
-fragment's compile, not for the rest of the walk.
+fragment's compile, not for the rest of the walk. It lowers the fragments under the
+process's JAX configuration, as a call would outside any configuration context; the
+program's types were fixed when it was traced.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from typing import Any
 
 import jax
 
+from multimesh_flax.core.declare import no_ambient_mesh
 from multimesh_flax.core.run._dispatch import fits_input
 from multimesh_flax.core.run._ops import RunOp
 
 
 class _Stopped(Exception):
-    """The process is exiting: the walk ends after its current compile."""
+    """The walk was cancelled (its step was dropped, or the process exits)."""
 
 
 def compile_ahead(program: Any, args: Sequence[Any], stop: threading.Event | None = None) -> int:
@@ -121,7 +124,8 @@ class CompileAhead:
 
     def _run(self, program: Any, args: list[Any]) -> None:
         try:
-            self.walked = compile_ahead(program, args, self._stop)
+            with no_ambient_mesh():  # as a call runs the program (``front._jit``)
+                self.walked = compile_ahead(program, args, self._stop)
         except _Stopped:
             pass
         except Exception as error:  # noqa: BLE001 -- the first call compiles it and raises

@@ -63,7 +63,8 @@ class FragmentProgram:
         self._lock = threading.Lock()
 
     def executable_count(self) -> int:
-        return sum(len(made) for made in self._executables.values())
+        # list(): one step under the interpreter lock, while a walk (``_ahead``) may add keys
+        return sum(len(made) for made in list(self._executables.values()))
 
     def executable(self, args: Any) -> Any:
         """The executable for arguments like ``args`` (arrays, or ``jax.ShapeDtypeStruct``\\ s
