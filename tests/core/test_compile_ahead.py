@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -86,6 +87,20 @@ def test_parallelize_compiles_the_function_while_the_caller_initializes():
         np.testing.assert_allclose(mine, ref, **TOL)
 
 
+def test_python_scalars_and_numpy_arrays_are_walked_as_a_call_places_them():
+    shift = mm.task(lambda x, s: jnp.tanh(x) + s, name="shift", mesh=mm.TaskMesh(devices=[0]))
+    scale = mm.task(lambda x: x * 3, name="scale", mesh=mm.TaskMesh(devices=[1, 2]))
+    f = mm.jit(lambda x, s: scale(shift(x, s)))
+    x = np.arange(8, dtype=np.float32)
+    ahead = f.compile_ahead(x, 0.5)
+    assert ahead.wait(timeout=300) and ahead.error is None
+    program = f.executable(x, 0.5)
+    assert ahead.walked == len(program.ops)
+    made = program.compile_count()
+    np.testing.assert_allclose(f(x, 0.5), (np.tanh(x) + 0.5) * 3, **TOL)
+    assert program.compile_count() == made
+
+
 def test_a_stopped_walk_leaves_a_program_the_first_call_completes():
     step, args = _step(), _arguments()
     program = step.executable(*args)
@@ -100,6 +115,8 @@ def test_a_stopped_walk_leaves_a_program_the_first_call_completes():
 
 def test_a_first_call_racing_the_walk_compiles_nothing_twice():
     step, args = _step(), _arguments()
+    for other in list(_ahead._RUNNING):  # an earlier test's walk would count here too
+        other.stop()
     read = compilation_counter()
     ahead = step.compile_ahead(*_abstract(args))
     step(*args)  # while the walk runs: each fragment's executable is made once, by either

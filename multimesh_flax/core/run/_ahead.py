@@ -76,7 +76,7 @@ def compile_ahead(program: Any, args: Sequence[Any], stop: threading.Event | Non
     env: dict[int, Any] = dict(program.constants())
     for slot, x, want in zip(program.input_slots, args, program.input_shardings, strict=True):
         have = getattr(x, "sharding", None)
-        placed = have if want is None or fits_input(have, want, len(x.shape)) else want
+        placed = have if want is None or fits_input(have, want, x) else want
         env[slot] = _abstract(x, placed)
     for walked, op in enumerate(program.ops):
         if stop is not None and stop.is_set():
@@ -94,9 +94,12 @@ def compile_ahead(program: Any, args: Sequence[Any], stop: threading.Event | Non
 
 
 def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    """``x``'s type (an array's, a traced variable's, a ``ShapeDtypeStruct``'s) in
-    ``sharding``."""
-    aval = x.aval if hasattr(x, "aval") else x
+    """``x``'s type (an array's, a traced variable's, a ``ShapeDtypeStruct``'s, a Python
+    scalar's) in ``sharding``."""
+    if hasattr(x, "aval"):
+        aval = x.aval
+    else:
+        aval = x if hasattr(x, "shape") and hasattr(x, "dtype") else jax.typeof(x)
     return jax.ShapeDtypeStruct(
         aval.shape, aval.dtype, sharding=sharding, weak_type=getattr(aval, "weak_type", False)
     )

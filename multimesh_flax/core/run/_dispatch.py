@@ -176,10 +176,11 @@ def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
     return dataclasses.replace(frag, eqns=kept[::-1], invars=invars, outvars=outvars)
 
 
-def fits_input(have: Any, want: Any, ndim: int) -> bool:
-    """Whether an argument in sharding ``have`` (``None``: not an array) runs as it is for an
-    input wanted in ``want``: the same or an equivalent sharding (else the call moves it)."""
-    return have is not None and (have == want or have.is_equivalent_to(want, ndim))
+def fits_input(have: Any, want: Any, value: Any) -> bool:
+    """Whether ``value`` (an array or ``jax.ShapeDtypeStruct``), in sharding ``have`` (``None``:
+    not an array, a Python scalar), runs as it is for an input wanted in ``want``: the same
+    or an equivalent sharding (else the call moves it)."""
+    return have is not None and (have == want or have.is_equivalent_to(want, len(value.shape)))
 
 
 def compile_program(
@@ -463,7 +464,7 @@ class MpmdExecutable:
         ):
             if have is fits[i] or want is None or i in unread:
                 env[slot] = x
-            elif fits_input(have, want, x.ndim):
+            elif fits_input(have, want, x):
                 # Outputs of one step arrive with the same sharding objects every step:
                 # remembering the last one that fitted makes the check an identity test.
                 fits[i] = have
