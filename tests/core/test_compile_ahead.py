@@ -4,7 +4,8 @@ A two-stage MLP on two data-parallel devices a stage, microbatched under 1F1B, t
 SGD and momentum through ``mm.jit``. Compiled ahead from abstract arguments, its first call
 must compile nothing more (the walk predicted every fragment's argument shardings) and train
 like the unparallelized step; ``mm.parallelize`` starts the same walk for its function
-while the caller initializes. A walk stopped early leaves a program whose first call compiles
+while the caller initializes; Python scalars and NumPy arrays are walked as a call places
+them. A walk stopped early leaves a program whose first call compiles
 the rest; a first call racing the walk compiles nothing twice. In a process's counts, a
 thread's compiles are its own (``compilation_counter(this_thread=True)``): that is how a
 compile tells whether it may serve as a relocation source while another thread compiles.
