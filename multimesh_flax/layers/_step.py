@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -582,8 +581,6 @@ class StepFn:
         nonfinite: the ``NonFinite`` mode the step was built with, or ``None``.
         last_check: with ``nonfinite``, the last call's ``StepCheck`` (device scalars
             ``loss``, ``grad_norm``, ``applied``); ``None`` before the first call.
-        ahead: the compile of the step's fragments that ``parallelize_step`` started in a
-            thread (``MpmdJit.compile_ahead``: ``ahead.wait()`` waits for it), or ``None``.
     """
 
     def __init__(
@@ -591,11 +588,9 @@ class StepFn:
         jitted: MpmdJit,
         multi: MultiMesh | None,
         nonfinite: _nonfinite.NonFinite | None = None,
-        ahead: CompileAhead | None = None,
     ) -> None:
         self.jitted = jitted
         self.nonfinite = nonfinite
-        self.ahead = ahead
         self.last_check: _nonfinite.StepCheck | None = None
         # The registries active when the step was built, outermost first (the process-wide
         # default is always active); the MultiMesh goes outside them unless it is one.
@@ -625,6 +620,12 @@ class StepFn:
         self.last_check = checked
         _nonfinite.check(self.nonfinite, new_state, checked)
         return loss, new_state
+
+    @property
+    def ahead(self) -> CompileAhead | None:
+        """The compile of the step's fragments that ``parallelize_step`` started in a thread
+        (``MpmdJit.compile_ahead``: ``ahead.wait()`` waits for it), or ``None``."""
+        return self.jitted.ahead
 
     def executable(self, state: Any, batch: Any) -> Any:
         """The ``MpmdExecutable`` for these argument shapes (compiled on first use)."""
@@ -853,13 +854,12 @@ def parallelize_step(
             state_sh, batch_sh = _derive(jitted, abstract_state, batch_shape)
         # The step's fragments compile in a thread while the state's initializer compiles
         # and runs here (``MpmdJit.compile_ahead``), the batch in its example's shardings.
-        ahead = jitted.compile_ahead(abstract_state, batch) if COMPILE_AHEAD else None
+        if COMPILE_AHEAD:
+            jitted.compile_ahead(abstract_state, batch)
         state = sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
-    step_fn = StepFn(jitted, multi, mode, ahead)
-    if ahead is not None:  # a step dropped before its first call needs none of it
-        weakref.finalize(step_fn, ahead.cancel)
+    step_fn = StepFn(jitted, multi, mode)
     if local_batch is None:
         return ParallelStep(step_fn, state, result_mesh)
 

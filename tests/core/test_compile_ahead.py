@@ -23,6 +23,7 @@ import pytest
 
 import multimesh_flax as mm
 from multimesh_flax._compilation_cache import compilation_counter
+from multimesh_flax.core.front import shape_structs
 from multimesh_flax.core.run import _ahead, _compile
 from multimesh_flax.core.trace import BoundedCache
 from tests.core._chain import TOL, train, train_step
@@ -44,10 +45,6 @@ def _step():
     return mm.jit(train_step(mb_loss, OPTIMIZER))
 
 
-def _abstract(tree):
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-
-
 def _arguments():
     params, x = _data()
     return params, OPTIMIZER.init(params), x
@@ -55,7 +52,7 @@ def _arguments():
 
 def test_first_call_compiles_nothing_more_and_trains_like_the_unparallelized_step():
     step, args = _step(), _arguments()
-    ahead = step.compile_ahead(*_abstract(args))
+    ahead = step.compile_ahead(*shape_structs(args))
     assert ahead.wait(timeout=300) and ahead.error is None
     program = step.executable(*args)
     assert ahead.walked == len(program.ops)
@@ -108,7 +105,7 @@ def test_a_stopped_walk_leaves_a_program_the_first_call_completes():
     stop = threading.Event()
     stop.set()
     with pytest.raises(_ahead._Stopped):
-        _ahead.compile_ahead(program, jax.tree.leaves(_abstract(args)), stop)
+        _ahead.compile_ahead(program, jax.tree.leaves(shape_structs(args)), stop)
     assert program.compile_count() == 0
     loss, _, _ = step(*args)
     assert np.isfinite(loss) and program.compile_count() > 0
@@ -119,7 +116,7 @@ def test_a_first_call_racing_the_walk_compiles_nothing_twice():
     for other in list(_ahead._RUNNING):  # an earlier test's walk would count here too
         other.stop()
     read = compilation_counter()
-    ahead = step.compile_ahead(*_abstract(args))
+    ahead = step.compile_ahead(*shape_structs(args))
     step(*args)  # while the walk runs: each fragment's executable is made once, by either
     assert ahead.wait(timeout=300) and ahead.error is None
     program = step.executable(*args)

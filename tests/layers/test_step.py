@@ -130,11 +130,16 @@ def test_later_steps_compile_nothing_and_move_no_state():
     )
 
 
+def _own_programs(monkeypatch):
+    """A fragment cache of the test's own: no executable made by an earlier test."""
+    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+
+
 def test_the_step_compiles_while_the_state_initializes_and_trains_the_same(monkeypatch):
     """``parallelize_step`` compiles the step's fragments in a thread (``step.ahead``) while
     the state's initializer compiles: the first step then compiles nothing, and trains bit
     for bit as a step compiled at its first call."""
-    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))  # none made
+    _own_programs(monkeypatch)
     built = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
     assert built.step.ahead.wait(timeout=300) and built.step.ahead.error is None
     executable = built.step.executable(built.state, (X, Y))
@@ -143,7 +148,7 @@ def test_the_step_compiles_while_the_state_initializes_and_trains_the_same(monke
     assert made > 0
     losses, state = _train(built.step, built.state, [(X, Y)] * 2)
     assert executable.compile_count() == made
-    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+    _own_programs(monkeypatch)
     monkeypatch.setattr(layers._step, "COMPILE_AHEAD", False)
     plain = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
     assert plain.step.ahead is None
@@ -153,7 +158,7 @@ def test_the_step_compiles_while_the_state_initializes_and_trains_the_same(monke
 
 
 def test_a_step_dropped_before_its_first_call_stops_compiling_ahead(monkeypatch):
-    monkeypatch.setattr(_compile, "_FRAGMENT_CACHE", BoundedCache(capacity=64))
+    _own_programs(monkeypatch)
     built = layers.parallelize_step(Pipeline(), optax.sgd(0.1), global_batch=(X, Y))
     ahead = built.step.ahead
     del built

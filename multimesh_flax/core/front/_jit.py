@@ -391,7 +391,8 @@ class MpmdJit:
         transfers before it give them. Whatever the caller does meanwhile (compiling and
         running an initializer) overlaps with it; the first call with arrays of these
         shapes takes the executables made, waits for one being made, or makes one the
-        thread has not reached. Pass the arguments the first call will get where their
+        thread has not reached; dropping this function ends the walk after the compile
+        under way. Pass the arguments the first call will get where their
         shardings fit the input shardings (a one-device array for a one-device submesh, which
         the call then uses as it is); a ``ShapeDtypeStruct`` stands for an argument the
         call moves into its input sharding. Returns the ``CompileAhead`` (``wait()``, ``walked``,
@@ -418,6 +419,7 @@ class MpmdJit:
         if not isinstance(run, MpmdExecutable) or run.processes is not None:
             return None
         self.ahead = CompileAhead(run, leaves)
+        weakref.finalize(self, self.ahead.cancel)  # dropped before its first call: stop
         return self.ahead
 
     def build_seconds(self, *args: Any, **kwargs: Any) -> dict[str, float]:

@@ -13,7 +13,6 @@ its first consumer), and returns:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,9 +130,7 @@ def parallelize(
     # Its fragments compile in a thread meanwhile (``compile_ahead``): while the caller
     # initializes the parameters and the batch. Dropping ``sharded_fun`` ends that.
     example = args if initial_batch is None else (*args[:-1], initial_batch)  # batch last
-    ahead = sharded_fun.compile_ahead(*example)
-    if ahead is not None:
-        weakref.finalize(sharded_fun, ahead.cancel)
+    sharded_fun.compile_ahead(*example)
     parts = iter(shardings)
     sharded_init = sharded_initializer(init_params, next(parts)) if init_params else None
     if get_input_batch is not None:
