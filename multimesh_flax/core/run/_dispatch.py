@@ -179,7 +179,9 @@ def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
 def fits_input(have: Any, want: Any, value: Any) -> bool:
     """Whether ``value`` (an array or ``jax.ShapeDtypeStruct``), in sharding ``have`` (``None``:
     not an array, a Python scalar), runs as it is for an input wanted in ``want``: the same
-    or an equivalent sharding (else the call moves it)."""
+    or an equivalent sharding (else the call moves it). ``_place_inputs`` applies the same
+    test inline: it runs for every argument of a call whose shardings changed, where a
+    function call per argument showed in B2 (S=2 m=4: 2.7 -> 3.3 us per op)."""
     return have is not None and (have == want or have.is_equivalent_to(want, len(value.shape)))
 
 
@@ -464,7 +466,7 @@ class MpmdExecutable:
         ):
             if have is fits[i] or want is None or i in unread:
                 env[slot] = x
-            elif fits_input(have, want, x):
+            elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
                 # Outputs of one step arrive with the same sharding objects every step:
                 # remembering the last one that fitted makes the check an identity test.
                 fits[i] = have
