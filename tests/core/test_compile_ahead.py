@@ -5,8 +5,9 @@ SGD and momentum through ``mm.jit``. Compiled ahead from abstract arguments, its
 must compile nothing more (the walk predicted every fragment's argument shardings) and train
 like the unparallelized step; ``mm.parallelize`` starts the same walk for its function
 while the caller initializes; Python scalars and NumPy arrays are walked as a call places
-them. A walk stopped early leaves a program whose first call compiles
-the rest; a first call racing the walk compiles nothing twice. In a process's counts, a
+them. A walk stopped early leaves a program whose first call compiles the rest; a first
+call racing the walk compiles nothing twice, nor does a walk of one or of several compiles
+at once; a compile that fails ends the walk with its error. In a process's counts, a
 thread's compiles are its own (``compilation_counter(this_thread=True)``): that is how a
 compile tells whether it may serve as a relocation source while another thread compiles.
 """
@@ -24,7 +25,7 @@ import pytest
 import multimesh_flax as mm
 from multimesh_flax._compilation_cache import compilation_counter
 from multimesh_flax.core.front import shape_structs
-from multimesh_flax.core.run import _ahead, _compile
+from multimesh_flax.core.run import RunOp, _ahead, _compile
 from multimesh_flax.core.trace import BoundedCache
 from tests.core._chain import TOL, train, train_step
 from tests.core.test_packed_values import _data, _loss
@@ -123,6 +124,36 @@ def test_a_first_call_racing_the_walk_compiles_nothing_twice():
     counts = read()
     made = counts["compiles"] + counts["cache_hits"]
     assert made == program.compile_count() - program.relocation_count()
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_a_walk_makes_each_executable_once_with_any_number_of_workers(workers):
+    step, args = _step(), _arguments()
+    program = step.executable(*args)
+    for other in list(_ahead._RUNNING):  # an earlier test's walk would count here too
+        other.stop()
+    read = compilation_counter()
+    structs = jax.tree.leaves(shape_structs(args))
+    assert _ahead.compile_ahead(program, structs, workers=workers) == len(program.ops)
+    counts = read()
+    made = program.compile_count()
+    assert counts["compiles"] + counts["cache_hits"] == made - program.relocation_count()
+    step(*args)
+    assert program.compile_count() == made
+
+
+def test_a_compile_that_fails_ends_the_walk_with_its_error(monkeypatch):
+    step, args = _step(), _arguments()
+    program = step.executable(*args)
+    last = [op.program for op in program.ops if isinstance(op, RunOp)][-1]
+
+    def fail(values):
+        raise RuntimeError("this fragment does not compile")
+
+    monkeypatch.setattr(last, "executable", fail)
+    ahead = _ahead.CompileAhead(program, jax.tree.leaves(shape_structs(args)))
+    assert ahead.wait(timeout=300) and ahead.walked is None
+    assert isinstance(ahead.error, RuntimeError) and "does not compile" in str(ahead.error)
 
 
 def test_a_threads_compiles_are_counted_apart_from_the_process():

@@ -1,4 +1,4 @@
-"""Compiling a program's fragments before its first call, in a thread of their own.
+"""Compiling a program's fragments before its first call, in threads of their own.
 
 XLA compiles a fragment at its first dispatch, when the shardings of its arguments are known
 (``_ops``): a step's first call compiles its distinct fragments one after another, and
@@ -7,30 +7,33 @@ training state compiled and ran. But those shardings are known before any array 
 A program's inputs arrive in its input shardings (``MpmdExecutable`` moves them there),
 its constants are placed, each fragment's outputs come out in its executable's output
 shardings and each transfer's in its targets (``PutOp.target``). :func:`compile_ahead`
-walks the op list once with abstract values (``jax.ShapeDtypeStruct``\\ s) that follow these
+walks the op list with abstract values (``jax.ShapeDtypeStruct``\\ s) that follow these
 rules, and asks each fragment's program for the executable for its arguments there: the
-program compiles it (or relocates it) as the first call would, and keeps it for it.
+program compiles it (or relocates it) as the first call would, and keeps it for it. Only a
+fragment's outputs wait for its compile; fragments of other submeshes, reached through
+transfers, do not, so the walk keeps ``workers`` compiles going at once, in op order.
 
-:class:`CompileAhead` runs the walk in a thread, so it overlaps what the caller does
-meanwhile: ``parallelize_step`` starts it before compiling the initializer, and both
-compile at once (XLA releases the interpreter while it compiles). A first call that comes
+:class:`CompileAhead` runs the walk in a thread (``WORKERS`` compiles at once), so it
+overlaps what the caller does meanwhile: ``parallelize_step`` starts it before compiling
+the initializer, and all compile at once (XLA releases the interpreter while it compiles). A first call that comes
 while the walk is still going waits for a program the walk is compiling (each
 ``FragmentProgram`` compiles under a lock) and compiles by itself what the walk has not
-reached; neither compiles what the other made, and a value whose sharding the walk cannot
-know (an input without an input sharding) ends the walk there. Whatever the walk gets
-wrong costs a compile more, never a wrong result: the first call takes executables by the
-signature of its actual arguments.
+reached; neither compiles what the other made. A value whose sharding the walk cannot know
+(an input without an input sharding) leaves the ops that depend on it to the first call.
+Whatever the walk gets wrong costs a compile more, never a wrong result: the first call
+takes executables by the signature of its actual arguments.
 
-The thread is a daemon that an ``atexit`` hook stops after its current compile, so a
-process that ends (or is interrupted) before the walk finishes waits for at most one
-fragment's compile, not for the rest of the walk. It lowers the fragments under the
-process's JAX configuration, as a call would outside any configuration context; the
-program's types were fixed when it was traced.
+The threads are daemons that an ``atexit`` hook stops after their current compiles, so a
+process that ends (or is interrupted) before the walk finishes waits for at most those
+(``WORKERS``), not for the rest of the walk. They lower the fragments under the process's
+JAX configuration, as a call would outside any configuration context; the program's types
+were fixed when it was traced.
 """
 
 from __future__ import annotations
 
 import atexit
+import queue
 import threading
 import weakref
 from collections.abc import Sequence
@@ -47,14 +50,25 @@ class _Stopped(Exception):
     """The walk was cancelled (its step was dropped, or the process exits)."""
 
 
-def compile_ahead(program: Any, args: Sequence[Any], stop: threading.Event | None = None) -> int:
+# Compiles a walk runs at once. One XLA compile keeps ~1.65 of 2 cores busy; two keep both
+# (design notes, "The step compiles while the state initializes").
+WORKERS = 2
+
+
+def compile_ahead(
+    program: Any,
+    args: Sequence[Any],
+    stop: threading.Event | None = None,
+    workers: int = 1,
+) -> int:
     """Makes the executable of every fragment of ``program`` (an ``MpmdExecutable``) for
     arguments like ``args`` (one array or ``jax.ShapeDtypeStruct`` per program input),
-    walking its ops in dispatch order (module doc). An argument stays in its own sharding
-    where that fits its input sharding, as a call leaves it (a one-device array for a
-    one-device submesh); else it is in its input sharding, where a call moves it. Returns
-    how many ops it walked: all of them, or those before the first whose arguments'
-    shardings it cannot know.
+    walking its ops in dispatch order (module doc), ``workers`` compiles at a time. An
+    argument stays in its own sharding where that fits its input sharding, as a call leaves
+    it (a one-device array for a one-device submesh); else it is in its input sharding,
+    where a call moves it. Returns how many ops it walked: all of them, or those before the
+    first whose arguments' shardings it cannot know (the ops after it that do not depend on
+    it are walked too).
 
     Example:
         >>> import multimesh_flax as mm
@@ -65,32 +79,128 @@ def compile_ahead(program: Any, args: Sequence[Any], stop: threading.Event | Non
         >>> program = mm.jit(f).executable(x)
         >>> [type(op).__name__ for op in program.ops]
         ['RunOp', 'PutOp', 'RunOp']
-        >>> compile_ahead(program, [x]) == len(program.ops)
+        >>> compile_ahead(program, [x], workers=2) == len(program.ops)
         True
         >>> made = program.compile_count()
         >>> _ = mm.jit(f)(np.ones(3, np.float32))  # runs on the executables made ahead
         >>> program.compile_count() == made
         True
     """
-    homes = program.slot_homes()
     env: dict[int, Any] = dict(program.constants())
     for slot, x, want in zip(program.input_slots, args, program.input_shardings, strict=True):
         have = getattr(x, "sharding", None)
         placed = have if want is None or fits_input(have, want, x) else want
         env[slot] = _abstract(x, placed)
-    for walked, op in enumerate(program.ops):
-        if stop is not None and stop.is_set():
-            raise _Stopped
-        values = [env[s] for s in op.ins]
+    with _Compiles(workers, stop or threading.Event()) as compiles:
+        return _Walk(program, env, compiles).run()
+
+
+class _Walk:
+    """The abstract values of ``program``'s slots (``env``), op by op. An op waits until its
+    arguments are known; a fragment's outputs are known once its executable is
+    (``_Compiles``), so fragments on other submeshes, reached through transfers, compile
+    meanwhile."""
+
+    def __init__(self, program: Any, env: dict[int, Any], compiles: _Compiles) -> None:
+        self.ops, self.homes = program.ops, program.slot_homes()
+        self.env, self.compiles = env, compiles
+        self.unknown = len(self.ops)  # the first op whose arguments' shardings are unknown
+
+    def run(self) -> int:
+        waiting = list(range(len(self.ops)))
+        while waiting:
+            waiting = [i for i in waiting if not self._advance(i)]
+            if waiting:
+                self.compiles.wait_for_one()
+        return self.unknown
+
+    def _advance(self, index: int) -> bool:
+        """Sets op ``index``'s outputs if its arguments are known (whether it did)."""
+        op = self.ops[index]
+        if any(s not in self.env for s in op.ins):
+            return False
+        values = [self.env[s] for s in op.ins]
         if any(getattr(v, "sharding", None) is None for v in values):
-            return walked
-        if isinstance(op, RunOp):
-            shardings = op.program.executable(values).output_shardings
+            self.unknown = min(self.unknown, index)
+            shardings: Any = [None] * len(op.outs)  # and so are its dependents'
+        elif isinstance(op, RunOp):
+            executable = self.compiles.executable(op.program, values)
+            if executable is None:
+                return False
+            shardings = executable.output_shardings
         else:
             shardings = op.targets(values)
         for slot, sharding in zip(op.outs, shardings, strict=True):
-            env[slot] = _abstract(homes[slot][0], sharding)
-    return len(program.ops)
+            self.env[slot] = _abstract(self.homes[slot][0], sharding)
+        return True
+
+
+class _Compiles:
+    """``workers`` daemon threads making fragments' executables, each once, in the order
+    asked (``executable``). Once ``stop`` is set, or the ``with`` is left, none starts
+    another compile; leaving the ``with`` waits for those under way."""
+
+    def __init__(self, workers: int, stop: threading.Event) -> None:
+        self.stop = stop
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._made: dict[Any, Any] = {}  # (program, argument types) -> executable
+        self._asked: set[Any] = set()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._done = threading.Condition()
+        self._threads = [
+            threading.Thread(target=self._work, name="mmflax-compile-ahead", daemon=True)
+            for _ in range(max(1, workers))
+        ]
+
+    def __enter__(self) -> _Compiles:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._closed = True  # the walk has ended: compiles still queued are not needed
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+
+    def executable(self, program: Any, values: list[Any]) -> Any:
+        """``program``'s executable for ``values``, or ``None`` while it compiles (asked for
+        the first time here)."""
+        key = (program, tuple(_abstract(v, v.sharding) for v in values))  # constants: arrays
+        if key in self._made:
+            return self._made[key]
+        if key not in self._asked:
+            self._asked.add(key)
+            self._queue.put((key, program, values))
+        return None
+
+    def wait_for_one(self) -> None:
+        """Waits until a compile ends; raises what ended one with an error, or ``_Stopped``."""
+        with self._done:
+            made = len(self._made)
+            self._done.wait_for(
+                lambda: len(self._made) > made or self._error is not None or self.stop.is_set()
+            )
+        if self._error is not None:
+            raise self._error
+        if self.stop.is_set():
+            raise _Stopped
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self.stop.is_set() or self._closed:
+                continue
+            key, program, values = job
+            try:
+                executable = program.executable(values)
+            except Exception as error:  # noqa: BLE001 -- the walk raises it
+                executable, self._error = None, error
+            with self._done:
+                if executable is not None:
+                    self._made[key] = executable
+                self._done.notify_all()
 
 
 def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -111,8 +221,8 @@ class CompileAhead:
     ``wait(timeout)`` returns whether the walk has ended; ``walked`` is how many ops it
     walked (``None`` while it runs, or if it was stopped) and ``error`` the exception that
     ended it early, if any (the first call meets the same one where it is real: it compiles
-    those fragments itself). ``cancel()`` and ``stop()`` end it after the compile under
-    way, ``stop()`` waiting for that one.
+    those fragments itself). ``cancel()`` and ``stop()`` end it after the compiles under
+    way, ``stop()`` waiting for those.
     """
 
     def __init__(self, program: Any, args: Sequence[Any]) -> None:
@@ -128,7 +238,7 @@ class CompileAhead:
     def _run(self, program: Any, args: list[Any]) -> None:
         try:
             with no_ambient_mesh():  # as a call runs the program (``front._jit``)
-                self.walked = compile_ahead(program, args, self._stop)
+                self.walked = compile_ahead(program, args, self._stop, WORKERS)
         except _Stopped:
             pass
         except Exception as error:  # noqa: BLE001 -- the first call compiles it and raises
@@ -147,11 +257,11 @@ class CompileAhead:
         return self._stop.is_set()
 
     def cancel(self) -> None:
-        """Ends the walk after the compile under way (returns at once)."""
+        """Ends the walk after the compiles under way (returns at once)."""
         self._stop.set()
 
     def stop(self) -> None:
-        """Ends the walk after the compile under way, and waits for that."""
+        """Ends the walk after the compiles under way, and waits for those."""
         self.cancel()
         self._thread.join()
 
