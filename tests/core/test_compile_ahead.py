@@ -15,6 +15,7 @@ compile tells whether it may serve as a relocation source while another thread c
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,23 @@ def test_a_compile_that_fails_ends_the_walk_with_its_error(monkeypatch):
     ahead = _ahead.CompileAhead(program, jax.tree.leaves(shape_structs(args)))
     assert ahead.wait(timeout=300) and ahead.walked is None
     assert isinstance(ahead.error, RuntimeError) and "does not compile" in str(ahead.error)
+
+
+def test_a_compile_that_ends_while_the_walk_looks_elsewhere_is_not_missed(monkeypatch):
+    """The walk finds an op's compile under way, and the compile ends before the walk waits:
+    the wait must count it (a walk that waited for the next compile would wait forever)."""
+    step, args = _step(), _arguments()
+    program = step.executable(*args)
+    wait_past = _ahead._Compiles.wait_past
+
+    def late(self, ended):
+        time.sleep(0.1)  # the compiles under way end meanwhile
+        return wait_past(self, ended)
+
+    monkeypatch.setattr(_ahead._Compiles, "wait_past", late)
+    ahead = _ahead.CompileAhead(program, jax.tree.leaves(shape_structs(args)))
+    assert ahead.wait(timeout=60), "the walk waits for a compile that already ended"
+    assert ahead.error is None and ahead.walked == len(program.ops)
 
 
 def test_a_threads_compiles_are_counted_apart_from_the_process():

@@ -14,14 +14,14 @@ fragment's outputs wait for its compile; fragments of other submeshes, reached t
 transfers, do not, so the walk keeps ``workers`` compiles going at once, in op order.
 
 :class:`CompileAhead` runs the walk in a thread (``WORKERS`` compiles at once), so it
-overlaps what the caller does meanwhile: ``parallelize_step`` starts it before compiling
-the initializer, and all compile at once (XLA releases the interpreter while it compiles). A first call that comes
-while the walk is still going waits for a program the walk is compiling (each
-``FragmentProgram`` compiles under a lock) and compiles by itself what the walk has not
-reached; neither compiles what the other made. A value whose sharding the walk cannot know
-(an input without an input sharding) leaves the ops that depend on it to the first call.
-Whatever the walk gets wrong costs a compile more, never a wrong result: the first call
-takes executables by the signature of its actual arguments.
+overlaps what the caller does meanwhile: ``parallelize_step`` starts it before compiling the
+initializer, and all compile at once (XLA releases the interpreter while it compiles). A
+first call that comes while the walk is still going waits for a program the walk is
+compiling (each ``FragmentProgram`` compiles under a lock) and compiles by itself what the
+walk has not reached; neither compiles what the other made. A value whose sharding the walk
+cannot know (an input without an input sharding) leaves the ops that depend on it to the
+first call. Whatever the walk gets wrong costs a compile more, never a wrong result: the
+first call takes executables by the signature of its actual arguments.
 
 The threads are daemons that an ``atexit`` hook stops after their current compiles, so a
 process that ends (or is interrupted) before the walk finishes waits for at most those
@@ -109,9 +109,10 @@ class _Walk:
     def run(self) -> int:
         waiting = list(range(len(self.ops)))
         while waiting:
+            ended = self.compiles.ended  # before the pass: a compile ending during it counts
             waiting = [i for i in waiting if not self._advance(i)]
             if waiting:
-                self.compiles.wait_for_one()
+                self.compiles.wait_past(ended)
         return self.unknown
 
     def _advance(self, index: int) -> bool:
@@ -147,6 +148,7 @@ class _Compiles:
         self._asked: set[Any] = set()
         self._error: BaseException | None = None
         self._closed = False
+        self.ended = 0  # jobs ended (made, failed or dropped once stopped)
         self._done = threading.Condition()
         self._threads = [
             threading.Thread(target=self._work, name="mmflax-compile-ahead", daemon=True)
@@ -176,13 +178,11 @@ class _Compiles:
             self._queue.put((key, program, values))
         return None
 
-    def wait_for_one(self) -> None:
-        """Waits until a compile ends; raises what ended one with an error, or ``_Stopped``."""
+    def wait_past(self, ended: int) -> None:
+        """Waits until more than ``ended`` jobs have ended; raises what ended one with an
+        error, or ``_Stopped``."""
         with self._done:
-            made = len(self._made)
-            self._done.wait_for(
-                lambda: len(self._made) > made or self._error is not None or self.stop.is_set()
-            )
+            self._done.wait_for(lambda: self.ended > ended or self.stop.is_set())
         if self._error is not None:
             raise self._error
         if self.stop.is_set():
@@ -190,16 +190,17 @@ class _Compiles:
 
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
-            if self.stop.is_set() or self._closed:
-                continue
             key, program, values = job
-            try:
-                executable = program.executable(values)
-            except Exception as error:  # noqa: BLE001 -- the walk raises it
-                executable, self._error = None, error
+            executable = None
+            if not (self.stop.is_set() or self._closed):
+                try:
+                    executable = program.executable(values)
+                except Exception as error:  # noqa: BLE001 -- the walk raises it
+                    self._error = error
             with self._done:
                 if executable is not None:
                     self._made[key] = executable
+                self.ended += 1
                 self._done.notify_all()
 
 
