@@ -859,6 +859,8 @@ def parallelize_step(
         state = sharded_initializer(
             lambda: setup.make_state(batch_shape), state_sh, program=setup.state_program
         )()
+        if jitted.ahead is not None:
+            jitted.ahead.widen()  # the initializer has run: the cores are the walk's
     step_fn = StepFn(jitted, multi, mode)
     if local_batch is None:
         return ParallelStep(step_fn, state, result_mesh)

@@ -73,8 +73,10 @@ def test_parallelize_compiles_the_function_while_the_caller_initializes():
     sharded, init = mm.parallelize(
         jax.value_and_grad(mb_loss), init_params=lambda: params, initial_batch=x
     )
-    assert sharded.ahead.wait(timeout=300) and sharded.ahead.error is None
+    assert sharded.ahead.width == 1  # beside the caller's initializer: one compile at once
     placed = init()
+    assert sharded.ahead.width == _ahead.WORKERS
+    assert sharded.ahead.wait(timeout=300) and sharded.ahead.error is None
     program = sharded.executable(placed, x)
     made = program.compile_count()
     assert made > 0
@@ -127,20 +129,52 @@ def test_a_first_call_racing_the_walk_compiles_nothing_twice():
     assert made == program.compile_count() - program.relocation_count()
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_a_walk_makes_each_executable_once_with_any_number_of_workers(workers):
+@pytest.mark.parametrize(("workers", "slots"), [(1, 1), (3, 3), (3, 1)])
+def test_a_walk_makes_each_executable_once_with_any_number_of_workers(workers, slots):
     step, args = _step(), _arguments()
     program = step.executable(*args)
     for other in list(_ahead._RUNNING):  # an earlier test's walk would count here too
         other.stop()
     read = compilation_counter()
     structs = jax.tree.leaves(shape_structs(args))
-    assert _ahead.compile_ahead(program, structs, workers=workers) == len(program.ops)
+    walked = _ahead.compile_ahead(program, structs, workers=workers, slots=_ahead.Slots(slots))
+    assert walked == len(program.ops)
     counts = read()
     made = program.compile_count()
     assert counts["compiles"] + counts["cache_hits"] == made - program.relocation_count()
     step(*args)
     assert program.compile_count() == made
+
+
+def test_slots_let_as_many_in_as_their_count_and_widen_raises_it():
+    slots, inside, most = _ahead.Slots(1), [], []
+    lock = threading.Lock()
+
+    def one_at_a_time():
+        with slots:
+            with lock:
+                inside.append(1)
+                most.append(len(inside))
+            time.sleep(0.05)
+            with lock:
+                inside.pop()
+
+    all_three = threading.Barrier(3, timeout=30)  # broken unless all three are in at once
+
+    def three_at_once():
+        with slots:
+            all_three.wait()
+
+    for target in (one_at_a_time, three_at_once):
+        threads = [threading.Thread(target=target) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if target is one_at_a_time:
+            assert max(most) == 1
+            slots.widen(3)
+    assert not all_three.broken and slots.count == 3
 
 
 def test_a_compile_that_fails_ends_the_walk_with_its_error(monkeypatch):

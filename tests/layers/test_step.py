@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors, layers
-from multimesh_flax.core.run import OpKind, _compile
+from multimesh_flax.core.run import OpKind, _ahead, _compile
 from multimesh_flax.core.trace import BoundedCache
 from tests.layers._models import RULES, MLPBlock, Pipeline, device_ids
 
@@ -137,10 +137,12 @@ def _own_programs(monkeypatch):
 
 def test_the_step_compiles_while_the_state_initializes_and_trains_the_same(monkeypatch):
     """``parallelize_step`` compiles the step's fragments in a thread (``step.ahead``) while
-    the state's initializer compiles: the first step then compiles nothing, and trains bit
-    for bit as a step compiled at its first call."""
+    the state's initializer compiles, one at a time, then ``WORKERS`` at a time: the first
+    step then compiles nothing, and trains bit for bit as a step compiled at its first
+    call."""
     _own_programs(monkeypatch)
     built = layers.parallelize_step(Pipeline(), optax.adam(1e-3), global_batch=(X, Y))
+    assert built.step.ahead.width == _ahead.WORKERS  # widened once the state was made
     assert built.step.ahead.wait(timeout=300) and built.step.ahead.error is None
     executable = built.step.executable(built.state, (X, Y))
     assert built.step.ahead.walked == len(executable.ops)

@@ -130,9 +130,26 @@ def parallelize(
     # Its fragments compile in a thread meanwhile (``compile_ahead``): while the caller
     # initializes the parameters and the batch. Dropping ``sharded_fun`` ends that.
     example = args if initial_batch is None else (*args[:-1], initial_batch)  # batch last
-    sharded_fun.compile_ahead(*example)
+    ahead = sharded_fun.compile_ahead(*example)
     parts = iter(shardings)
-    sharded_init = sharded_initializer(init_params, next(parts)) if init_params else None
+    sharded_init = None
+    if init_params is not None:
+        sharded_init = _widening(sharded_initializer(init_params, next(parts)), ahead)
+    elif ahead is not None:
+        ahead.widen()
     if get_input_batch is not None:
         return sharded_fun, sharded_init, sharded_initializer(get_input_batch, next(parts))
     return sharded_fun, sharded_init
+
+
+def _widening(init: Callable[[], Any], ahead: Any) -> Callable[[], Any]:
+    """``init``, letting ``ahead`` (a ``CompileAhead``, or ``None``) compile at full width once
+    ``init`` has compiled and run."""
+
+    def initialized() -> Any:
+        params = init()
+        if ahead is not None:
+            ahead.widen()
+        return params
+
+    return initialized

@@ -50,8 +50,9 @@ class _Stopped(Exception):
     """The walk was cancelled (its step was dropped, or the process exits)."""
 
 
-# Compiles a walk runs at once. One XLA compile keeps ~1.65 of 2 cores busy; two keep both
-# (design notes, "The step compiles while the state initializes").
+# Compiles a walk runs at once once widened (``CompileAhead.widen``), one before: beside the
+# caller's own compile (an initializer's) one keeps 2 cores busy; alone it keeps ~1.65 of
+# them busy, two keep both (design notes, "The step compiles while the state initializes").
 WORKERS = 2
 
 
@@ -60,10 +61,12 @@ def compile_ahead(
     args: Sequence[Any],
     stop: threading.Event | None = None,
     workers: int = 1,
+    slots: Slots | None = None,
 ) -> int:
     """Makes the executable of every fragment of ``program`` (an ``MpmdExecutable``) for
     arguments like ``args`` (one array or ``jax.ShapeDtypeStruct`` per program input),
-    walking its ops in dispatch order (module doc), ``workers`` compiles at a time. An
+    walking its ops in dispatch order (module doc), ``workers`` compiles at a time (at most
+    ``slots``' count, where given: another thread may raise it while the walk runs). An
     argument stays in its own sharding where that fits its input sharding, as a call leaves
     it (a one-device array for a one-device submesh); else it is in its input sharding,
     where a call moves it. Returns how many ops it walked: all of them, or those before the
@@ -91,7 +94,8 @@ def compile_ahead(
         have = getattr(x, "sharding", None)
         placed = have if want is None or fits_input(have, want, x) else want
         env[slot] = _abstract(x, placed)
-    with _Compiles(workers, stop or threading.Event()) as compiles:
+    slots = slots if slots is not None else Slots(workers)
+    with _Compiles(workers, stop or threading.Event(), slots) as compiles:
         return _Walk(program, env, compiles).run()
 
 
@@ -136,13 +140,35 @@ class _Walk:
         return True
 
 
+class Slots:
+    """How many compiles may run at once (``count``); ``widen`` raises it."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._free = threading.Semaphore(count)
+        self._lock = threading.Lock()
+
+    def widen(self, count: int) -> None:
+        with self._lock:
+            for _ in range(count - self.count):
+                self._free.release()
+            self.count = max(count, self.count)
+
+    def __enter__(self) -> None:
+        self._free.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._free.release()
+
+
 class _Compiles:
     """``workers`` daemon threads making fragments' executables, each once, in the order
-    asked (``executable``). Once ``stop`` is set, or the ``with`` is left, none starts
-    another compile; leaving the ``with`` waits for those under way."""
+    asked (``executable``), as many at once as ``slots`` allows. Once ``stop`` is set, or
+    the ``with`` is left, none starts another compile; leaving the ``with`` waits for those
+    under way."""
 
-    def __init__(self, workers: int, stop: threading.Event) -> None:
-        self.stop = stop
+    def __init__(self, workers: int, stop: threading.Event, slots: Slots) -> None:
+        self.stop, self._slots = stop, slots
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._made: dict[Any, Any] = {}  # (program, argument types) -> executable
         self._asked: set[Any] = set()
@@ -192,11 +218,12 @@ class _Compiles:
         while (job := self._queue.get()) is not None:
             key, program, values = job
             executable = None
-            if not (self.stop.is_set() or self._closed):
-                try:
-                    executable = program.executable(values)
-                except Exception as error:  # noqa: BLE001 -- the walk raises it
-                    self._error = error
+            with self._slots:
+                if not (self.stop.is_set() or self._closed):
+                    try:
+                        executable = program.executable(values)
+                    except Exception as error:  # noqa: BLE001 -- the walk raises it
+                        self._error = error
             with self._done:
                 if executable is not None:
                     self._made[key] = executable
@@ -223,12 +250,15 @@ class CompileAhead:
     walked (``None`` while it runs, or if it was stopped) and ``error`` the exception that
     ended it early, if any (the first call meets the same one where it is real: it compiles
     those fragments itself). ``cancel()`` and ``stop()`` end it after the compiles under
-    way, ``stop()`` waiting for those.
+    way, ``stop()`` waiting for those. It compiles one fragment at a time, next to whatever
+    the caller compiles meanwhile, until ``widen()`` lets it compile ``WORKERS`` at once
+    (``parallelize_step`` widens it once the initializer has run).
     """
 
     def __init__(self, program: Any, args: Sequence[Any]) -> None:
         self.walked: int | None = None
         self.error: BaseException | None = None
+        self._slots = Slots(1)
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, args=(program, list(args)), name="mmflax-compile-ahead", daemon=True
@@ -239,7 +269,7 @@ class CompileAhead:
     def _run(self, program: Any, args: list[Any]) -> None:
         try:
             with no_ambient_mesh():  # as a call runs the program (``front._jit``)
-                self.walked = compile_ahead(program, args, self._stop, WORKERS)
+                self.walked = compile_ahead(program, args, self._stop, WORKERS, self._slots)
         except _Stopped:
             pass
         except Exception as error:  # noqa: BLE001 -- the first call compiles it and raises
@@ -251,6 +281,16 @@ class CompileAhead:
         """Waits for the walk (at most ``timeout`` seconds); whether it has ended."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def widen(self) -> None:
+        """Lets the walk compile ``WORKERS`` fragments at once from now on (the caller has
+        stopped compiling: the cores are the walk's)."""
+        self._slots.widen(WORKERS)
+
+    @property
+    def width(self) -> int:
+        """How many fragments it may compile at once now."""
+        return self._slots.count
 
     @property
     def cancelled(self) -> bool:
