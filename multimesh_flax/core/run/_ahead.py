@@ -108,6 +108,7 @@ class _Walk:
     def __init__(self, program: Any, env: dict[int, Any], compiles: _Compiles) -> None:
         self.ops, self.homes = program.ops, program.slot_homes()
         self.env, self.compiles = env, compiles
+        self.asked: dict[int, Any] = {}  # op index -> its compile (``_Compiles.ask``)
         self.unknown = len(self.ops)  # the first op whose arguments' shardings are unknown
 
     def run(self) -> int:
@@ -120,21 +121,26 @@ class _Walk:
         return self.unknown
 
     def _advance(self, index: int) -> bool:
-        """Sets op ``index``'s outputs if its arguments are known (whether it did)."""
+        """Sets op ``index``'s outputs if its arguments are known and, for a fragment, its
+        executable is made (whether it did); asks for that compile the first time."""
         op = self.ops[index]
-        if any(s not in self.env for s in op.ins):
-            return False
-        values = [self.env[s] for s in op.ins]
-        if any(getattr(v, "sharding", None) is None for v in values):
-            self.unknown = min(self.unknown, index)
-            shardings: Any = [None] * len(op.outs)  # and so are its dependents'
-        elif isinstance(op, RunOp):
-            executable = self.compiles.executable(op.program, values)
+        if index in self.asked:
+            executable = self.compiles.made.get(self.asked[index])
             if executable is None:
                 return False
             shardings = executable.output_shardings
+        elif any(s not in self.env for s in op.ins):
+            return False
         else:
-            shardings = op.targets(values)
+            values = [self.env[s] for s in op.ins]
+            if any(getattr(v, "sharding", None) is None for v in values):
+                self.unknown = min(self.unknown, index)
+                shardings = [None] * len(op.outs)  # and so are its dependents'
+            elif isinstance(op, RunOp):
+                self.asked[index] = self.compiles.ask(op.program, values)
+                return self._advance(index)
+            else:
+                shardings = op.targets(values)
         for slot, sharding in zip(op.outs, shardings, strict=True):
             self.env[slot] = _abstract(self.homes[slot][0], sharding)
         return True
@@ -163,14 +169,14 @@ class Slots:
 
 class _Compiles:
     """``workers`` daemon threads making fragments' executables, each once, in the order
-    asked (``executable``), as many at once as ``slots`` allows. Once ``stop`` is set, or
+    asked (``ask``), as many at once as ``slots`` allows. Once ``stop`` is set, or
     the ``with`` is left, none starts another compile; leaving the ``with`` waits for those
     under way."""
 
     def __init__(self, workers: int, stop: threading.Event, slots: Slots) -> None:
         self.stop, self._slots = stop, slots
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._made: dict[Any, Any] = {}  # (program, argument types) -> executable
+        self.made: dict[Any, Any] = {}  # (program, argument types) -> executable
         self._asked: set[Any] = set()
         self._error: BaseException | None = None
         self._closed = False
@@ -193,16 +199,14 @@ class _Compiles:
         for thread in self._threads:
             thread.join()
 
-    def executable(self, program: Any, values: list[Any]) -> Any:
-        """``program``'s executable for ``values``, or ``None`` while it compiles (asked for
-        the first time here)."""
+    def ask(self, program: Any, values: list[Any]) -> Any:
+        """Queues the compile of ``program`` for ``values`` unless asked before; returns its
+        key in ``made``, which holds the executable once it is made."""
         key = (program, tuple(_abstract(v, v.sharding) for v in values))  # constants: arrays
-        if key in self._made:
-            return self._made[key]
         if key not in self._asked:
             self._asked.add(key)
             self._queue.put((key, program, values))
-        return None
+        return key
 
     def wait_past(self, ended: int) -> None:
         """Waits until more than ``ended`` jobs have ended; raises what ended one with an
@@ -226,7 +230,7 @@ class _Compiles:
                         self._error = error
             with self._done:
                 if executable is not None:
-                    self._made[key] = executable
+                    self.made[key] = executable
                 self.ended += 1
                 self._done.notify_all()
 

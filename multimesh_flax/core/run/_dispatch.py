@@ -179,8 +179,8 @@ def _without(frag: Fragment, dropped: set[Any]) -> Fragment | None:
 def fits_input(have: Any, want: Any, value: Any) -> bool:
     """Whether ``value`` (an array or ``jax.ShapeDtypeStruct``), in sharding ``have`` (``None``:
     not an array, a Python scalar), runs as it is for an input wanted in ``want``: the same
-    or an equivalent sharding (else the call moves it). ``_place_inputs`` applies the same
-    test inline, on the call path, for every argument whose sharding it has not seen fit."""
+    or an equivalent sharding (else the call moves it): ``_place_inputs`` for an argument
+    whose sharding it has not seen fit, and the walk that compiles ahead (``_ahead``)."""
     return have is not None and (have == want or have.is_equivalent_to(want, len(value.shape)))
 
 
@@ -465,7 +465,7 @@ class MpmdExecutable:
         ):
             if have is fits[i] or want is None or i in unread:
                 env[slot] = x
-            elif have is not None and (have == want or have.is_equivalent_to(want, x.ndim)):
+            elif fits_input(have, want, x):
                 # Outputs of one step arrive with the same sharding objects every step:
                 # remembering the last one that fitted makes the check an identity test.
                 fits[i] = have
