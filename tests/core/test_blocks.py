@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
@@ -136,3 +138,53 @@ def test_identical_stages_and_microbatches_share_executables():
     assert set(middle) == {"layer1.fwd", "layer2.fwd", "layer1.bwd", "layer2.bwd"}
     assert middle["layer1.fwd"] is middle["layer2.fwd"]
     assert middle["layer1.bwd"] is middle["layer2.bwd"]
+
+
+def _pinned_step(onto):
+    """``_step("1f1b")`` with each stage's weight also constrained outside its task onto
+    the submesh of stage ``onto(s)`` (as ``parallelize_step`` lays gradients out): each
+    microbatch's backward then constrains the weight's gradient there, outside every task."""
+    meshes = [
+        Mesh(np.array(jax.devices()[4 * s : 4 * s + 4]), ("x",), axis_types=(AxisType.Auto,))
+        for s in range(2)
+    ]
+    tasks = [
+        mm.task(_layer, name=f"layer{s}", mesh=meshes[s], logical_axes=RULES)
+        for s in range(2)
+    ]
+
+    def loss(params, batch):
+        pinned = [
+            jax.lax.with_sharding_constraint(w, NamedSharding(meshes[onto(s)], P(None, "x")))
+            for s, w in enumerate(params)
+        ]
+        return chain_loss(tasks)(pinned, batch)
+
+    mean = mm.microbatch(loss, 0, BATCH // M, argnum=1, schedule="1f1b", reduce="mean")
+    return mm.jit(jax.value_and_grad(mean))
+
+
+def _glue_constraints_of_task_results(step):
+    """Per microbatch, the glue ``sharding_constraint``\\ s reading a block's result."""
+    traced = step.executable(*_data()).partition.traced
+    made_by_block = {v for e in traced.jaxpr.eqns if is_block(e) for v in e.outvars}
+    found: dict[int, int] = {}
+    for eqn, stack, label in zip(traced.jaxpr.eqns, traced.stacks, traced.labels, strict=True):
+        mb = microbatch_of(stack, traced.microbatch_calls)
+        constraint = eqn.primitive.name == "sharding_constraint"
+        if mb is not None and label is None and constraint and eqn.invars[0] in made_by_block:
+            found[mb[1]] = found.get(mb[1], 0) + 1
+    return found
+
+
+def test_a_gradient_constraint_onto_its_own_stage_joins_the_backward_block():
+    """``_blocks._constraints_joining_their_task``: constrained onto its own stage's submesh,
+    each microbatch's weight gradient is constrained inside the backward's block (no glue
+    equation per parameter and microbatch); onto the other stage's, it stays glue and moves
+    there. Either way the step equals the unparallelized one (the loss without the pins:
+    on one device they change nothing)."""
+    own, other = _pinned_step(lambda s: s), _pinned_step(lambda s: 1 - s)
+    assert _glue_constraints_of_task_results(own) == {}
+    assert _glue_constraints_of_task_results(other) == dict.fromkeys(range(M), 2)
+    for step in (own, other):
+        assert_matches_unparallelized(step, _loss(), *_data(), TOL)

@@ -24,6 +24,7 @@ from multimesh_flax.core.trace._colour import flax_rules as flax_rules
 from multimesh_flax.core.trace._colour import module_names as module_names
 from multimesh_flax.core.trace._colour import registry_state as registry_state
 from multimesh_flax.core.trace._colour import task_for as task_for
+from multimesh_flax.core.trace._constraints import concrete_constraint as concrete_constraint
 from multimesh_flax.core.trace._constraints import constrain_to_task as constrain_to_task
 from multimesh_flax.core.trace._constraints import leave_explicit_axes as leave_explicit_axes
 from multimesh_flax.core.trace._constraints import (
@@ -54,5 +55,4 @@ from multimesh_flax.core.trace._structure import structural_key as structural_ke
 from multimesh_flax.core.trace._trace import CapturedProgram as CapturedProgram
 from multimesh_flax.core.trace._trace import capture_program as capture_program
 from multimesh_flax.core.trace._trace import colour_program as colour_program
-from multimesh_flax.core.trace._trace import concrete_constraint as concrete_constraint
 from multimesh_flax.core.trace._trace import trace_program as trace_program

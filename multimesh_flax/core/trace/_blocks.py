@@ -9,7 +9,8 @@ transformer) ``m`` times, and every later pass would walk all of them. Instead:
 2. The calls of one body under name stacks that differ only in the microbatch index form a
    *class* (:func:`gather`). Colouring labels each class's body equations once, as if
    inlined at its first call (the labels depend on the name stack, and the microbatch index
-   changes no label).
+   changes no label). A glue sharding constraint that pins a value of a task onto that
+   task's own submesh takes the task's label (:func:`_constraints_joining_their_task`).
 3. A class's body is cut into maximal runs of one task label. Each run of two or more
    equations becomes a *block*: one ``closed_call`` equation whose body (the run) every call
    of the class shares. Glue equations (no task) stay single equations, so glue is still
@@ -35,8 +36,9 @@ import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives
 
-from multimesh_flax.core.declare import Phase
+from multimesh_flax.core.declare import Phase, place_of
 from multimesh_flax.core.trace import _session
+from multimesh_flax.core.trace._constraints import concrete_constraint
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
 from multimesh_flax.core.trace._program import Equation
 
@@ -173,9 +175,37 @@ def expand(
             labelled._replace(stack=item.stack)
             for labelled, item in zip(coloured[at : at + n], cls.template.equations, strict=True)
         ]
+        body = _constraints_joining_their_task(body, session)
         items[key] = _segment(cls.template, body, _splits_backward(cls.stack, session))
         at += n
     return _emit(equations, iter(coloured[: calls.own]), calls.classes, items)
+
+
+def _constraints_joining_their_task(
+    body: Sequence[Equation], session: _session.TraceSession
+) -> list[Equation]:
+    """``body`` with each glue ``sharding_constraint`` of a task's result onto that task's
+    own submesh labelled as the task, so that it joins the task's run (and block).
+
+    A training step's backward constrains every gradient to its parameter's sharding (the
+    transpose of the forward's constraint, or ``parallelize_step``'s own), outside every
+    task: left as glue, that is one equation per parameter and microbatch (2,176 of
+    gpt-tiny's 8,633 at 32 microbatches), each walked by every later pass. Placement would
+    pin it to the task's submesh anyway (``fragment._place``), and it ended up in its
+    producer's unit fragment; labelled, it is placed and cut with its producer from the
+    start: the same fragments, less to walk (``tests/core/test_blocks.py``).
+    """
+    producer = {v: i for i, e in enumerate(body) for v in e.eqn.outvars}
+    out = list(body)
+    for i, equation in enumerate(body):
+        sharding = concrete_constraint(equation.eqn) if equation.label is None else None
+        j = None if sharding is None else producer.get(equation.eqn.invars[0])
+        label = None if j is None else out[j].label
+        if label is not None and place_of(session.tasks[label.task].mesh) == place_of(
+            sharding.mesh
+        ):
+            out[i] = equation._replace(label=label)
+    return out
 
 
 def _splits_backward(stack: str, session: _session.TraceSession) -> bool:

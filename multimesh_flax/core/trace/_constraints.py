@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 from jax._src import source_info_util
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import (
@@ -198,3 +198,14 @@ def with_sharding_constraint(x: Any, axis_resources: Any) -> Any:
         x,
         is_leaf=is_spec,
     )
+
+
+def concrete_constraint(eqn: Any) -> NamedSharding | None:
+    """The sharding of a ``sharding_constraint`` equation that names a concrete mesh
+    (devices), else ``None`` (another primitive, or an abstract mesh)."""
+    if eqn.primitive.name != "sharding_constraint":
+        return None
+    sharding = eqn.params.get("sharding")
+    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
+        return None
+    return sharding

@@ -26,7 +26,6 @@ from typing import Any
 
 import jax
 import jax.extend.core as jex
-from jax.sharding import Mesh, NamedSharding
 
 from multimesh_flax import errors
 from multimesh_flax.core.declare import autoshard, use_device_list
@@ -65,17 +64,6 @@ class CapturedProgram:
     default_task: _session.ResolvedTask | None  # registered for "default": glue fallback
     session: _session.TraceSession
     devices: Any  # the device list registered backward tasks resolve against
-
-
-def concrete_constraint(eqn: Any) -> NamedSharding | None:
-    """The sharding of a ``sharding_constraint`` equation that names a concrete mesh
-    (devices), else ``None`` (another primitive, or an abstract mesh)."""
-    if eqn.primitive.name != "sharding_constraint":
-        return None
-    sharding = eqn.params.get("sharding")
-    if not isinstance(sharding, NamedSharding) or not isinstance(sharding.mesh, Mesh):
-        return None
-    return sharding
 
 
 def _open(jaxpr: Any) -> tuple[jex.Jaxpr, list[Any]]:
