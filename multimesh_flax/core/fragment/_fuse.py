@@ -175,20 +175,25 @@ def _fused(index: _Index, a: int, b: int, outputs: set[Any]) -> Any:
 
 def _accepted(index: _Index, outputs: set[Any], memo: _Memo) -> list[tuple[int, int]]:
     """The pairs to fuse: every pair of one shape, and only if that fuses *all* fragments of
-    both its classes (so each accepted shape turns two executables into one)."""
+    both its classes (so each accepted shape turns two executables into one).
+
+    Pairs are grouped by their fragments' signatures first; how ``b`` reads ``a``
+    (:func:`_wiring`, the costly part of a shape) is asked only of a group that covers both
+    classes, and the group is a shape only if every pair of it is wired alike (a part of
+    it could not cover them).
+    """
     queues: dict[Any, list[int]] = {}
     for p, frag in enumerate(index.order):
         queues.setdefault(frag.place, []).append(p)
-    shapes: dict[Hashable, list[tuple[int, int]]] = {}
+    groups: dict[Hashable, list[tuple[int, int]]] = {}
     sig: dict[int, Hashable] = {}
     for queue in queues.values():
         for a, b, skipped in _candidates(index, queue):
             if _may_fuse(index, a, b, skipped, memo):
                 sig.setdefault(a, memo.signature(index.order[a]))
                 sig.setdefault(b, memo.signature(index.order[b]))
-                shape = (sig[a], sig[b], _wiring(index, a, b, outputs))
-                shapes.setdefault(shape, []).append((a, b))
-    if not shapes:
+                groups.setdefault((sig[a], sig[b]), []).append((a, b))
+    if not groups:
         return []
     sizes = {_size(index.order[p]) for p in sig}
     count: dict[Hashable, int] = {}
@@ -198,10 +203,11 @@ def _accepted(index: _Index, outputs: set[Any], memo: _Memo) -> list[tuple[int, 
             count[key] = count.get(key, 0) + 1
     taken: set[int] = set()
     accepted = []
-    for (first, second, _), pairs in shapes.items():
+    for (first, second), pairs in groups.items():
         members = {p for pair in pairs for p in pair}
         whole = len(pairs) == count[first] == count[second] and first != second
-        if whole and len(members) == 2 * len(pairs) and not members & taken:
+        disjoint = len(members) == 2 * len(pairs) and not members & taken
+        if whole and disjoint and len({_wiring(index, a, b, outputs) for a, b in pairs}) == 1:
             taken |= members
             accepted.extend(pairs)
     return accepted
