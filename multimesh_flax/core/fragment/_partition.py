@@ -260,15 +260,17 @@ def _assign_boundaries(
     traced: TracedProgram, fragments: Sequence[Fragment], made_in: dict[Any, int]
 ) -> None:
     needed_outside: set[Any] = {v for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
+    literal = jex.Literal
     for frag in fragments:
-        seen: set[Any] = set()
+        seen: set[Any] = set()  # every variable read so far, made here or not
+        own, invars = frag.index, frag.invars
         for eqn in frag.eqns:
             for v in eqn.invars:
-                if isinstance(v, jex.Literal) or v in seen:
+                if type(v) is literal or v in seen:
                     continue
-                if made_in.get(v) != frag.index:
-                    frag.invars.append(v)
-                    seen.add(v)
+                seen.add(v)
+                if made_in.get(v) != own:
+                    invars.append(v)
                     needed_outside.add(v)
     for frag in fragments:
         frag.outvars = [v for eqn in frag.eqns for v in eqn.outvars if v in needed_outside]
