@@ -149,8 +149,7 @@ def _pinned_step(onto):
         for s in range(2)
     ]
     tasks = [
-        mm.task(_layer, name=f"layer{s}", mesh=meshes[s], logical_axes=RULES)
-        for s in range(2)
+        mm.task(_layer, name=f"layer{s}", mesh=meshes[s], logical_axes=RULES) for s in range(2)
     ]
 
     def loss(params, batch):
