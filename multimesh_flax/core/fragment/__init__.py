@@ -12,6 +12,7 @@ from multimesh_flax.core.fragment._inputs import canonical_sharding as canonical
 from multimesh_flax.core.fragment._inputs import canonical_spec as canonical_spec
 from multimesh_flax.core.fragment._inputs import first_constraint as first_constraint
 from multimesh_flax.core.fragment._inputs import input_sharding as input_sharding
+from multimesh_flax.core.fragment._jaxpr import constraints_making as constraints_making
 from multimesh_flax.core.fragment._jaxpr import fragment_jaxpr as fragment_jaxpr
 from multimesh_flax.core.fragment._partition import Fragment as Fragment
 from multimesh_flax.core.fragment._partition import Partition as Partition

@@ -10,12 +10,13 @@ relocated to the others), and passes that look for shared structure
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import jax.extend.core as jex
 from jax.sharding import NamedSharding
 
-from multimesh_flax.core.trace import concrete_constraint, is_block, make_jaxpr_object
+from multimesh_flax.core.trace import block_body, concrete_constraint, is_block, make_jaxpr_object
 
 # The abstract-mesh parameters of each block body: one dict per body, so the copies of a
 # block keep sharing their parameters (``structural_key`` memoises them by identity).
@@ -45,6 +46,23 @@ def _abstract_constraint(eqn: Any) -> Any:
         sharding.mesh.abstract_mesh, sharding.spec, memory_kind=sharding.memory_kind
     )
     return eqn.replace(params={**eqn.params, "sharding": abstract})
+
+
+def constraints_making(eqns: Sequence[Any]) -> dict[Any, Any]:
+    """Per result of ``eqns`` that a ``sharding_constraint`` makes, that constraint equation:
+    one of ``eqns``, or one inside a block whose result it is (a block's body may end in
+    its task's constraints, ``trace._blocks``)."""
+    found: dict[Any, Any] = {}
+    for eqn in eqns:
+        if eqn.primitive.name == "sharding_constraint":
+            found[eqn.outvars[0]] = eqn
+        elif is_block(eqn):
+            body = block_body(eqn)
+            inner = constraints_making(body.eqns)
+            for b, v in zip(body.outvars, eqn.outvars, strict=True):
+                if type(b) is not jex.Literal and b in inner:  # a literal result: no key
+                    found[v] = inner[b]
+    return found
 
 
 def fragment_jaxpr(frag: Any) -> jex.Jaxpr:

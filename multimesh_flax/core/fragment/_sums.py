@@ -65,15 +65,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives
 
+from multimesh_flax.core.fragment._jaxpr import constraints_making
 from multimesh_flax.core.fragment._packed_sums import pack_chains
 from multimesh_flax.core.plan import behind_barrier, is_bundle
-from multimesh_flax.core.trace import (
-    TracedProgram,
-    block_body,
-    concrete_constraint,
-    is_block,
-    is_sum,
-)
+from multimesh_flax.core.trace import TracedProgram, concrete_constraint, is_sum
 
 ENABLED = True  # internal switch: False leaves the sums as glue (tests compare)
 PACK = True  # internal switch: False leaves every running sum an array of its own
@@ -196,7 +191,9 @@ def _zeros_like_gradients(
     runs the same program."""
     shardings: dict[Any, Any] = {}
     for pos, zeros in starts.items():
-        constrained = _constrained_results(order[pos].eqns)
+        made_by = constraints_making(order[pos].eqns)  # inside the backward's blocks too
+        concrete = {v: concrete_constraint(e) for v, e in made_by.items()}
+        constrained = {v: sharding for v, sharding in concrete.items() if sharding is not None}
         wanted = set(zeros)
         for eqn in moves[pos]:
             left = _left(eqn)
@@ -204,21 +201,6 @@ def _zeros_like_gradients(
                 if acc in wanted and grad in constrained:
                     shardings[acc] = constrained[grad]
     return shardings
-
-
-def _constrained_results(eqns: Sequence[Any]) -> dict[Any, Any]:
-    """The results of ``eqns`` that a sharding constraint makes, each with its sharding: a
-    constraint's own, or a block's whose body makes that result with one (the gradient
-    constraints of a backward join its block: ``trace._blocks``)."""
-    found: dict[Any, Any] = {}
-    for eqn in eqns:
-        if is_block(eqn):
-            inner = _constrained_results(block_body(eqn).eqns)
-            outer = zip(block_body(eqn).outvars, eqn.outvars, strict=True)
-            found.update((v, inner[b]) for b, v in outer if b in inner)
-        elif (sharding := concrete_constraint(eqn)) is not None:
-            found[eqn.outvars[0]] = sharding
-    return found
 
 
 def _with_zeros(

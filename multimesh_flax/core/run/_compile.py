@@ -18,13 +18,16 @@ import jax
 import jax.extend.core as jex
 from jax.sharding import NamedSharding, PartitionSpec
 
-from multimesh_flax.core.fragment import Fragment, canonical_spec, fragment_jaxpr
+from multimesh_flax.core.fragment import (
+    Fragment,
+    canonical_spec,
+    constraints_making,
+    fragment_jaxpr,
+)
 from multimesh_flax.core.run import _relocate
 from multimesh_flax.core.run._explicit import explicit_fun, has_explicit_axes, untyped
 from multimesh_flax.core.trace import (
     BoundedCache,
-    block_body,
-    is_block,
     structural_key,
 )
 
@@ -143,23 +146,6 @@ def _device_mapping(old: Any, new: Any) -> dict[int, Any] | None:
     return mapping
 
 
-def _constrained_specs(frag: Fragment) -> dict[Any, PartitionSpec]:
-    """The spec of each output of ``frag`` that a sharding constraint makes, at its top level
-    or as a block's result (a call whose body ends in the constraint)."""
-    specs = {}
-    for eqn in frag.eqns:
-        if eqn.primitive.name == "sharding_constraint":
-            specs[eqn.outvars[0]] = eqn.params["sharding"].spec
-        elif is_block(eqn):
-            body = block_body(eqn)
-            made = {v: e for e in body.eqns for v in e.outvars}
-            for mine, outer in zip(body.outvars, eqn.outvars, strict=True):
-                e = None if isinstance(mine, jex.Literal) else made.get(mine)
-                if e is not None and e.primitive.name == "sharding_constraint":
-                    specs[outer] = e.params["sharding"].spec
-    return specs
-
-
 def compile_fragment(
     frag: Fragment,
     mesh: jax.sharding.Mesh,
@@ -171,7 +157,8 @@ def compile_fragment(
     jaxpr = fragment_jaxpr(frag)
     out_shardings = None
     if not frag.invars:  # nothing to infer devices from: pin outputs to the place
-        specs = _constrained_specs(frag)
+        made_by = constraints_making(frag.eqns)  # an output a constraint makes keeps its spec
+        specs = {v: e.params["sharding"].spec for v, e in made_by.items()}
         out_shardings = tuple(
             NamedSharding(mesh, specs.get(v, PartitionSpec())) for v in frag.outvars
         )
