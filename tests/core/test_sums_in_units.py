@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax.core.declare import Phase
-from multimesh_flax.core.fragment import _sums
+from multimesh_flax.core.fragment import _stacked_sums, _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
 from tests.core._chain import tanh_stage, tanh_stages_data, train, train_step
@@ -317,3 +317,94 @@ def test_a_chain_on_a_submesh_not_data_parallel_keeps_a_running_sum_per_gradient
     _, flat, _ = _build("1f1b", 2, True, monkeypatch, pack=True, **args)
     _, unpacked, _ = _build("1f1b", 2, True, monkeypatch, pack=False, **args)
     assert _arrays_per_op(flat, "1f1b") == _arrays_per_op(unpacked, "1f1b")
+
+
+VOCAB, WIDTH = 8, 6
+
+
+def _tied_loss():
+    """An embedding table looked up on stage 0 (its gradient a scatter-add of rows into
+    zeros) and read again, transposed, by stage 1's output layer (a tied table: the head's
+    gradient moves to stage 0, where the stem's is added to it), each stage data parallel
+    over its two devices."""
+    rules = (("batch", ("data",)),)
+    shape = {"axis_sizes": (2, 1), "axis_names": ("data", "model")}
+    meshes = [mm.TaskMesh(devices=[2 * s, 2 * s + 1], **shape) for s in range(2)]
+
+    def stem(p, table, ids):
+        x = mm.with_sharding_constraint(table[ids], P("batch", None, None))
+        return jnp.tanh(x @ p["w"] + p["b"])
+
+    def head(p, table, x):
+        x = mm.with_sharding_constraint(x, P("batch", None, None))
+        logits = jnp.tanh(x @ p["w"] + p["b"]) @ table.T
+        return jnp.mean(jax.nn.log_softmax(logits) ** 2)
+
+    first, last = (
+        mm.task(f, name=f.__name__, mesh=mesh, logical_axes=rules)
+        for f, mesh in zip((stem, head), meshes, strict=True)
+    )
+
+    def loss(params, ids):
+        return last(params["head"], params["table"], first(params["stem"], params["table"], ids))
+
+    return loss
+
+
+def _tied_data():
+    keys = iter(jax.random.split(jax.random.key(5), 6))
+
+    def normal(*shape):
+        return jax.random.normal(next(keys), shape) / 3
+
+    params = {
+        "table": normal(VOCAB, WIDTH),
+        **{s: {"w": normal(WIDTH, WIDTH), "b": normal(WIDTH)} for s in ("stem", "head")},
+    }
+    return params, jax.random.randint(next(keys), (16, 5), 0, VOCAB)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_embedding_and_a_tied_table_are_summed_per_device(schedule, monkeypatch):
+    """The stem's embedding gradient (a scatter-add of its rows) and the head's gradient of
+    the tied table (read by the first stage, after the last stage's update glue slices it
+    out) are summed per device too: no backward all-reduces, each equal to the unstacked
+    and unparallelized steps' up to rounding."""
+    monkeypatch.setattr(_sums, "PACK", True)
+    loss = _tied_loss()
+    mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean")
+    runs = {}
+    for stack in (True, False):
+        monkeypatch.setattr(_sums, "STACK", stack)
+        step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
+        params, ids = _tied_data()
+        executable = step.executable(params, OPTIMIZER.init(params), ids)
+        trained = train(step, OPTIMIZER, _tied_data())
+        runs[stack] = trained, _all_reduces(executable, schedule, trained)
+    reference = train(loss, OPTIMIZER, _tied_data(), unparallelized=True)
+    (stacked, (in_units, _)), (apart, (in_units_apart, _)) = runs[True], runs[False]
+    for got, want, other in zip(*map(jax.tree.leaves, (stacked, reference, apart)), strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_allclose(got, other, **TOL)
+    assert in_units == 0 < in_units_apart, (in_units, in_units_apart)
+
+
+@pytest.mark.parametrize(("start", "stacks"), [(0.0, True), (1.0, False)], ids=["zeros", "ones"])
+def test_only_a_scatter_into_zeros_is_summed_per_device(start, stacks):
+    """Each device scatters its own rows into a table of its own: right only where the table
+    starts as zeros (a table of ones would be added once per device)."""
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    batches = {4: _stacked_sums.Batch(mesh, ("data",), 2)}
+
+    def scatter(ids, rows):
+        return jnp.full((VOCAB, WIDTH), start).at[ids].add(rows)
+
+    body = jax.make_jaxpr(scatter)(jnp.zeros((4, 3), int), jnp.zeros((4, 3, WIDTH)))
+    rewritten = _stacked_sums.stacked_body(body, (0,), batches)
+    assert (rewritten is not None) is stacks
+    if stacks:
+        ids = jax.random.randint(jax.random.key(0), (4, 3), 0, VOCAB)
+        rows = jax.random.normal(jax.random.key(1), (4, 3, WIDTH))
+        (partial,) = jax.core.eval_jaxpr(rewritten[0].jaxpr, rewritten[0].consts, ids, rows)
+        assert partial.shape == (2, VOCAB, WIDTH)
+        np.testing.assert_allclose(partial.sum(0), scatter(ids, rows), **TOL)

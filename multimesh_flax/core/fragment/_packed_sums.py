@@ -28,8 +28,8 @@ running sum of ``(devices, total size)``, its rows added together where the fina
 sliced out. Elsewhere on a submesh nothing is packed. Only chains of at least two sums of
 one dtype are packed (one is enough to stack), and only where each link's running sum is
 read by the next link alone, and whose final sums a glue fragment on the place reads first,
-with no reader elsewhere (a tied table's partial sums, summed on another place, stay as
-they are).
+before any reader elsewhere (a tied table's head gradient, summed with the stem's on the
+first stage, is sliced out on the last stage by its update's glue and moves from there).
 """
 
 from __future__ import annotations
@@ -176,17 +176,21 @@ def _unpack_site(
     order: list[Any], readers: dict[Any, list[Any]], after: int, finals: list[Any]
 ) -> int | None:
     """Where ``finals`` (a chain's final sums, made at ``after``) can be sliced out of the
-    flat sum: the position of the fragment that reads them first, if it is glue on
-    ``order[after]``'s place and no link and no fragment elsewhere reads them (their
-    transfers and readers stay as they are); else ``None``."""
+    flat sum: the position of the first fragment on ``order[after]``'s place that reads
+    them, if it is glue, no link reads them and every fragment elsewhere reading one comes
+    later (a tied table's head gradient, added to the stem's on the first stage: its
+    transfer now leaves from the slicing fragment); else ``None``."""
     found = [r for v in finals for r in readers.get(v, ()) if r != _OUTPUT]
-    if not found or _LINK in found:
+    if _LINK in found:
         return None
     place = order[after].place
-    if any(order[pos].place != place for pos in found):
+    here = [pos for pos in found if order[pos].place == place]
+    if not here:
         return None
-    first = min(found)
-    return first if order[first].unit is None else None
+    first = min(here)
+    if order[first].unit is not None or min(found) < first:
+        return None
+    return first
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,6 +27,10 @@ microbatches, then over devices, where before it was over devices, then microbat
 bit for bit the unstacked step's results: equal up to float rounding, like any other
 reassociation of a sum (the tests compare with the unparallelized step at tolerances).
 
+A ``scatter-add`` of the batch's rows into zeros (an embedding table's gradient, the
+transpose of its lookup) is such a reduction too: each device scatters its own rows'
+updates into a table of zeros of its own (its indices and updates split, the zeros not).
+
 What is stacked: a chain qualifying for ``_packed_sums`` (sums of one dtype, one is enough,
 each running sum read by the next link alone, the finals read first by glue on the place),
 on a place of two or more devices whose fragments shard the leading dimension of the arrays
@@ -34,7 +38,7 @@ the reductions read over one set of mesh axes spanning all its devices (read fro
 sharding constraints: :func:`batch_axes`), where every gradient the chain adds is an output
 of a block of the unit that nothing else reads and that the analysis below traces back to
 such reductions through linear equations only. Anything else (a tensor-parallel stage, a
-scatter-add's embedding gradient, gradients of a parameter used in two blocks, Explicit mesh
+scatter into anything but zeros, gradients of a parameter used in two blocks, Explicit mesh
 axes, a trace that fails) leaves the chain as it is.
 """
 
@@ -48,6 +52,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.extend.core as jex
+import numpy as np
 from jax._src import source_info_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
@@ -183,6 +188,8 @@ class _Plan:
         name, ops = eqn.primitive.name, eqn.invars
         if name == "reduce_sum" and 0 in eqn.params["axes"]:
             return self.batches.get(ops[0].aval.shape[0])
+        if name == "scatter-add":
+            return self._scatter_into_zeros(eqn)
         if name != "dot_general":
             return None
         (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
@@ -190,6 +197,31 @@ class _Plan:
             return None
         size = ops[0].aval.shape[0]
         return self.batches.get(size) if ops[1].aval.shape[0] == size else None
+
+    def _scatter_into_zeros(self, eqn: Any) -> Batch | None:
+        """The batch a ``scatter-add`` of rows into zeros splits over: an embedding table's
+        gradient (the transpose of its lookup), each device adding its own rows' updates
+        into a table of its own. The leading dimension of the indices and of the updates
+        must be the rows (a scatter dimension, not a window's), the operand zeros (added
+        once per device, it must add nothing)."""
+        operand, indices, updates = eqn.invars
+        numbers = eqn.params["dimension_numbers"]
+        if numbers.operand_batching_dims or 0 in numbers.update_window_dims:
+            return None
+        if indices.aval.ndim < 2 or not self._zeros(operand):
+            return None
+        size = updates.aval.shape[0]
+        return self.batches.get(size) if indices.aval.shape[0] == size else None
+
+    def _zeros(self, v: Any) -> bool:
+        """Whether ``v`` is a broadcast literal zero (converted or not)."""
+        eqn = self.made.get(v)
+        while eqn is not None and eqn.primitive.name == "convert_element_type":
+            eqn = self.made.get(eqn.invars[0])
+        if eqn is None or eqn.primitive.name != "broadcast_in_dim":
+            return False
+        (value,) = eqn.invars
+        return isinstance(value, jex.Literal) and not np.any(value.val)
 
     def mark(self, v: Any) -> None:
         """Plans ``v`` (``can(v)`` must hold) and what it comes from per device."""
@@ -204,6 +236,12 @@ class _Plan:
         self.linear[id(eqn)] = form
         for i in form:
             self.mark(eqn.invars[i])
+
+
+def _split_operands(eqn: Any) -> tuple[int, ...]:
+    """The operands of a split reduction whose leading dimension is the batch's rows: a
+    scatter's indices and updates (its operand, zeros, is each device's own), else all."""
+    return (1, 2) if eqn.primitive.name == "scatter-add" else tuple(range(len(eqn.invars)))
 
 
 def stacked_body(
@@ -276,8 +314,11 @@ def _evaluate(
             outs = outs if eqn.primitive.multiple_results else [outs]
             env.update(zip(eqn.outvars, outs, strict=True))
         if key in plan.split:
-            split = [_split(read(v), batch) for v in eqn.invars]
-            stacked[eqn.outvars[0]] = _mapped(eqn, split, [0] * len(split), batch)
+            where = _split_operands(eqn)
+            values = [_split(read(v), batch) if i in where else read(v)
+                      for i, v in enumerate(eqn.invars)]  # fmt: skip
+            axes = [0 if i in where else None for i in range(len(values))]
+            stacked[eqn.outvars[0]] = _mapped(eqn, values, axes, batch)
         elif key in plan.linear:
             where = plan.linear[key]
             values = [stacked[v] if i in where else read(v) for i, v in enumerate(eqn.invars)]
