@@ -215,9 +215,10 @@ class _Plan:
 
     def _zeros(self, v: Any) -> bool:
         """Whether ``v`` is a broadcast literal zero (converted or not)."""
-        eqn = self.made.get(v)
+        eqn = None if isinstance(v, jex.Literal) else self.made.get(v)
         while eqn is not None and eqn.primitive.name == "convert_element_type":
-            eqn = self.made.get(eqn.invars[0])
+            (v,) = eqn.invars
+            eqn = None if isinstance(v, jex.Literal) else self.made.get(v)
         if eqn is None or eqn.primitive.name != "broadcast_in_dim":
             return False
         (value,) = eqn.invars
