@@ -505,10 +505,11 @@ class _Setup:
         sum came out split over the data axis). Saying it lets a chain of running sums start
         from zeros in the layout the sums keep (``core.fragment._sums``), so a stage's first
         backward runs the program its later ones run instead of compiling its own (gpt-tiny
-        S=2 m=16, data 2 x tensor 2 stages: two backward programs of 0.6-1.0 s each). A
-        submesh of replicated parameters only (data parallel) keeps its gradients per device
-        until the step's one all-reduce (``_stacked_sums``): constraining them would
-        all-reduce every microbatch.
+        S=2 m=16, data 2 x tensor 2 stages: two backward programs of 0.6-1.0 s each), and
+        it is what lets each gradient's running sum be kept per ``data`` row shard in that
+        layout until the step's one all-reduce (``core.fragment._stacked_sums``). A submesh
+        of replicated parameters only (data parallel) is left alone: its gradients are
+        summed per device into one flat running sum, whatever their layout.
         """
         constraints = self.state_constraints
         if constraints is None:

@@ -12,10 +12,15 @@ for bit the same training, fewer arrays per gradient op, no op or program more, 
 sums sliced out at offsets the slicing glue takes as inputs (not literals). On stages
 whose rows are sharded over all their devices (data parallel) the chains carry per-device
 partial sums (``fragment._stacked_sums``): the units all-reduce nothing, the results equal
-the unstacked and unparallelized steps' up to rounding; other submeshes pack nothing.
+the unstacked and unparallelized steps' up to rounding. On stages whose rows are sharded
+over ``data`` and parameters over ``model`` (tensor parallel too), each gradient keeps a
+stack of its own in its layout: the units all-reduce only the activations over ``model``.
+Other submeshes pack nothing.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +30,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
+from benchmarks._collectives import hlo_collectives
 from multimesh_flax.core.declare import Phase
-from multimesh_flax.core.fragment import _stacked_sums, _sums
+from multimesh_flax.core.fragment import _packed_sums, _stacked_sums, _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
 from tests.core._chain import tanh_stage, tanh_stages_data, train, train_step
@@ -319,6 +325,110 @@ def test_a_chain_on_a_submesh_not_data_parallel_keeps_a_running_sum_per_gradient
     assert _arrays_per_op(flat, "1f1b") == _arrays_per_op(unpacked, "1f1b")
 
 
+def _tensor_parallel_loss():
+    """Two stages of four devices each, ``data`` 2 x ``model`` 2: rows over ``data``, each
+    stage's parameters split over ``model`` (Megatron's column then row split) by
+    constraints whose transposes lay each microbatch's gradients out the same way."""
+    rules = (("batch", ("data",)), ("hidden", ("model",)))
+    shape = {"axis_sizes": (2, 2), "axis_names": ("data", "model")}
+    meshes = [mm.TaskMesh(devices=[4 * s + d for d in range(4)], **shape) for s in range(2)]
+
+    def stage(p, x):
+        x = mm.with_sharding_constraint(x, P("batch", None))
+        w1 = mm.with_sharding_constraint(p["w1"], P(None, "hidden"))
+        b = mm.with_sharding_constraint(p["b"], P("hidden"))
+        w2 = mm.with_sharding_constraint(p["w2"], P("hidden", None))
+        return jnp.tanh(x @ w1 + b) @ w2
+
+    tasks = [
+        mm.task(stage, name=f"stage{s}", mesh=mesh, logical_axes=rules)
+        for s, mesh in enumerate(meshes)
+    ]
+
+    def loss(params, x):
+        for task, p in zip(tasks, params, strict=True):
+            x = task(p, x)
+        return jnp.mean(x**2)
+
+    return loss
+
+
+def _all_reduced_operands(executable, trained):
+    """Per step, the operands all-reduced by the ops making weight gradients."""
+    assert trained
+    total = 0
+    for index, op in enumerate(executable.ops):
+        if op.kind is OpKind.RUN and any(u.phase == Phase.B for u in op.units):
+            text = executable.state.fns[index].as_text()
+            total += hlo_collectives(text)["all-reduce"]["operands"]
+    return total
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_tensor_parallel_stage_sums_its_gradients_per_data_row(schedule, monkeypatch):
+    """Rows over ``data``, parameters over ``model``: each gradient's running sum is a stack
+    of the ``data`` rows' partial sums laid out as the gradient (``P("data", *spec)``), so
+    the backwards all-reduce only what the tensor split needs (activations over ``model``),
+    not the gradients over ``data``; the update's glue adds the rows. Equal to the unstacked
+    and unparallelized steps' results up to rounding, with no op or program more."""
+    runs = _stacked_and_apart(
+        _tensor_parallel_loss(), functools.partial(_data, 2), schedule, monkeypatch
+    )
+    (stacked, executable), (apart, executable_apart) = runs[True], runs[False]
+    operands = _all_reduced_operands(executable, stacked)
+    operands_apart = _all_reduced_operands(executable_apart, apart)
+    # Three gradients a stage and microbatch no longer all-reduced over ``data``.
+    assert operands_apart - operands == 3 * 2 * M, (operands, operands_apart)
+    assert len(executable.ops) == len(executable_apart.ops)
+    assert _programs(executable) == _programs(executable_apart)
+
+
+def _stacked_and_apart(loss, data, schedule, monkeypatch):
+    """Per ``STACK`` setting (chains packed), ``(trained, executable)``: ``loss``
+    microbatched and trained on ``data()``; each run equal to the other and to the
+    unparallelized training up to rounding."""
+    monkeypatch.setattr(_sums, "PACK", True)
+    mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean")
+    runs = {}
+    for stack in (True, False):
+        monkeypatch.setattr(_sums, "STACK", stack)
+        step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
+        params, batch = data()
+        executable = step.executable(params, OPTIMIZER.init(params), batch)
+        runs[stack] = train(step, OPTIMIZER, data()), executable
+    reference = train(loss, OPTIMIZER, data(), unparallelized=True)
+    stacked, apart = (jax.tree.leaves(runs[stack][0]) for stack in (True, False))
+    for got, want, other in zip(stacked, jax.tree.leaves(reference), apart, strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_allclose(got, other, **TOL)
+    return runs
+
+
+def _laid_out(mesh, *specs):
+    return [jax.sharding.NamedSharding(mesh, spec) for spec in specs]
+
+
+@pytest.mark.parametrize(
+    ("specs", "accepted"),
+    [
+        ((P(None, "model"), P()), True),
+        ((P(None, "model"), None), False),
+        ((P("data", "model"),), False),
+        ((P(("data", "model")),), False),
+    ],
+    ids=["tensor-parallel", "unconstrained", "split-over-rows", "split-over-both"],
+)
+def test_a_stack_per_gradient_needs_each_layout_and_leaves_the_rows_axes_free(specs, accepted):
+    """Where the rows span only some of a place's devices, each gradient is stacked in its
+    own layout: every layout must be known and leave the rows' axes to the stack (a
+    gradient already split over ``data``, ZeRO-style, is left alone)."""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    batch = _stacked_sums.Batch(mesh, ("data",), 2)
+    shardings = None if None in specs else _laid_out(mesh, *specs)
+    assert _packed_sums._accepts(4, shardings, batch) is accepted
+    assert _packed_sums._accepts(2, shardings, batch)  # the rows span the place: one flat sum
+
+
 VOCAB, WIDTH = 8, 6
 
 
@@ -370,22 +480,9 @@ def test_an_embedding_and_a_tied_table_are_summed_per_device(schedule, monkeypat
     the tied table (read by the first stage, after the last stage's update glue slices it
     out) are summed per device too: no backward all-reduces, each equal to the unstacked
     and unparallelized steps' up to rounding."""
-    monkeypatch.setattr(_sums, "PACK", True)
-    loss = _tied_loss()
-    mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule=schedule, reduce="mean")
-    runs = {}
-    for stack in (True, False):
-        monkeypatch.setattr(_sums, "STACK", stack)
-        step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
-        params, ids = _tied_data()
-        executable = step.executable(params, OPTIMIZER.init(params), ids)
-        trained = train(step, OPTIMIZER, _tied_data())
-        runs[stack] = trained, _all_reduces(executable, schedule, trained)
-    reference = train(loss, OPTIMIZER, _tied_data(), unparallelized=True)
-    (stacked, (in_units, _)), (apart, (in_units_apart, _)) = runs[True], runs[False]
-    for got, want, other in zip(*map(jax.tree.leaves, (stacked, reference, apart)), strict=True):
-        np.testing.assert_allclose(got, want, **TOL)
-        np.testing.assert_allclose(got, other, **TOL)
+    runs = _stacked_and_apart(_tied_loss(), _tied_data, schedule, monkeypatch)
+    in_units, _ = _all_reduces(runs[True][1], schedule, runs[True][0])
+    in_units_apart, _ = _all_reduces(runs[False][1], schedule, runs[False][0])
     assert in_units == 0 < in_units_apart, (in_units, in_units_apart)
 
 
@@ -400,11 +497,12 @@ def test_only_a_scatter_into_zeros_is_summed_per_device(start, stacks):
         return jnp.full((VOCAB, WIDTH), start).at[ids].add(rows)
 
     body = jax.make_jaxpr(scatter)(jnp.zeros((4, 3), int), jnp.zeros((4, 3, WIDTH)))
-    rewritten = _stacked_sums.stacked_body(body, (0,), batches)
-    assert (rewritten is not None) is stacks
+    plan = _stacked_sums.plan_body(body, (0,), (), batches)
+    assert (plan is not None) is stacks
     if stacks:
+        rewritten = _stacked_sums.stacked_body(body, (0,), plan, batches[4])
         ids = jax.random.randint(jax.random.key(0), (4, 3), 0, VOCAB)
         rows = jax.random.normal(jax.random.key(1), (4, 3, WIDTH))
-        (partial,) = jax.core.eval_jaxpr(rewritten[0].jaxpr, rewritten[0].consts, ids, rows)
+        (partial,) = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, ids, rows)
         assert partial.shape == (2, VOCAB, WIDTH)
         np.testing.assert_allclose(partial.sum(0), scatter(ids, rows), **TOL)

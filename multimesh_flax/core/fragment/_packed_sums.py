@@ -1,4 +1,4 @@
-"""One flat running sum per chain of gradient sums (per device, on a data-parallel place).
+"""One flat running sum per chain of gradient sums (per row shard where rows are split).
 
 ``_sums`` runs each link of a chain of running sums over microbatches (``acc_k = acc_{k-1} +
 g_k``, one bundle of additions per block) at the end of the unit that makes ``g_k``. The
@@ -25,11 +25,15 @@ parallel is only known once XLA has propagated shardings; but where a stage's ro
 sharded over all its devices (data parallel, read from its sharding constraints), each
 device's own partial sums are what the chain carries, stacked (``_stacked_sums``): one
 running sum of ``(devices, total size)``, its rows added together where the final sums are
-sliced out. Elsewhere on a submesh nothing is packed. Only chains of at least two sums of
-one dtype are packed (one is enough to stack), and only where each link's running sum is
-read by the next link alone, and whose final sums a glue fragment on the place reads first,
-before any reader elsewhere (a tied table's head gradient, summed with the stem's on the
-first stage, is sliced out on the last stage by its update's glue and moves from there).
+sliced out. Where the rows are sharded over some of its axes and the unit lays each
+gradient out on the others (tensor parallel too), each gradient keeps a stack of its own
+in that layout, the rows' axes in front (:func:`_stack_apart`): as many arrays as unpacked,
+no all-reduce in the units. Elsewhere on a submesh nothing is packed. Only chains of at
+least two sums of one dtype are packed (one is enough to stack), and only where each link's
+running sum is read by the next link alone, and whose final sums a glue fragment on the
+place reads first, before any reader elsewhere (a tied table's head gradient, summed with
+the stem's on the first stage, is sliced out on the last stage by its update's glue and
+moves from there).
 """
 
 from __future__ import annotations
@@ -44,8 +48,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives
 
+from multimesh_flax.core.fragment._jaxpr import constraints_making
 from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes, stack_chain
-from multimesh_flax.core.trace import TracedProgram
+from multimesh_flax.core.trace import TracedProgram, concrete_constraint
 
 _LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
 
@@ -70,8 +75,8 @@ def pack_chains(
     def batches_at(place: Any) -> dict[int, Batch]:
         return batch_axes([e for frag in order if frag.place == place for e in frag.eqns])
 
-    def alone(v: Any) -> bool:  # whether a link is the only reader of ``v``
-        return readers.get(v) == [_LINK]
+    def alone(v: Any, at: int | None) -> bool:  # whether ``at`` (None: a link) only reads v
+        return readers.get(v) == [_LINK if at is None else at]
 
     for chain in _chains(links, starts):
         (first, _), (last, _) = chain[0], chain[-1]
@@ -82,8 +87,17 @@ def pack_chains(
             continue
         batch = None
         if several:
-            batch = stack_chain(order, links, chain, alone, batches_at) if stack else None
+            if not stack:
+                continue
+            devices = len(order[first].place)
+            laid_out = _gradient_shardings(order, links, chain[0])
+            accept = functools.partial(_accepts, devices, laid_out)
+            batch = stack_chain(order, links, chain, alone, batches_at, accept)
             if batch is None:
+                continue
+            if batch.size != devices:  # tensor parallel too: a stack per gradient
+                apart = _stack_apart(order, links, starts, chain, reader, batch, laid_out)
+                zeros_shardings.update(apart)
                 continue
         avals = tuple(v.aval for v in finals)
         params = _link_params(avals, batch)
@@ -109,6 +123,111 @@ def pack_chains(
         consts = (*frag.consts, *zip(offsets, _offsets(avals), strict=True))
         order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
     return zeros_shardings
+
+
+def _gradient_shardings(
+    order: list[Any], links: dict[int, list[Any]], at: tuple[int, int]
+) -> list[Any] | None:
+    """The shardings the unit at ``at`` constrains the gradients its link adds to (the
+    Flax step lays a tensor-parallel stage's gradients out as their parameters), or
+    ``None`` where one is unconstrained."""
+    eqn = _link(links, at)
+    made_by = constraints_making(order[at[0]].eqns)
+    shardings = [
+        concrete_constraint(made_by[v]) if v in made_by else None
+        for v in eqn.invars[len(eqn.outvars) :]
+    ]
+    return None if None in shardings else shardings
+
+
+def _accepts(devices: int, shardings: list[Any] | None, batch: Batch) -> bool:
+    """Whether a chain on a place of ``devices`` devices, its gradients laid out as
+    ``shardings``, may be stacked over ``batch``: into one flat sum where the batch spans
+    the place, else a stack per gradient, each in its own layout: all known, on the
+    batch's mesh, none split over the batch's axes."""
+    if batch.size == devices:
+        return True
+    if shardings is None:
+        return False
+    for sharding in shardings:
+        used = {a for entry in sharding.spec if entry for a in _names(entry)}
+        if sharding.mesh != batch.mesh or used & set(batch.axes):
+            return False
+    return True
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one entry of a ``PartitionSpec`` names."""
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _stack_apart(
+    order: list[Any],
+    links: dict[int, list[Any]],
+    starts: dict[int, list[Any]],
+    chain: list[tuple[int, int]],
+    reader: int,
+    batch: Batch,
+    shardings: list[Any],
+) -> dict[Any, Any]:
+    """Gives ``chain`` (its gradients stacked over ``batch``, on a place that is tensor
+    parallel too) a stack of running sums per gradient, each in its gradient's layout with
+    the batch's axes in front (concatenating them would gather the tensor-parallel ones),
+    its devices' rows added where ``order[reader]`` reads the final sums. Edits ``links``,
+    ``starts`` and ``order``; returns the sharding of each new zeros variable."""
+    stacks = tuple(batch.stacked(s.spec) for s in shardings)
+    first_link = _link(links, chain[0])
+    n = len(first_link.outvars)
+    finals = list(_link(links, chain[-1]).outvars)
+    grads = tuple(v.aval for v in first_link.invars[n:])  # renamed: stacked already
+    params = _apart_link_params(grads, stacks)
+    running = [jex.Var(a) for a in params["call_jaxpr"].out_avals]
+    first = chain[0][0]
+    at = starts[first].index(first_link.invars[0])
+    starts[first][at : at + n] = running
+    zeros = dict(zip(running, stacks, strict=True))
+    for pos, k in chain:
+        eqn = links[pos][k]
+        outs = [jex.Var(v.aval) for v in running]
+        links[pos][k] = eqn.replace(invars=[*running, *eqn.invars[n:]], outvars=outs, params=params)
+        running = outs
+    params = _apart_sum_params(grads, tuple(shardings))
+    unpack = jex.new_jaxpr_eqn(running, finals, primitives.closed_call_p, params, frozenset())
+    order[reader] = dataclasses.replace(order[reader], eqns=[unpack, *order[reader].eqns])
+    return zeros
+
+
+@functools.lru_cache(maxsize=256)
+def _apart_link_params(grads: tuple[Any, ...], stacks: tuple[Any, ...]) -> dict[str, Any]:
+    """A link of stacks kept apart (``_stack_apart``): ``(*running, *g) -> running +
+    barrier(g)``, each sum in its stack's sharding; ``grads``: the stacks' avals."""
+
+    def link(*args: Any) -> tuple[Any, ...]:
+        running, added = args[: len(grads)], jax.lax.optimization_barrier(args[len(grads) :])
+        return tuple(
+            jax.lax.with_sharding_constraint(r + g, s)
+            for r, g, s in zip(running, added, stacks, strict=True)
+        )
+
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grads]
+    return {"call_jaxpr": jax.make_jaxpr(link)(*shapes, *shapes)}
+
+
+@functools.lru_cache(maxsize=256)
+def _apart_sum_params(grads: tuple[Any, ...], shardings: tuple[Any, ...]) -> dict[str, Any]:
+    """The final sums of stacks kept apart: each stack's rows added (the step's one
+    all-reduce of the chain), in its gradient's sharding, behind a barrier (as
+    ``_unpack_params``)."""
+
+    def unpack(*running: Any) -> tuple[Any, ...]:
+        sums = [
+            jax.lax.with_sharding_constraint(r.sum(0), s)
+            for r, s in zip(running, shardings, strict=True)
+        ]
+        return jax.lax.optimization_barrier(tuple(sums))
+
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grads]
+    return {"call_jaxpr": jax.make_jaxpr(unpack)(*shapes)}
 
 
 def _link(links: dict[int, list[Any]], at: tuple[int, int]) -> Any:

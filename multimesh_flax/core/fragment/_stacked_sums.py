@@ -1,12 +1,13 @@
-"""Running gradient sums kept per device on data-parallel places: one all-reduce a step.
+"""Running gradient sums kept per device over the rows of a microbatch: one all-reduce a step.
 
-On a place of several devices whose microbatch is split over a mesh axis (data parallel),
-the SPMD partitioner ends every weight gradient's reduction over the batch with an
-all-reduce: each backward unit all-reduces its block's gradients, once per microbatch, one
-operand per parameter. XLA's CPU runtime prices a tuple all-reduce per operand (35 operands
-over 4 devices: 1.6-2.2 ms; the same bytes as one array: 0.2-0.3 ms), and the SPMD pipeline a
-user writes by hand pays it less often, because XLA sums its microbatches' gradients locally
-inside its one program before reducing them.
+On a place of several devices whose microbatch is split over a mesh axis (data parallel,
+alone or with a tensor-parallel axis), the SPMD partitioner ends every weight gradient's
+reduction over the batch with an all-reduce over that axis: each backward unit all-reduces
+its block's gradients, once per microbatch, one operand per parameter. XLA's CPU runtime
+prices a tuple all-reduce per operand (35 operands over 4 devices: 1.6-2.2 ms; the same
+bytes as one array: 0.2-0.3 ms), and the SPMD pipeline a user writes by hand pays it less
+often, because XLA sums its microbatches' gradients locally inside its one program before
+reducing them.
 
 :func:`stack_chain` does that across our units. Each reduction over the batch that a
 block's gradient comes from (a ``dot_general`` contracting, or a ``reduce_sum`` reducing,
@@ -17,10 +18,20 @@ over, and the reduction mapped over the ``d`` slices (``jax.vmap`` with that
 linear equations between those reductions and the block's gradient outputs (transposes,
 reshapes, sums of such partial values, scaling by other values...) are mapped over the
 slices too. The block then returns each gradient as ``d`` partial sums, stacked on a leading
-dimension sharded over the batch's axes; the chain's running sum is one such stack of the
-whole chain, flattened (``flat_k = flat_{k-1} + concat(g_k reshaped (d, -1))``), and the
-glue that reads the final sums adds the ``d`` rows (one all-reduce of one array a step)
-before slicing them out.
+dimension sharded over the batch's axes. Where the batch spans every device of the place
+(data parallel), the chain's running sum is one such stack of the whole chain, flattened
+(``flat_k = flat_{k-1} + concat(g_k reshaped (d, -1))``), and the glue that reads the final
+sums adds the ``d`` rows (one all-reduce of one array a step) before slicing them out.
+Where it spans only some (``data`` 2 x ``model`` 2: tensor parallel too), flattening would
+gather the gradients split over the other axes; each gradient then keeps a stack of its
+own, laid out as the gradient with the batch's axes in front (``P("data", *spec)``), and the
+glue adds each one's rows (``_packed_sums._stack_apart``).
+
+A gradient may pass through several blocks of its unit: the Flax step's backward computes it
+in one block and lays it out as its parameter in the next (a block of sharding
+constraints). Each block then takes the stacks its predecessor made (an input only it
+reads, which the predecessor can make stacked: an activation it reads cannot be) and maps
+its linear equations over them (:func:`stack_chain`, ``_plan_unit``).
 
 Values: the same sums over microbatches and devices in another order: per device over
 microbatches, then over devices, where before it was over devices, then microbatches. Not
@@ -34,12 +45,16 @@ updates into a table of zeros of its own (its indices and updates split, the zer
 What is stacked: a chain qualifying for ``_packed_sums`` (sums of one dtype, one is enough,
 each running sum read by the next link alone, the finals read first by glue on the place),
 on a place of two or more devices whose fragments shard the leading dimension of the arrays
-the reductions read over one set of mesh axes spanning all its devices (read from their
-sharding constraints: :func:`batch_axes`), where every gradient the chain adds is an output
-of a block of the unit that nothing else reads and that the analysis below traces back to
-such reductions through linear equations only. Anything else (a tensor-parallel stage, a
-scatter into anything but zeros, gradients of a parameter used in two blocks, Explicit mesh
-axes, a trace that fails) leaves the chain as it is.
+the reductions read over one set of mesh axes (read from their sharding constraints:
+:func:`batch_axes`), where every gradient the chain adds is an output of a block of the
+unit that nothing else reads and that the analysis below traces back to such reductions
+through linear equations only, within its block or through blocks before it. Where those
+axes span only some of the place's devices, the unit must also lay every gradient out
+(a sharding constraint: ``parallelize_step`` does on tensor-parallel stages), on axes other
+than the batch's. Anything else (a scatter into anything but zeros, gradients of a
+parameter used in two blocks, unconstrained gradients on a tensor-parallel stage (``mm.jit``
+of a plain function), gradients split over the batch's axes (ZeRO), Explicit mesh axes, a
+trace that fails) leaves the chain as it is.
 """
 
 from __future__ import annotations
@@ -87,8 +102,20 @@ class Batch(NamedTuple):
     size: int
 
     def sharding(self) -> NamedSharding:
-        """Leading dimension over the batch's axes, the rest left to the compiler."""
+        """Leading dimension over the batch's axes, the rest replicated (a flat running
+        sum's: the batch spans every device of the place)."""
         return NamedSharding(self.mesh, PartitionSpec(self.axes))
+
+    def rows(self, ndim: int) -> NamedSharding:
+        """Leading dimension over the batch's axes, the other ``ndim - 1`` left to the
+        compiler (a tensor-parallel stage's gradient stays split over its other axes)."""
+        rest = (PartitionSpec.UNCONSTRAINED,) * (ndim - 1)
+        return NamedSharding(self.mesh, PartitionSpec(self.axes, *rest))
+
+    def stacked(self, spec: PartitionSpec) -> NamedSharding:
+        """A stack of partial sums of an array laid out as ``spec``: its rows over the
+        batch's axes, the array's dimensions as ``spec`` says."""
+        return NamedSharding(self.mesh, PartitionSpec(self.axes, *spec))
 
 
 def batch_axes(eqns: Sequence[Any]) -> dict[int, Batch]:
@@ -142,23 +169,28 @@ class _Plan:
     reductions to split (``split``) and the linear equations to map over the stacked values,
     with the positions of their stacked operands (``linear``)."""
 
-    def __init__(self, jaxpr: Any, batches: dict[int, Batch]) -> None:
+    def __init__(self, jaxpr: Any, batches: dict[int, Batch], open_inputs: frozenset) -> None:
         self.jaxpr = jaxpr
         self.batches = batches
         self.made = {v: e for e in jaxpr.eqns for v in e.outvars}
+        self.open = open_inputs  # inputs that may come in stacked (another block's output)
+        self.inputs: set[Any] = set()  # those that must
         self.split: dict[int, Batch] = {}
         self.linear: dict[int, tuple[int, ...]] = {}
         self.stacked: set[Any] = set()
         self._can: dict[Any, bool] = {}
 
-    def batch(self) -> Batch | None:
-        """The one batch every split reduction shares (``None``: none, or several)."""
-        found = set(self.split.values())
-        return next(iter(found)) if len(found) == 1 else None
+    def input_positions(self) -> tuple[int, ...]:
+        """The positions of the inputs the body takes stacked."""
+        return tuple(i for i, v in enumerate(self.jaxpr.invars) if v in self.inputs)
 
     def can(self, v: Any) -> bool:
         """Whether ``v`` can be computed as per-device partial sums."""
-        if isinstance(v, jex.Literal) or v not in self.made:
+        if isinstance(v, jex.Literal):
+            return False
+        if v in self.open:
+            return True
+        if v not in self.made:
             return False
         if v not in self._can:
             self._can[v] = False  # no cycles in a jaxpr; guards the recursion all the same
@@ -229,6 +261,9 @@ class _Plan:
         if v in self.stacked:
             return
         self.stacked.add(v)
+        if v in self.open:
+            self.inputs.add(v)
+            return
         eqn = self.made[v]
         form = self._stacked_form(eqn)
         if isinstance(form, Batch):
@@ -245,41 +280,62 @@ def _split_operands(eqn: Any) -> tuple[int, ...]:
     return (1, 2) if eqn.primitive.name == "scatter-add" else tuple(range(len(eqn.invars)))
 
 
-def stacked_body(
-    body: Any, positions: tuple[int, ...], batches: dict[int, Batch]
-) -> tuple[Any, Batch] | None:
-    """``(closed body, batch)``: ``body`` (a block's closed jaxpr) returning the outputs at
-    ``positions`` as per-device partial sums, stacked on a leading dimension of the batch's
-    size; ``None`` where one of them cannot be (module doc). Cached per body."""
-    key = (id(body), positions, tuple(sorted(batches.items())))
-    made = _BODIES.get_or_make(key, lambda _: (body, _stacked_body(body, positions, batches)))
+def plan_body(
+    body: Any, outs: tuple[int, ...], open_ins: tuple[int, ...], batches: dict[int, Batch]
+) -> _Plan | None:
+    """How ``body`` (a block's closed jaxpr) computes its outputs at ``outs`` as per-device
+    partial sums, taking those of its inputs at ``open_ins`` it needs as such stacks
+    (``plan.input_positions()``); ``None`` where an output cannot be (module doc), its
+    reductions split over several batches, or a stacked input is also needed whole.
+    Cached per body."""
+    key = (id(body), outs, open_ins, tuple(sorted(batches.items())))
+    made = _PLANS.get_or_make(key, lambda _: (body, _plan_body(body, outs, open_ins, batches)))
     return made[1]
 
 
-# (body id, positions, batches) -> (the body, kept alive while its id is a key; its rewrite)
+def _plan_body(
+    body: Any, outs: tuple[int, ...], open_ins: tuple[int, ...], batches: dict[int, Batch]
+) -> _Plan | None:
+    jaxpr = body.jaxpr
+    plan = _Plan(jaxpr, batches, frozenset(jaxpr.invars[i] for i in open_ins))
+    wanted = [jaxpr.outvars[i] for i in outs]
+    if not all(plan.can(v) for v in wanted):
+        return None
+    for v in wanted:
+        plan.mark(v)
+    if len(set(plan.split.values())) > 1 or plan.inputs & _needed(jaxpr, plan, set(outs)):
+        return None
+    return plan
+
+
+def stacked_body(body: Any, outs: tuple[int, ...], plan: _Plan, batch: Batch) -> Any | None:
+    """``body`` (a block's closed jaxpr) as ``plan`` (:func:`plan_body` of its outputs at
+    ``outs``) says: those outputs, and its inputs at ``plan.input_positions()``, stacks of
+    per-device partial sums on a leading dimension of the batch's size; ``None`` where the
+    rewrite fails to trace. Cached per body."""
+    ins = plan.input_positions()
+    key = (id(body), outs, ins, batch, id(plan))
+    made = _BODIES.get_or_make(key, lambda _: (body, plan, _stacked_body(body, outs, plan, batch)))
+    return made[2]
+
+
+# (body id, ...) -> (the body, kept alive while its id is a key; what was made of it)
+_PLANS = BoundedCache(capacity=256)
 _BODIES = BoundedCache(capacity=256)
 
 
-def _stacked_body(
-    body: Any, positions: tuple[int, ...], batches: dict[int, Batch]
-) -> tuple[Any, Batch] | None:
+def _stacked_body(body: Any, outs: tuple[int, ...], plan: _Plan, batch: Batch) -> Any | None:
     jaxpr = body.jaxpr
-    plan = _Plan(jaxpr, batches)
-    outs = [jaxpr.outvars[i] for i in positions]
-    if not all(plan.can(v) for v in outs):
-        return None
-    for v in outs:
-        plan.mark(v)
-    batch = plan.batch()
-    if batch is None:
-        return None
-    run = functools.partial(_evaluate, jaxpr, list(body.consts), plan, batch, set(positions))
+    run = functools.partial(_evaluate, jaxpr, list(body.consts), plan, batch, set(outs))
+    avals = [
+        jax.ShapeDtypeStruct((batch.size, *v.aval.shape) if v in plan.inputs else v.aval.shape,
+                             v.aval.dtype)
+        for v in jaxpr.invars
+    ]  # fmt: skip
     try:
-        closed = jax.make_jaxpr(run)(*[jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-                                       for v in jaxpr.invars])  # fmt: skip
+        return jax.make_jaxpr(run)(*avals)
     except Exception:  # noqa: BLE001 -- a body the rewrite cannot trace stays as it is
         return None
-    return closed, batch
 
 
 def _needed(jaxpr: Any, plan: _Plan, positions: set[int]) -> set[Any]:
@@ -302,8 +358,9 @@ def _evaluate(
     """The body over ``args``, with the planned equations evaluated per device."""
     need = _needed(jaxpr, plan, positions)
     env = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
     stacked: dict[Any, Any] = {}
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        (stacked if v in plan.inputs else env)[v] = x
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jex.Literal) else env[v]
@@ -325,9 +382,10 @@ def _evaluate(
             values = [stacked[v] if i in where else read(v) for i, v in enumerate(eqn.invars)]
             axes = [0 if i in where else None for i in range(len(values))]
             stacked[eqn.outvars[0]] = _mapped(eqn, values, axes, batch)
-    sharding = batch.sharding()
     return [
-        jax.lax.with_sharding_constraint(stacked[v], sharding) if i in positions else read(v)
+        jax.lax.with_sharding_constraint(stacked[v], batch.rows(stacked[v].ndim))
+        if i in positions
+        else read(v)
         for i, v in enumerate(jaxpr.outvars)
     ]
 
@@ -347,7 +405,7 @@ def _split(x: Any, batch: Batch) -> Any:
     """``x`` with its leading dimension ``n`` as ``(d, n / d)``, the ``d`` over the batch's
     axes: each device's own rows."""
     rows = x.reshape(batch.size, x.shape[0] // batch.size, *x.shape[1:])
-    return jax.lax.with_sharding_constraint(rows, batch.sharding())
+    return jax.lax.with_sharding_constraint(rows, batch.rows(rows.ndim))
 
 
 def _mapped(eqn: Any, values: list[Any], axes: list[Any], batch: Batch) -> Any:
@@ -357,51 +415,123 @@ def _mapped(eqn: Any, values: list[Any], axes: list[Any], batch: Batch) -> Any:
     )
 
 
+class _Planned(NamedTuple):
+    """A block of a unit to rewrite: its outputs at ``outs`` stacked as ``plan`` says."""
+
+    block: Any
+    outs: tuple[int, ...]
+    plan: _Plan
+
+
 def stack_chain(
     order: list[Any],
     links: dict[int, list[Any]],
     chain: list[tuple[int, int]],
-    alone: Callable[[Any], bool],
+    alone: Callable[[Any, int | None], bool],
     batches_at: Callable[[Any], dict[int, Batch]],
+    accept: Callable[[Batch], bool],
 ) -> Batch | None:
     """Makes every gradient the links of ``chain`` add a stack of per-device partial sums
-    (module doc), editing the blocks that return them in ``order`` and the links' operands
+    (module doc), editing the blocks that compute them in ``order`` and the links' operands
     in ``links``; returns the batch they are stacked over, or ``None`` (nothing edited)
-    where the chain does not qualify. ``alone(v)``: whether the link is ``v``'s only
-    reader; ``batches_at(place)``: :func:`batch_axes` of the place's fragments."""
-    edits: dict[int, dict[int, Any]] = {}  # position -> {id(old block): new block}
-    renamed: dict[Any, Any] = {}  # gradient -> its stack
-    found: set[Batch] = set()
+    where the chain does not qualify or ``accept(batch)`` refuses its batch.
+
+    A gradient may come from a chain of blocks of its unit (a backward's block, then a
+    block of the sharding constraints laying its gradients out as their parameters): a
+    block's stacked inputs are stacked outputs of the block making them, which nothing
+    else reads. ``alone(v, at)``: whether ``v``'s only reader is the fragment at position
+    ``at`` (``None``: a link); ``batches_at(place)``: :func:`batch_axes` of the place's
+    fragments."""
+    units: dict[int, list[_Planned]] = {}
     for pos, k in chain:
         eqn = links[pos][k]
         grads = eqn.invars[len(eqn.outvars) :]
-        made = {v: (e, i) for e in order[pos].eqns if is_block(e) for i, v in enumerate(e.outvars)}
-        if not all(v in made and alone(v) for v in grads):
+        if not all(alone(v, None) for v in grads):
             return None
-        wanted: dict[int, tuple[Any, set[int]]] = {}
-        for v in grads:
-            block, i = made[v]
-            wanted.setdefault(id(block), (block, set()))[1].add(i)
         batches = batches_at(order[pos].place)
-        for block, outs in wanted.values():
-            positions = tuple(sorted(outs))
-            rewritten = stacked_body(block.params["call_jaxpr"], positions, batches)
-            if rewritten is None:
-                return None
-            closed, batch = rewritten
-            found.add(batch)
-            outvars = list(block.outvars)
-            for i in positions:
-                renamed[outvars[i]] = jex.Var(closed.out_avals[i])
-                outvars[i] = renamed[outvars[i]]
-            new = block.replace(params={**block.params, "call_jaxpr": closed}, outvars=outvars)
-            edits.setdefault(pos, {})[id(block)] = new
-    if len(found) != 1 or any(len(order[pos].place) != next(iter(found)).size for pos in edits):
-        return None  # a batch over only some of the place's devices: tensor parallel too
-    for pos, new in edits.items():
-        eqns = [new.get(id(e), e) for e in order[pos].eqns]
+        planned = _plan_unit(order[pos].eqns, grads, batches, functools.partial(alone, at=pos))
+        if planned is None:
+            return None
+        units[pos] = planned
+    found = {b for planned in units.values() for p in planned for b in p.plan.split.values()}
+    if len(found) != 1 or not accept(batch := next(iter(found))):
+        return None
+    rewritten = {pos: _rewrite_unit(order[pos].eqns, units[pos], batch) for pos in units}
+    if any(r is None for r in rewritten.values()):
+        return None
+    renamed: dict[Any, Any] = {}  # a planned output -> its stack
+    for pos, (eqns, names) in rewritten.items():
         order[pos] = dataclasses.replace(order[pos], eqns=eqns)
+        renamed.update(names)
     for pos, k in chain:
         eqn = links[pos][k]
         links[pos][k] = eqn.replace(invars=[renamed.get(v, v) for v in eqn.invars])
-    return found.pop()
+    return batch
+
+
+def _plan_unit(
+    eqns: Sequence[Any],
+    grads: Sequence[Any],
+    batches: dict[int, Batch],
+    alone_here: Callable[[Any], bool],
+) -> list[_Planned] | None:
+    """The blocks of a unit (``eqns``) to rewrite so that ``grads`` come out stacked, in
+    order; ``None`` where one cannot be. Walked backwards: a block's stacked inputs are
+    outputs its producer must stack too. A block may take an input stacked only where the
+    block making it can make it so (an activation it reads cannot be: it is no sum)."""
+    made = {v: (e, i) for e in eqns if is_block(e) for i, v in enumerate(e.outvars)}
+    if not all(v in made for v in grads):
+        return None
+
+    def open_ins(block: Any) -> tuple[int, ...]:
+        return tuple(
+            i for i, v in enumerate(block.invars) if v in made and alone_here(v) and stackable(v)
+        )
+
+    @functools.cache
+    def stackable(v: Any) -> bool:
+        producer, j = made[v]
+        return (
+            plan_body(producer.params["call_jaxpr"], (j,), open_ins(producer), batches) is not None
+        )
+
+    wanted: dict[int, set[int]] = {}
+    for v in grads:
+        block, i = made[v]
+        wanted.setdefault(id(block), set()).add(i)
+    planned = []
+    for block in reversed(eqns):
+        if id(block) not in wanted:
+            continue
+        outs = tuple(sorted(wanted[id(block)]))
+        plan = plan_body(block.params["call_jaxpr"], outs, open_ins(block), batches)
+        if plan is None:
+            return None
+        planned.append(_Planned(block, outs, plan))
+        for i in plan.input_positions():
+            producer, j = made[block.invars[i]]
+            wanted.setdefault(id(producer), set()).add(j)
+    return planned[::-1]
+
+
+def _rewrite_unit(
+    eqns: Sequence[Any], planned: list[_Planned], batch: Batch
+) -> tuple[list[Any], dict[Any, Any]] | None:
+    """``eqns`` with the ``planned`` blocks rewritten, and each planned output's stack
+    (a new variable); ``None`` where a rewrite fails to trace."""
+    renamed: dict[Any, Any] = {}
+    new: dict[int, Any] = {}
+    for block, outs, plan in planned:
+        closed = stacked_body(block.params["call_jaxpr"], outs, plan, batch)
+        if closed is None:
+            return None
+        ins = plan.input_positions()
+        invars = [renamed[v] if i in ins else v for i, v in enumerate(block.invars)]
+        outvars = list(block.outvars)
+        for i in outs:
+            stack = jex.Var(closed.out_avals[i])
+            renamed[outvars[i]] = stack
+            outvars[i] = stack
+        params = {**block.params, "call_jaxpr": closed}
+        new[id(block)] = block.replace(params=params, invars=invars, outvars=outvars)
+    return [new.get(id(e), e) for e in eqns], renamed

@@ -48,8 +48,10 @@ one and memory does not grow.
 
 On a place of one device a chain then carries one flat running sum instead of one per
 gradient (``_packed_sums``): fewer arrays for JAX to pass in and out of every unit. On a
-data-parallel place it carries the devices' own partial sums, stacked (``_stacked_sums``):
-no all-reduce in the units, one a step where the sums are read.
+place whose rows are split over a mesh axis it carries each row shard's own partial sums,
+stacked (``_stacked_sums``; flat on a data-parallel place, a stack per gradient where the
+stage is tensor parallel too): no all-reduce over the rows in the units, one a step where
+the sums are read.
 """
 
 from __future__ import annotations
