@@ -13,6 +13,9 @@ import numpy as np
 import optax
 
 import multimesh_flax as mm
+from benchmarks._collectives import hlo_collectives
+from multimesh_flax.core.declare import Phase
+from multimesh_flax.core.run import OpKind
 
 
 def chain_loss(tasks: Sequence[Callable[..., Any]]) -> Callable[..., Any]:
@@ -87,3 +90,14 @@ def train(step, optimizer, data, steps=2, *, unparallelized=False):
             value, params, state = step(params, state, x)
             results.append(jax.tree.map(np.asarray, (value, params, state)))
     return results
+
+
+def backward_all_reduce_operands(executable) -> int:
+    """Per step, the operands all-reduced by the ops that run a backward unit, read from each
+    op's compiled HLO (the executable must have run a step)."""
+    total = 0
+    for index, op in enumerate(executable.ops):
+        if op.kind is OpKind.RUN and any(u.phase == Phase.B for u in op.units):
+            text = executable.state.fns[index].as_text()
+            total += hlo_collectives(text)["all-reduce"]["operands"]
+    return total

@@ -30,12 +30,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
-from benchmarks._collectives import hlo_collectives
 from multimesh_flax.core.declare import Phase
 from multimesh_flax.core.fragment import _packed_sums, _stacked_sums, _sums
 from multimesh_flax.core.plan import is_bundle
 from multimesh_flax.core.run import OpKind
-from tests.core._chain import tanh_stage, tanh_stages_data, train, train_step
+from tests.core._chain import (
+    backward_all_reduce_operands,
+    tanh_stage,
+    tanh_stages_data,
+    train,
+    train_step,
+)
 
 TOL = {"rtol": 2e-5, "atol": 2e-6}
 M = 4
@@ -353,17 +358,6 @@ def _tensor_parallel_loss():
     return loss
 
 
-def _all_reduced_operands(executable, trained):
-    """Per step, the operands all-reduced by the ops making weight gradients."""
-    assert trained
-    total = 0
-    for index, op in enumerate(executable.ops):
-        if op.kind is OpKind.RUN and any(u.phase == Phase.B for u in op.units):
-            text = executable.state.fns[index].as_text()
-            total += hlo_collectives(text)["all-reduce"]["operands"]
-    return total
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_tensor_parallel_stage_sums_its_gradients_per_data_row(schedule, monkeypatch):
     """Rows over ``data``, parameters over ``model``: each gradient's running sum is a stack
@@ -374,9 +368,8 @@ def test_a_tensor_parallel_stage_sums_its_gradients_per_data_row(schedule, monke
     runs = _stacked_and_apart(
         _tensor_parallel_loss(), functools.partial(_data, 2), schedule, monkeypatch
     )
-    (stacked, executable), (apart, executable_apart) = runs[True], runs[False]
-    operands = _all_reduced_operands(executable, stacked)
-    operands_apart = _all_reduced_operands(executable_apart, apart)
+    executable, executable_apart = runs[True][1], runs[False][1]
+    operands, operands_apart = map(backward_all_reduce_operands, (executable, executable_apart))
     # Three gradients a stage and microbatch no longer all-reduced over ``data``.
     assert operands_apart - operands == 3 * 2 * M, (operands, operands_apart)
     assert len(executable.ops) == len(executable_apart.ops)

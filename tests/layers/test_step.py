@@ -13,9 +13,11 @@ from jax.sharding import PartitionSpec as P
 
 import multimesh_flax as mm
 from multimesh_flax import errors, layers
+from multimesh_flax.core.fragment import _sums
 from multimesh_flax.core.run import OpKind, _ahead, _compile
 from multimesh_flax.core.trace import BoundedCache
-from tests.layers._models import RULES, MLPBlock, Pipeline, device_ids
+from tests.core._chain import backward_all_reduce_operands
+from tests.layers._models import RULES, STAGE0, STAGE1, MLPBlock, Pipeline, device_ids
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 X = jax.random.normal(jax.random.key(1), (8, 16))
@@ -353,6 +355,61 @@ def test_tensor_parallel_stages_run_one_program_per_unit_across_microbatches():
     jax.tree_util.tree_map(
         lambda a, b: np.testing.assert_allclose(a, b, **TOL), state.params, ref_params
     )
+
+
+# Rows over ``x``, each block's kernels split Megatron-style over ``y`` alone.
+TENSOR_RULES = (("batch", "x"), ("data", None), ("model", "y"))
+
+
+class TensorParallel(nn.Module):
+    """``Pipeline``'s blocks, each stage data parallel over ``x`` and tensor parallel over
+    ``y``."""
+
+    @nn.compact
+    def __call__(self, x, y):
+        for i, mesh in enumerate((STAGE0, STAGE1)):
+            block = layers.task(MLPBlock, mesh=mesh, logical_axes=TENSOR_RULES)
+            x = block(name=f"layer_{i}")(x)
+        return jnp.mean((x - y) ** 2)
+
+
+def test_tensor_parallel_stages_keep_each_gradient_sum_per_row_shard(monkeypatch):
+    """The step lays each microbatch's gradients out as their parameters in a block of
+    constraints after the backward's: each gradient's running sum is then a stack of the
+    ``x`` shards' partial sums in that layout (``core.fragment._stacked_sums``, through both
+    blocks), so no backward all-reduces a gradient over ``x``; one program per unit still,
+    and the training equals plain Flax's and the unstacked step's up to rounding."""
+    runs = {}
+    for stack in (True, False):
+        monkeypatch.setattr(_sums, "STACK", stack)
+        step, state, _ = layers.parallelize_step(
+            TensorParallel(),
+            optax.adam(0.01),
+            global_batch=(X, Y),
+            microbatches=4,
+            schedule="1f1b",
+        )
+        start = _initial_params(state)
+        losses, state = _train(step, state, [(X, Y)] * 2)
+        runs[stack] = losses, state.params, step.executable(state, (X, Y))
+    (losses, params, executable), (losses_apart, params_apart, executable_apart) = runs.values()
+    assert params["layer_0"]["Dense_0"]["kernel"].sharding.spec == P(None, "y")
+    ref_losses, ref_params = _reference_run(Pipeline(wrap=False), optax.adam(0.01), start,
+                                            [(X, Y)] * 2)  # fmt: skip
+    np.testing.assert_allclose(losses, ref_losses, **TOL)
+    np.testing.assert_allclose(losses, losses_apart, **TOL)
+    leaves = map(jax.tree.leaves, (params, ref_params, params_apart))
+    for got, want, other in zip(*leaves, strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_allclose(got, other, **TOL)
+    # Four gradients a stage (two kernels, two biases), four microbatches, two stages.
+    operands, operands_apart = map(backward_all_reduce_operands, (executable, executable_apart))
+    assert operands_apart - operands == 4 * 4 * 2, (operands, operands_apart)
+    used: dict[tuple, set] = {}  # per program and submesh: the executables its ops called
+    for i, op in enumerate(executable.ops):
+        if op.kind is OpKind.RUN:
+            used.setdefault((id(op.program), op.place), set()).add(id(executable.state.fns[i]))
+    assert all(len(called) == 1 for called in used.values()), used
 
 
 @pytest.mark.parametrize(
