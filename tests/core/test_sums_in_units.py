@@ -408,13 +408,15 @@ def _laid_out(mesh, *specs):
         ((P(None, "model"), None), False),
         ((P("data", "model"),), False),
         ((P(("data", "model")),), False),
+        ((P(None, P.UNCONSTRAINED),), False),
     ],
-    ids=["tensor-parallel", "unconstrained", "split-over-rows", "split-over-both"],
+    ids=["tensor-parallel", "unconstrained", "split-over-rows", "split-over-both", "left-open"],
 )
 def test_a_stack_per_gradient_needs_each_layout_and_leaves_the_rows_axes_free(specs, accepted):
     """Where the rows span only some of a place's devices, each gradient is stacked in its
-    own layout: every layout must be known and leave the rows' axes to the stack (a
-    gradient already split over ``data``, ZeRO-style, is left alone)."""
+    own layout: every layout must be known in full (the zeros are made in it) and leave the
+    rows' axes to the stack (a gradient already split over ``data``, ZeRO-style, is left
+    alone)."""
     mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     batch = _stacked_sums.Batch(mesh, ("data",), 2)
     shardings = None if None in specs else _laid_out(mesh, *specs)

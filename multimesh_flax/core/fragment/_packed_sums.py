@@ -47,6 +47,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives
+from jax.sharding import PartitionSpec
 
 from multimesh_flax.core.fragment._jaxpr import constraints_making
 from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes, stack_chain
@@ -143,15 +144,18 @@ def _gradient_shardings(
 def _accepts(devices: int, shardings: list[Any] | None, batch: Batch) -> bool:
     """Whether a chain on a place of ``devices`` devices, its gradients laid out as
     ``shardings``, may be stacked over ``batch``: into one flat sum where the batch spans
-    the place, else a stack per gradient, each in its own layout: all known, on the
-    batch's mesh, none split over the batch's axes."""
+    the place, else a stack per gradient, each in its own layout: all known (no dimension
+    left to the compiler: the zeros are made in it), on the batch's mesh, none split over
+    the batch's axes."""
     if batch.size == devices:
         return True
     if shardings is None:
         return False
     for sharding in shardings:
+        if sharding.mesh != batch.mesh or PartitionSpec.UNCONSTRAINED in sharding.spec:
+            return False
         used = {a for entry in sharding.spec if entry for a in _names(entry)}
-        if sharding.mesh != batch.mesh or used & set(batch.axes):
+        if used & set(batch.axes):
             return False
     return True
 
