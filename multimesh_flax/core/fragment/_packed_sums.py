@@ -100,30 +100,46 @@ def pack_chains(
                 apart = _stack_apart(order, links, starts, chain, reader, batch, laid_out)
                 zeros_shardings.update(apart)
                 continue
-        avals = tuple(v.aval for v in finals)
-        params = _link_params(avals, batch)
-        flat = jex.Var(params["call_jaxpr"].out_avals[0])
-        zeros = _link(links, chain[0]).invars[: len(avals)]
-        at = starts[first].index(zeros[0])
-        starts[first][at : at + len(avals)] = [flat]
-        if batch is not None:
-            zeros_shardings[flat] = batch.sharding()
-        for pos, k in chain:
-            eqn = links[pos][k]
-            out = jex.Var(flat.aval)
-            links[pos][k] = eqn.replace(
-                invars=[flat, *eqn.invars[len(avals) :]], outvars=[out], params=params
-            )
-            flat = out
-        unpack_params = _unpack_params(avals, batch)
-        offsets = [jex.Var(a) for a in unpack_params["call_jaxpr"].in_avals[1:]]
-        unpack = jex.new_jaxpr_eqn(
-            [flat, *offsets], finals, primitives.closed_call_p, unpack_params, frozenset()
-        )
-        frag = order[reader]
-        consts = (*frag.consts, *zip(offsets, _offsets(avals), strict=True))
-        order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
+        zeros_shardings.update(_pack_flat(order, links, starts, chain, reader, batch))
     return zeros_shardings
+
+
+def _pack_flat(
+    order: list[Any],
+    links: dict[int, list[Any]],
+    starts: dict[int, list[Any]],
+    chain: list[tuple[int, int]],
+    reader: int,
+    batch: Batch | None,
+) -> dict[Any, Any]:
+    """Gives ``chain`` one flat running sum (stacked over ``batch``, a data-parallel
+    place's, where not ``None``), sliced back into its final sums where ``order[reader]``
+    reads them. Edits ``links``, ``starts`` and ``order``; returns the sharding of the new
+    zeros variable, if it has one."""
+    finals = list(_link(links, chain[-1]).outvars)
+    avals = tuple(v.aval for v in finals)
+    params = _link_params(avals, batch)
+    flat = jex.Var(params["call_jaxpr"].out_avals[0])
+    first = chain[0][0]
+    at = starts[first].index(_link(links, chain[0]).invars[0])
+    starts[first][at : at + len(avals)] = [flat]
+    zeros = {} if batch is None else {flat: batch.sharding()}
+    for pos, k in chain:
+        eqn = links[pos][k]
+        out = jex.Var(flat.aval)
+        links[pos][k] = eqn.replace(
+            invars=[flat, *eqn.invars[len(avals) :]], outvars=[out], params=params
+        )
+        flat = out
+    unpack_params = _unpack_params(avals, batch)
+    offsets = [jex.Var(a) for a in unpack_params["call_jaxpr"].in_avals[1:]]
+    unpack = jex.new_jaxpr_eqn(
+        [flat, *offsets], finals, primitives.closed_call_p, unpack_params, frozenset()
+    )
+    frag = order[reader]
+    consts = (*frag.consts, *zip(offsets, _offsets(avals), strict=True))
+    order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
+    return zeros
 
 
 def _gradient_shardings(
