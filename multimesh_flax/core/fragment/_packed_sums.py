@@ -50,7 +50,8 @@ from jax.extend.core import primitives
 from jax.sharding import PartitionSpec
 
 from multimesh_flax.core.fragment._jaxpr import constraints_making
-from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes, stack_chain
+from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes
+from multimesh_flax.core.fragment._stacked_units import stack_chain
 from multimesh_flax.core.trace import TracedProgram, concrete_constraint
 
 _LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
