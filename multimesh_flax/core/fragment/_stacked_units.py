@@ -52,7 +52,7 @@ def stack_chain(
     block of the sharding constraints laying its gradients out as their parameters): a
     block's stacked inputs are stacked outputs of the block making them, which nothing
     else reads. ``alone(v, at)``: whether ``v``'s only reader is the fragment at position
-    ``at`` (``None``: a link); ``batches_at(place)``: :func:`batch_axes` of the place's
+    ``at`` (``None``: a link); ``batches_at(place)``: ``_stacked_sums.batch_axes`` of the place's
     fragments."""
     units: dict[int, list[_Planned]] = {}
     for pos, k in chain:
