@@ -49,10 +49,9 @@ import numpy as np
 from jax.extend.core import primitives
 from jax.sharding import PartitionSpec
 
-from multimesh_flax.core.fragment._jaxpr import constraints_making
 from multimesh_flax.core.fragment._stacked_sums import Batch, batch_axes
 from multimesh_flax.core.fragment._stacked_units import stack_chain
-from multimesh_flax.core.trace import TracedProgram, concrete_constraint
+from multimesh_flax.core.trace import TracedProgram
 
 _LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
 
@@ -62,14 +61,17 @@ def pack_chains(
     order: list[Any],
     links: dict[int, list[Any]],
     starts: dict[int, list[Any]],
+    laid_out: dict[Any, Any],
     *,
     stack: bool = True,
 ) -> dict[Any, Any]:
     """Packs every chain that qualifies (see module doc), editing ``order`` (fragments in
     dispatch order, without the links yet), ``links`` (position -> the link equations to
     append there) and ``starts`` (position -> the zeros made right before it) in place.
-    ``stack``: also chains on places of several devices, as per-device partial sums
-    (``_stacked_sums``). Returns the sharding each such chain's zeros must be made in."""
+    ``laid_out``: per zeros variable, the sharding its unit constrains the gradient added
+    to it to (``_sums._zeros_like_gradients``). ``stack``: also chains on places of several
+    devices, as per-device partial sums (``_stacked_sums``). Returns the sharding each such
+    chain's zeros must be made in."""
     readers = _readers(traced, order, links)
     zeros_shardings = {}
 
@@ -92,13 +94,13 @@ def pack_chains(
             if not stack:
                 continue
             devices = len(order[first].place)
-            laid_out = _gradient_shardings(order, links, chain[0])
-            accept = functools.partial(_accepts, devices, laid_out)
+            shardings = _gradient_shardings(links, chain[0], laid_out)
+            accept = functools.partial(_accepts, devices, shardings)
             batch = stack_chain(order, links, chain, alone, batches_at, accept)
             if batch is None:
                 continue
             if batch.size != devices:  # tensor parallel too: a stack per gradient
-                apart = _stack_apart(order, links, starts, chain, reader, batch, laid_out)
+                apart = _stack_apart(order, links, starts, chain, reader, batch, shardings)
                 zeros_shardings.update(apart)
                 continue
         zeros_shardings.update(_pack_flat(order, links, starts, chain, reader, batch))
@@ -144,17 +146,14 @@ def _pack_flat(
 
 
 def _gradient_shardings(
-    order: list[Any], links: dict[int, list[Any]], at: tuple[int, int]
+    links: dict[int, list[Any]], at: tuple[int, int], laid_out: dict[Any, Any]
 ) -> list[Any] | None:
-    """The shardings the unit at ``at`` constrains the gradients its link adds to (the
-    Flax step lays a tensor-parallel stage's gradients out as their parameters), or
-    ``None`` where one is unconstrained."""
+    """The shardings the unit of the chain's first link (``at``) constrains the gradients
+    that link adds to (the Flax step lays a tensor-parallel stage's gradients out as their
+    parameters), read off ``laid_out`` by the zeros each is added to; ``None`` where one
+    is unconstrained."""
     eqn = _link(links, at)
-    made_by = constraints_making(order[at[0]].eqns)
-    shardings = [
-        concrete_constraint(made_by[v]) if v in made_by else None
-        for v in eqn.invars[len(eqn.outvars) :]
-    ]
+    shardings = [laid_out.get(v) for v in eqn.invars[: len(eqn.outvars)]]
     return None if None in shardings else shardings
 
 

@@ -311,14 +311,14 @@ def stacked_body(body: Any, outs: tuple[int, ...], plan: _Plan, batch: Batch) ->
     """``body`` (a block's closed jaxpr) as ``plan`` (:func:`plan_body` of its outputs at
     ``outs``) says: those outputs, and its inputs at ``plan.input_positions()``, stacks of
     per-device partial sums on a leading dimension of the batch's size; ``None`` where the
-    rewrite fails to trace. Cached per body."""
-    ins = plan.input_positions()
-    key = (id(body), outs, ins, batch, id(plan))
-    made = _BODIES.get_or_make(key, lambda _: (body, plan, _stacked_body(body, outs, plan, batch)))
-    return made[2]
+    rewrite fails to trace. Cached per plan (itself cached per body and outputs)."""
+    key = (id(plan), batch)
+    made = _BODIES.get_or_make(key, lambda _: (plan, _stacked_body(body, outs, plan, batch)))
+    return made[1]
 
 
-# (body id, ...) -> (the body, kept alive while its id is a key; what was made of it)
+# (body id, ...) -> (the body, kept alive while its id is a key; its plan), and
+# (plan id, batch) -> (the plan, likewise; the body's rewrite)
 _PLANS = BoundedCache(capacity=256)
 _BODIES = BoundedCache(capacity=256)
 

@@ -141,7 +141,7 @@ def sums_into_units(
     starts = _start_from_zeros(order, made_at, moves)
     laid_out = _zeros_like_gradients(order, moves, starts)
     links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
-    shardings = pack_chains(traced, new, links, starts, stack=STACK) if PACK else {}
+    shardings = pack_chains(traced, new, links, starts, laid_out, stack=STACK) if PACK else {}
     for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
     zeros = _with_zeros(new, starts, {**laid_out, **shardings})
