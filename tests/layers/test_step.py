@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import multimesh_flax as mm
 from multimesh_flax import errors, layers
 from multimesh_flax.core.fragment import _sums
+from multimesh_flax.core.plan import _accumulate
 from multimesh_flax.core.run import OpKind, _ahead, _compile
 from multimesh_flax.core.trace import BoundedCache
 from tests.core._chain import backward_all_reduce_operands
@@ -357,6 +358,16 @@ def test_tensor_parallel_stages_run_one_program_per_unit_across_microbatches():
     )
 
 
+def _assert_same_training(run, *others):
+    """``(losses, params)`` of ``run`` equal each of ``others``' at ``TOL``."""
+    losses, params = run
+    for other_losses, other_params in others:
+        np.testing.assert_allclose(losses, other_losses, **TOL)
+        leaves = map(jax.tree.leaves, (params, other_params))
+        for got, want in zip(*leaves, strict=True):
+            np.testing.assert_allclose(got, want, **TOL)
+
+
 # Rows over ``x``, each block's kernels split Megatron-style over ``y`` alone.
 TENSOR_RULES = (("batch", "x"), ("data", None), ("model", "y"))
 
@@ -396,20 +407,99 @@ def test_tensor_parallel_stages_keep_each_gradient_sum_per_row_shard(monkeypatch
     assert params["layer_0"]["Dense_0"]["kernel"].sharding.spec == P(None, "y")
     ref_losses, ref_params = _reference_run(Pipeline(wrap=False), optax.adam(0.01), start,
                                             [(X, Y)] * 2)  # fmt: skip
-    np.testing.assert_allclose(losses, ref_losses, **TOL)
-    np.testing.assert_allclose(losses, losses_apart, **TOL)
-    leaves = map(jax.tree.leaves, (params, ref_params, params_apart))
-    for got, want, other in zip(*leaves, strict=True):
-        np.testing.assert_allclose(got, want, **TOL)
-        np.testing.assert_allclose(got, other, **TOL)
+    _assert_same_training((losses, params), (ref_losses, ref_params), (losses_apart, params_apart))
     # Four gradients a stage (two kernels, two biases), four microbatches, two stages.
     operands, operands_apart = map(backward_all_reduce_operands, (executable, executable_apart))
     assert operands_apart - operands == 4 * 4 * 2, (operands, operands_apart)
+    _programs(executable)
+
+
+VOCAB = 12  # splits over the 2 devices of ``y``
+
+
+class TiedStem(nn.Module):
+    """A table split over ``model`` (rows) whose rows the ids look up, plus a position's."""
+
+    @nn.compact
+    def __call__(self, ids):
+        table = self.param("table", layers.shard_axes("model", None), (VOCAB, 16))
+        where = self.param("where", layers.shard_axes(None, None), (ids.shape[-1], 16))
+        return mm.with_sharding_constraint(table[ids] + where, P("batch", None, None))
+
+
+class TiedHead(nn.Module):
+    """A dense layer, then logits against the stem's table (tied)."""
+
+    @nn.compact
+    def __call__(self, x, table):
+        h = nn.Dense(16, kernel_init=layers.shard_axes("data", "model"))(x)
+        return mm.with_sharding_constraint(jnp.tanh(h), P("batch", None, None)) @ table.T
+
+
+class Tied(nn.Module):
+    """The stem on devices 0-3 and the head on 4-7, both tensor parallel: the head's
+    gradient of the table is a share that adds to the stem's."""
+
+    @nn.compact
+    def __call__(self, ids, labels):
+        stem = layers.task(TiedStem, mesh=STAGE0, logical_axes=TENSOR_RULES)(name="stem")
+        x = stem(ids)
+        head = layers.task(TiedHead, mesh=STAGE1, logical_axes=TENSOR_RULES)(name="head")
+        logits = head(x, nn.meta.unbox(stem.variables["params"]["table"]))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def test_a_tied_tables_head_share_is_summed_on_its_stage_and_moves_once(monkeypatch):
+    """The step lays each microbatch's gradient of a tied table out as the table, on the
+    stem's stage, which used to pull the head's share over every microbatch and sum it
+    there, all-reduced over the rows on both stages. Each stage now sums its own share, per
+    row shard (``plan._accumulate``, ``fragment._stacked_units``): the head's share leaves
+    its stage once a step, and neither stage's backward all-reduces the table's gradient.
+    Training equals plain Flax's and the step's without it up to rounding."""
+    keys = jax.random.split(jax.random.key(3), 2)
+    batch = tuple(jax.random.randint(k, (8, 5), 0, VOCAB) for k in keys)
+    runs = {}
+    for through in (True, False):
+        monkeypatch.setattr(_accumulate, "THROUGH_LAYOUTS", through)
+        step, state, _ = layers.parallelize_step(
+            Tied(), optax.adam(0.01), global_batch=batch, microbatches=4, schedule="1f1b"
+        )
+        start = _initial_params(state)
+        losses, state = _train(step, state, [batch] * 2)
+        runs[through] = losses, state.params, step.executable(state, batch)
+    (losses, params, executable), (losses_before, params_before, executable_before) = runs.values()
+    assert params["stem"]["table"].sharding.spec == P("y")
+    ref_losses, ref_params = _reference_run(Tied(), optax.adam(0.01), start, [batch] * 2)
+    _assert_same_training(
+        (losses, params), (ref_losses, ref_params), (losses_before, params_before)
+    )
+    moves = [_table_moves(e, STAGE0) for e in (executable, executable_before)]
+    assert moves == [1, 4], moves
+    operands = [backward_all_reduce_operands(e) for e in (executable, executable_before)]
+    assert operands[1] - operands[0] == 2 * 4, operands
+    assert _programs(executable) == _programs(executable_before)
+
+
+def _programs(executable):
+    """How many programs a step's ops run; raises unless each runs one executable per
+    submesh (every copy of a unit one program)."""
     used: dict[tuple, set] = {}  # per program and submesh: the executables its ops called
     for i, op in enumerate(executable.ops):
         if op.kind is OpKind.RUN:
             used.setdefault((id(op.program), op.place), set()).add(id(executable.state.fns[i]))
     assert all(len(called) == 1 for called in used.values()), used
+    return len({program for program, _ in used})
+
+
+def _table_moves(executable, stage):
+    """How many transfers a step makes of a table-shaped value onto ``stage``'s devices."""
+    homes = executable.slot_homes()
+    return sum(
+        op.kind is OpKind.PUT
+        and op.place == tuple(stage.devices)
+        and any(homes[s][0].aval.shape == (VOCAB, 16) for s in op.outs)
+        for op in executable.ops
+    )
 
 
 @pytest.mark.parametrize(

@@ -316,14 +316,17 @@ def _unpack_site(
 ) -> int | None:
     """Where ``finals`` (a chain's final sums, made at ``after``) can be sliced out of the
     flat sum: the position of the first fragment on ``order[after]``'s place that reads
-    them, if it is glue, no link reads them and every fragment elsewhere reading one comes
-    later (a tied table's head gradient, added to the stem's on the first stage: its
+    them -- or, where only other places read them, of the place's first glue fragment after
+    the chain -- if it is glue, no link reads them and every fragment elsewhere reading one
+    comes later (a tied table's head gradient, added to the stem's on the first stage: its
     transfer now leaves from the slicing fragment); else ``None``."""
     found = [r for v in finals for r in readers.get(v, ()) if r != _OUTPUT]
     if _LINK in found:
         return None
     place = order[after].place
     here = [pos for pos in found if order[pos].place == place]
+    if not here and found:
+        here = [p for p in range(after + 1, len(order)) if order[p].place == place][:1]
     if not here:
         return None
     first = min(here)

@@ -11,7 +11,10 @@ A gradient may pass through several blocks of its unit: the Flax step's backward
 in one block and lays it out as its parameter in the next (a block of sharding constraints).
 Walked backwards from the gradients, a block may take an input stacked where the block
 before it makes that input, reads it nowhere else, and can itself make it stacked (an
-activation cannot be: it is no sum over rows); that block then stacks it too.
+activation cannot be: it is no sum over rows); that block then stacks it too. A sharding
+constraint standing alone in the unit (a gradient's layout that ``trace._blocks`` keeps out
+of its block, or the only one left in it) is planned as a block of itself
+(``_constraints_as_blocks``), and stays as it was unless it is rewritten.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, NamedTuple
 import jax.extend.core as jex
 
 from multimesh_flax.core.fragment._stacked_sums import Batch, _Plan, plan_body, stacked_body
-from multimesh_flax.core.trace import is_block
+from multimesh_flax.core.trace import as_block, concrete_constraint, is_block
 
 
 class _Planned(NamedTuple):
@@ -55,30 +58,41 @@ def stack_chain(
     ``at`` (``None``: a link); ``batches_at(place)``: ``_stacked_sums.batch_axes`` of the place's
     fragments."""
     units: dict[int, list[_Planned]] = {}
+    blocked: dict[int, list[Any]] = {}  # per unit, its equations with constraints as blocks
     for pos, k in chain:
         eqn = links[pos][k]
         grads = eqn.invars[len(eqn.outvars) :]
         if not all(alone(v, None) for v in grads):
             return None
         batches = batches_at(order[pos].place)
-        planned = _plan_unit(order[pos].eqns, grads, batches, functools.partial(alone, at=pos))
+        eqns = blocked.setdefault(pos, _constraints_as_blocks(order[pos].eqns))
+        planned = _plan_unit(eqns, grads, batches, functools.partial(alone, at=pos))
         if planned is None:
             return None
         units[pos] = planned
     found = {b for planned in units.values() for p in planned for b in p.plan.split.values()}
     if len(found) != 1 or not accept(batch := next(iter(found))):
         return None
-    rewritten = {pos: _rewrite_unit(order[pos].eqns, units[pos], batch) for pos in units}
+    rewritten = {pos: _rewrite_unit(blocked[pos], units[pos], batch) for pos in units}
     if any(r is None for r in rewritten.values()):
         return None
     renamed: dict[Any, Any] = {}  # a planned output -> its stack
     for pos, (eqns, names) in rewritten.items():
+        kept = zip(eqns, blocked[pos], order[pos].eqns, strict=True)
+        eqns = [old if new is block else new for new, block, old in kept]
         order[pos] = dataclasses.replace(order[pos], eqns=eqns)
         renamed.update(names)
     for pos, k in chain:
         eqn = links[pos][k]
         links[pos][k] = eqn.replace(invars=[renamed.get(v, v) for v in eqn.invars])
     return batch
+
+
+def _constraints_as_blocks(eqns: Sequence[Any]) -> list[Any]:
+    """``eqns`` with each sharding constraint onto a mesh standing alone (where it lays out a
+    gradient, the last of its block: ``trace._blocks``) made a block of itself, so a
+    gradient can be followed through it; the constraints not rewritten stay as they were."""
+    return [as_block(e) if concrete_constraint(e) is not None else e for e in eqns]
 
 
 def _plan_unit(

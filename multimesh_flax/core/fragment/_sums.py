@@ -23,7 +23,9 @@ of every backward (a full backward compile more each, measured 1.5-2 s for gpt-t
 stages). So each chain starts from zeros: ``acc_0 = zeros + g_0`` runs in the first unit,
 the zeros made by a small glue fragment dispatched right before it, from the constant 0
 placed on its submesh (its one input: so it runs there, replicated, and an equally shaped
-submesh's zeros relocate its program rather than compile their own). Every copy
+submesh's zeros relocate its program rather than compile their own). A unit's links are
+appended in the order the unit makes their gradients (``_in_gradient_order``), not the
+order the glue held them in, which can differ in a chain's last unit. Every copy
 of the unit then runs one program, and the glue programs of the links are gone. ``0 + g`` is
 ``g`` for every float but ``-0.0``, which becomes ``+0.0``: a final sum differs from the
 unmoved chain's only where every microbatch's gradient element is ``-0.0`` (it is then
@@ -140,12 +142,29 @@ def sums_into_units(
             new[pos] = dataclasses.replace(frag, eqns=[e for e in frag.eqns if id(e) not in moved])
     starts = _start_from_zeros(order, made_at, moves)
     laid_out = _zeros_like_gradients(order, moves, starts)
-    links = {pos: [behind_barrier(e) for e in eqns] for pos, eqns in moves.items()}
+    links = {
+        pos: [behind_barrier(e) for e in _in_gradient_order(order[pos], eqns)]
+        for pos, eqns in moves.items()
+    }
     shardings = pack_chains(traced, new, links, starts, laid_out, stack=STACK) if PACK else {}
     for pos, eqns in links.items():
         new[pos] = dataclasses.replace(new[pos], eqns=[*new[pos].eqns, *eqns])
     zeros = _with_zeros(new, starts, {**laid_out, **shardings})
     return zeros, {id(e) for eqns in links.values() for e in eqns}
+
+
+def _in_gradient_order(unit: Any, links: list[Any]) -> list[Any]:
+    """``links`` (moved to the end of ``unit``) in the order the unit makes their gradients:
+    the same in every copy of the unit, whatever order the glue held them in (the last
+    copy's links can come from other glue than the earlier ones', e.g. where a tied
+    table's partial sums meet), so every copy stays one program."""
+    made = {v: (i, j) for i, e in enumerate(unit.eqns) for j, v in enumerate(e.outvars)}
+    last = (len(unit.eqns), 0)
+
+    def key(eqn: Any) -> tuple[int, int]:
+        return min((made.get(v, last) for v in eqn.invars[len(eqn.outvars) :]), default=last)
+
+    return sorted(links, key=key)
 
 
 def _left(eqn: Any) -> list[Any]:

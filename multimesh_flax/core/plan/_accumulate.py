@@ -14,7 +14,13 @@ its microbatch's contribution exists. When the operands come from tasks on sever
 (a tied embedding: the stem's and the head's gradient of one table), each submesh first sums
 its own operands, and the partial sums meet once, on the submesh whose partial is ready
 last: one transfer per step instead of one per microbatch, off the critical path. The result
-is the same sum, up to floating-point rounding of the new association order.
+is the same sum, up to floating-point rounding of the new association order. On
+tensor-parallel stages ``parallelize_step`` lays each microbatch's gradient out as its
+parameter, so a tied table's two shares are added *and laid out* on the table's submesh
+every microbatch; the tree then goes through that layout (``_tied_layouts``) and each share
+is laid out alike on its own submesh, with the same partition spec (``_laid_out``): the
+head's share, summed where it is made, moves once a step (gpt-tiny S=2 m=16, data 2 x
+tensor 2 stages: the [264, 64] table's gradient moved 16 times a step, now once).
 
 :func:`bundle_sums` then makes each microbatch's additions one equation per producing
 block: the sums that add outputs of the same two equations (one block's gradients of all its
@@ -37,12 +43,22 @@ from typing import Any
 import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives
+from jax.sharding import NamedSharding
 
 from multimesh_flax.core.declare import place_of
 from multimesh_flax.core.plan import _pipeline
-from multimesh_flax.core.trace import Equation, TracedProgram, is_sum, make_jaxpr_object
+from multimesh_flax.core.trace import (
+    Equation,
+    TracedProgram,
+    as_block,
+    concrete_constraint,
+    is_sum,
+    make_jaxpr_object,
+)
 
 _EARLY = (-1, float("-inf"))
+# internal switch: False leaves a tied gradient's layout where the step put it (tests compare)
+THROUGH_LAYOUTS = True
 _BUNDLE = "sums over microbatches"  # what a bundle's body says it is (its debug info)
 
 
@@ -66,6 +82,7 @@ class _Tree:
     root: int
     nodes: list[int]
     leaves: list[Any]
+    layouts: list[int | None]  # per leaf, the constraint that laid out its sum (see below)
 
 
 def _sum_trees(traced: TracedProgram, producer: dict[Any, int]) -> list[_Tree]:
@@ -74,7 +91,10 @@ def _sum_trees(traced: TracedProgram, producer: dict[Any, int]) -> list[_Tree]:
     A tree's inner nodes are additions whose only reader is another addition of the tree,
     also inside a microbatch: when each microbatch's body is one traced program, a shared
     parameter's gradient shares from two tasks (a tied table) are added inside the
-    microbatch's backward before the sum over microbatches adds them up.
+    microbatch's backward before the sum over microbatches adds them up. A training step
+    may lay that addition's result out as its parameter (a sharding constraint between it
+    and the sum over microbatches, ``_tied_layouts``): the tree goes through the
+    constraint, and each leaf below it keeps it in ``layouts``.
     """
     eqns = traced.jaxpr.eqns
     uses: dict[Any, int] = {v: 1 for v in traced.jaxpr.outvars if not isinstance(v, jex.Literal)}
@@ -83,29 +103,58 @@ def _sum_trees(traced: TracedProgram, producer: dict[Any, int]) -> list[_Tree]:
             if not isinstance(v, jex.Literal):
                 uses[v] = uses.get(v, 0) + 1
     sums = {i for i, e in enumerate(eqns) if is_sum(e)}
+    layouts = _tied_layouts(traced, producer, uses, sums) if THROUGH_LAYOUTS else {}
     inner = {
         producer[v]
         for i in sums
         for v in eqns[i].invars
         if producer.get(v) in sums and uses[v] == 1
-    }
+    } | set(layouts.values())
     trees = []
     for root in sorted(sums - inner):
         if traced.equations[root].microbatch is not None:
             continue
-        tree = _Tree(root, [], [])
-        stack: list[tuple[bool, Any]] = [(True, root)]
+        tree = _Tree(root, [], [], [])
+        stack: list[tuple[bool, Any, int | None]] = [(True, root, None)]
         while stack:  # in order: leaves come out left to right
-            is_node, item = stack.pop()
+            is_node, item, layout = stack.pop()
             if not is_node:
                 tree.leaves.append(item)
+                tree.layouts.append(layout)
                 continue
             tree.nodes.append(item)
             for v in reversed(eqns[item].invars):
                 j = producer.get(v)
-                stack.append((True, j) if j in inner else (False, v))
+                if j in layouts:
+                    tree.nodes.append(j)
+                    stack.append((True, layouts[j], j))
+                else:
+                    stack.append((True, j, layout) if j in inner else (False, v, layout))
         trees.append(tree)
     return trees
+
+
+def _tied_layouts(
+    traced: TracedProgram, producer: dict[Any, int], uses: dict[Any, int], sums: set[int]
+) -> dict[int, int]:
+    """``{constraint: sum}``: the sharding constraints, each read by one sum, that lay out
+    one sum of gradient shares made on several submeshes (``parallelize_step`` lays each
+    microbatch's gradient of a tied table out as the table, on the table's submesh). The
+    sums over microbatches then go through them (``_laid_out``)."""
+    eqns = traced.jaxpr.eqns
+    found: dict[int, int] = {}
+    for i in sums:
+        for v in eqns[i].invars:
+            j = producer.get(v)
+            if j is None or uses.get(v) != 1 or concrete_constraint(eqns[j]) is None:
+                continue
+            shares = eqns[j].invars[0]
+            k = producer.get(shares)
+            if k not in sums or uses.get(shares) != 1:
+                continue
+            if len(set(_leaf_places(traced, eqns[k].invars, producer)) - {None}) > 1:
+                found[j] = k
+    return found
 
 
 def _microbatches(traced: TracedProgram, leaves: list[Any], producer: dict[Any, int]) -> set[Any]:
@@ -178,7 +227,8 @@ def reassociate_sums(
     ready = _ready_times(traced, plan)
     eqns = traced.jaxpr.eqns
     producer = traced.producer
-    replaced: dict[int, list[Any]] = {}  # root index -> new chain; other nodes -> []
+    # root index -> new chain; a tied layout's index -> its leaves' layouts; other nodes -> []
+    replaced: dict[int, list[Any]] = {}
     for tree in _sum_trees(traced, producer):
         if len(tree.leaves) < 3 or len(_microbatches(traced, tree.leaves, producer)) < 2:
             continue
@@ -189,10 +239,59 @@ def reassociate_sums(
         root = eqns[tree.root]
         for i in tree.nodes:
             replaced[i] = []
-        replaced[tree.root] = _sum_in_order(root, tree.leaves, places, ready, root.outvars[0])
+        leaves = _laid_out(traced, tree, places, ready, replaced)
+        replaced[tree.root] = _sum_in_order(root, leaves, places, ready, root.outvars[0])
     if not replaced:
         return traced, plan
     return _rebuild(traced, plan, replaced)
+
+
+def _laid_out(
+    traced: TracedProgram,
+    tree: _Tree,
+    places: list[Any],
+    ready: dict[Any, Any],
+    replaced: dict[int, list[Any]],
+) -> list[Any]:
+    """The tree's leaves, each below a tied layout laid out as the layout says, on its own
+    submesh: the same partition spec on the mesh of the task that made it (unconstrained
+    where the spec does not fit that mesh). The constraints take the layout's place in the
+    program (``replaced``), recorded as their leaf's task and microbatch, so each runs with
+    the backward that makes its share."""
+    eqns, producer = traced.jaxpr.eqns, traced.producer
+    leaves = []
+    for leaf, layout, place in zip(tree.leaves, tree.layouts, places, strict=True):
+        sharding = None if layout is None else _on_place(traced, eqns[layout], leaf, place)
+        if sharding is None:
+            leaves.append(leaf)
+            continue
+        out = jex.Var(leaf.aval)
+        params = {**eqns[layout].params, "sharding": sharding}
+        eqn = as_block(eqns[layout].replace(invars=[leaf], outvars=[out], params=params))
+        mine = traced.equations[layout]
+        moved = place is not None and place != place_of(concrete_constraint(mine.eqn).mesh)
+        record = traced.equations[producer[leaf]] if moved else mine
+        replaced[layout].append(record._replace(eqn=eqn, stack=mine.stack))
+        ready[out] = ready.get(leaf, _EARLY)
+        leaves.append(out)
+    return leaves
+
+
+def _on_place(traced: TracedProgram, layout: Any, leaf: Any, place: Any) -> Any:
+    """``layout``'s sharding for ``leaf`` made on ``place``: its own where it names that
+    submesh (or ``leaf`` is glue), else its spec on the mesh of the task that made ``leaf``;
+    ``None`` where the spec does not fit there."""
+    sharding = concrete_constraint(layout)
+    if place is None or place == place_of(sharding.mesh):
+        return sharding
+    label = traced.equations[traced.producer[leaf]].label
+    mesh = traced.tasks[label.task].mesh
+    try:
+        moved = NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+        moved.shard_shape(leaf.aval.shape)
+    except ValueError:  # an axis the mesh lacks, or a dimension it does not divide
+        return None
+    return moved
 
 
 def _rebuild(
@@ -201,7 +300,8 @@ def _rebuild(
     """The program with equation ``i`` replaced by the chain ``replaced[i]``.
 
     Every other equation keeps its record; a replacement chain is glue that mixes
-    microbatches (its records keep only the name stack).
+    microbatches (its records keep only the name stack), except where it is given as
+    records (``Equation``, ``_laid_out``).
     """
     equations: list[Equation] = []
     for i, equation in enumerate(traced.equations):
@@ -209,7 +309,10 @@ def _rebuild(
         if chain is None:
             equations.append(equation)
         else:
-            equations.extend(Equation(eqn, equation.stack, mixed=True) for eqn in chain)
+            equations.extend(
+                e if isinstance(e, Equation) else Equation(e, equation.stack, mixed=True)
+                for e in chain
+            )
     jaxpr = traced.jaxpr
     program = make_jaxpr_object(
         list(jaxpr.constvars),

@@ -13,6 +13,7 @@ by structure (the fragment cache's keys, identical microbatch copies).
 Later stages and the Flax layer import the names below from this package, never its modules.
 """
 
+from multimesh_flax.core.trace._blocks import as_block as as_block
 from multimesh_flax.core.trace._blocks import block_body as block_body
 from multimesh_flax.core.trace._blocks import is_block as is_block
 from multimesh_flax.core.trace._blocks import is_sum as is_sum

@@ -28,6 +28,7 @@ split ``plan/_pipeline`` makes after tracing never falls inside a block.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -291,14 +292,15 @@ def _segment(template: Any, body: Sequence[Equation], split: bool) -> tuple[Equa
     its equations labelled, each ``stack`` below the call's own; so are the items').
 
     Sums that only feed the body's outputs, directly or through such sums, stay single
-    equations too: they may add a parameter's gradient shares from two tasks, which
-    ``plan/_accumulate`` re-associates across microbatches (summing each submesh's shares
-    before they move). With ``split`` (a schedule splitting the backward), a backward run
-    is also cut where it passes between activation and weight gradient.
+    equations too, and so does a sharding constraint between such a sum and the outputs:
+    they may add a parameter's gradient shares from two tasks, which ``plan/_accumulate``
+    re-associates across microbatches (summing each submesh's shares before they move).
+    With ``split`` (a schedule splitting the backward), a backward run is also cut where it
+    passes between activation and weight gradient.
     """
     eqns = [e.eqn for e in body]
     last_use = _last_uses(eqns, template.outvars)
-    single = _output_sums(eqns, template.outvars)
+    single = _output_sums(body, template.outvars)
     activation = _activation_gradient(body) if split else set()
 
     def key(i: int) -> tuple[Any, bool]:
@@ -318,19 +320,43 @@ def _segment(template: Any, body: Sequence[Equation], split: bool) -> tuple[Equa
     return tuple(items)
 
 
-def _output_sums(eqns: Sequence[Any], outvars: Sequence[Any]) -> set[int]:
-    """The indices of sums whose one reader is the body's outputs or another such sum."""
+def _output_sums(body: Sequence[Equation], outvars: Sequence[Any]) -> set[int]:
+    """The indices of sums whose one reader is the body's outputs or another such sum, and
+    of sums of two tasks' results (a tied parameter's gradient shares) whose one reader is
+    a sharding constraint (a training step lays each gradient out as its parameter) whose
+    one reader is an output, with those constraints."""
+    eqns = [e.eqn for e in body]
     readers: dict[Any, list[Any]] = {v: ["out"] for v in outvars if not isinstance(v, jex.Literal)}
     for i, eqn in enumerate(eqns):
         for v in eqn.invars:
             if not isinstance(v, jex.Literal):
                 readers.setdefault(v, []).append(i)
+    producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     found: set[int] = set()
+    laying_out: dict[int, int] = {}  # constraint -> the sum of two tasks' results it lays out
     for i in reversed(range(len(eqns))):
-        only = readers.get(eqns[i].outvars[0], []) if is_sum(eqns[i]) else []
-        if len(only) == 1 and (only[0] == "out" or only[0] in found):
+        only = readers.get(eqns[i].outvars[0], [])
+        if len(only) != 1 or not is_sum(eqns[i]):
+            continue
+        if only[0] == "out" or only[0] in found:
             found.add(i)
-    return found
+        elif _lays_out_output(eqns, readers, only[0]) and _of_two_tasks(body, producer, i):
+            found.add(i)
+            laying_out[only[0]] = i
+    return found | set(laying_out)
+
+
+def _lays_out_output(eqns: Sequence[Any], readers: dict[Any, list[Any]], i: int) -> bool:
+    """Whether ``eqns[i]`` is a sharding constraint onto a mesh whose one reader is an
+    output."""
+    return concrete_constraint(eqns[i]) is not None and readers.get(eqns[i].outvars[0]) == ["out"]
+
+
+def _of_two_tasks(body: Sequence[Equation], producer: dict[Any, int], i: int) -> bool:
+    """Whether the sum ``body[i]`` adds results of equations of two different tasks."""
+    made_by = [producer.get(v) for v in body[i].eqn.invars]
+    labels = {body[j].label.task for j in made_by if j is not None and body[j].label is not None}
+    return len(labels) > 1
 
 
 def is_sum(eqn: Any) -> bool:
@@ -379,6 +405,36 @@ def _block(run: Sequence[Any], end: int, last_use: dict[Any, int]) -> Any:
     return jex.new_jaxpr_eqn(
         list(invars), outvars, primitives.closed_call_p, params, effects, run[0].source_info
     )
+
+
+def as_block(constraint: Any) -> Any:
+    """The sharding constraint equation ``constraint`` as a block (``closed_call``) of
+    itself. The running sums' passes follow a gradient through blocks
+    (``fragment._stacked_units``); the copies of one constraint (one per microbatch) share
+    one body, as a block's copies share theirs."""
+    (x,) = constraint.invars
+    key = (x.aval, constraint.primitive, tuple(constraint.params.items()))
+    try:
+        params = _block_params(*key)
+    except TypeError:  # a parameter that cannot be hashed: a body of its own
+        params = _block_params.__wrapped__(*key)
+    return jex.new_jaxpr_eqn(
+        constraint.invars,
+        constraint.outvars,
+        primitives.closed_call_p,
+        params,
+        frozenset(),
+        constraint.source_info,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _block_params(aval: Any, primitive: Any, params: tuple[tuple[str, Any], ...]) -> dict[str, Any]:
+    """The parameters of a block whose body is one ``primitive`` of ``params`` on ``aval``."""
+    x, out = jex.Var(aval), jex.Var(aval)
+    eqn = jex.new_jaxpr_eqn([x], [out], primitive, dict(params), frozenset())
+    body = make_jaxpr_object([], [x], [out], [eqn], "block")
+    return {"call_jaxpr": jex.ClosedJaxpr(body, [])}
 
 
 def _emit(
