@@ -411,7 +411,19 @@ def as_block(constraint: Any) -> Any:
     """The sharding constraint equation ``constraint`` as a block (``closed_call``) of
     itself. The running sums' passes follow a gradient through blocks
     (``fragment._stacked_units``); the copies of one constraint (one per microbatch) share
-    one body, as a block's copies share theirs."""
+    one body, as a block's copies share theirs.
+
+    Example:
+        >>> from jax.sharding import NamedSharding
+        >>> mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+        >>> laid_out = lambda a: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P()))
+        >>> (eqn,) = jax.make_jaxpr(laid_out)(jnp.ones(3)).eqns
+        >>> block = as_block(eqn)
+        >>> is_block(block), [e.primitive.name for e in block_body(block).eqns]
+        (True, ['sharding_constraint'])
+        >>> block_body(block) is block_body(as_block(eqn))
+        True
+    """
     (x,) = constraint.invars
     key = (x.aval, constraint.primitive, tuple(constraint.params.items()))
     try:
