@@ -269,7 +269,7 @@ def _laid_out(
         params = {**eqns[layout].params, "sharding": sharding}
         eqn = as_block(eqns[layout].replace(invars=[leaf], outvars=[out], params=params))
         mine = traced.equations[layout]
-        moved = place is not None and place != place_of(concrete_constraint(mine.eqn).mesh)
+        moved = sharding is not concrete_constraint(eqns[layout])  # onto another submesh
         record = traced.equations[producer[leaf]] if moved else mine
         replaced[layout].append(record._replace(eqn=eqn, stack=mine.stack))
         ready[out] = ready.get(leaf, _EARLY)
@@ -278,9 +278,9 @@ def _laid_out(
 
 
 def _on_place(traced: TracedProgram, layout: Any, leaf: Any, place: Any) -> Any:
-    """``layout``'s sharding for ``leaf`` made on ``place``: its own where it names that
-    submesh (or ``leaf`` is glue), else its spec on the mesh of the task that made ``leaf``;
-    ``None`` where the spec does not fit there."""
+    """``layout``'s sharding for ``leaf`` made on ``place``: its own (the same object) where
+    it names that submesh (or ``leaf`` is glue), else its spec on the mesh of the task that
+    made ``leaf``; ``None`` where the spec does not fit there."""
     sharding = concrete_constraint(layout)
     if place is None or place == place_of(sharding.mesh):
         return sharding

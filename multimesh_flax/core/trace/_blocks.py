@@ -333,7 +333,7 @@ def _output_sums(body: Sequence[Equation], outvars: Sequence[Any]) -> set[int]:
                 readers.setdefault(v, []).append(i)
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     found: set[int] = set()
-    laying_out: dict[int, int] = {}  # constraint -> the sum of two tasks' results it lays out
+    laying_out: set[int] = set()  # constraints laying out a sum of two tasks' results
     for i in reversed(range(len(eqns))):
         only = readers.get(eqns[i].outvars[0], [])
         if len(only) != 1 or not is_sum(eqns[i]):
@@ -342,8 +342,8 @@ def _output_sums(body: Sequence[Equation], outvars: Sequence[Any]) -> set[int]:
             found.add(i)
         elif _lays_out_output(eqns, readers, only[0]) and _of_two_tasks(body, producer, i):
             found.add(i)
-            laying_out[only[0]] = i
-    return found | set(laying_out)
+            laying_out.add(only[0])
+    return found | laying_out
 
 
 def _lays_out_output(eqns: Sequence[Any], readers: dict[Any, list[Any]], i: int) -> bool:
