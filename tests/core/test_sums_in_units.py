@@ -427,14 +427,16 @@ def test_a_stack_per_gradient_needs_each_layout_and_leaves_the_rows_axes_free(sp
 VOCAB, WIDTH = 8, 6
 
 
-def _tied_loss():
+def _tied_loss(devices=2):
     """An embedding table looked up on stage 0 (its gradient a scatter-add of rows into
     zeros) and read again, transposed, by stage 1's output layer (a tied table: the head's
     gradient moves to stage 0, where the stem's is added to it), each stage data parallel
-    over its two devices."""
+    over its ``devices`` devices."""
     rules = (("batch", ("data",)),)
-    shape = {"axis_sizes": (2, 1), "axis_names": ("data", "model")}
-    meshes = [mm.TaskMesh(devices=[2 * s, 2 * s + 1], **shape) for s in range(2)]
+    shape = {"axis_sizes": (devices, 1), "axis_names": ("data", "model")}
+    meshes = [
+        mm.TaskMesh(devices=list(range(devices * s, devices * (s + 1))), **shape) for s in range(2)
+    ]
 
     def stem(p, table, ids):
         x = mm.with_sharding_constraint(table[ids], P("batch", None, None))
@@ -501,3 +503,84 @@ def test_only_a_scatter_into_zeros_is_summed_per_device(start, stacks):
         (partial,) = jax.core.eval_jaxpr(rewritten.jaxpr, rewritten.consts, ids, rows)
         assert partial.shape == (2, VOCAB, WIDTH)
         np.testing.assert_allclose(partial.sum(0), scatter(ids, rows), **TOL)
+
+
+def _own_or_packed(monkeypatch, limit, fold=True):
+    """``(trained, executable)`` of the data-parallel two-stage 1F1B step (two devices a
+    stage, chains packed and stacked) with sums of ``limit`` bytes or more keeping their own
+    (``_packed_sums.OWN_SUM_BYTES``); ``fold``: weight gradients' transposes folded into
+    their per-device dots (``_stacked_sums._folded_transposes``)."""
+    monkeypatch.setattr(_packed_sums, "OWN_SUM_BYTES", {jax.default_backend(): limit})
+    if not fold:
+        monkeypatch.setattr(_stacked_sums, "_folded_transposes", lambda *_: {})
+    step, executable, _ = _build(
+        "1f1b", 2, True, monkeypatch, pack=True, devices=2, batch=("data",)
+    )
+    return _train(step, 2), executable
+
+
+def _handed_running_sums(executable):
+    """The shapes of the running sums one gradient unit hands the next, per stage."""
+    shapes = set()
+    for frags in _gradient_units(executable.partition, "1f1b").values():
+        for before, after in zip(frags, frags[1:], strict=False):
+            handed = set(after.donate) & set(before.outvars)
+            shapes.add(tuple(sorted(v.aval.shape for v in handed)))
+    return shapes
+
+
+def _gradient_transposes(executable):
+    """How many transposes the compiled units making weight gradients run in a step."""
+    return sum(
+        executable.state.fns[i].as_text().count(" transpose(")
+        for i, op in enumerate(executable.ops)
+        if op.kind is OpKind.RUN and any(u.phase == Phase.B for u in op.units)
+    )
+
+
+def test_a_big_gradient_keeps_a_running_sum_of_its_own_and_its_transpose_is_folded(
+    monkeypatch,
+):
+    """A data-parallel stage's gradients of ``OWN_SUM_BYTES`` or more (here the 6 x 6
+    weights, the limit lowered to 100 bytes) keep a stack of their own instead of being
+    concatenated into the chain's flat sum (which copies each twice a link on XLA's CPU
+    backend); the bias still joins a flat one. Each weight gradient is made by its
+    per-device dot directly, not transposed after it. Equal to the all-packed, unfolded and
+    unparallelized trainings up to rounding, with no op or program more."""
+    trained, own = _own_or_packed(monkeypatch, 100)
+    trained_packed, packed = _own_or_packed(monkeypatch, float("inf"), fold=False)
+    reference = _reference(_loss(2, 2, ("data",)), 2)
+    leaves = map(jax.tree.leaves, (trained, reference, trained_packed))
+    for got, want, other in zip(*leaves, strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
+        np.testing.assert_allclose(got, other, **TOL)
+    assert _handed_running_sums(packed) == {((2, 78),)}  # 6 x 6 + 6 + 6 x 6 per device
+    assert _handed_running_sums(own) == {((2, 6), (2, 6, 6), (2, 6, 6))}
+    assert _all_reduces(own, "1f1b", trained)[0] == 0  # still summed per device
+    assert _gradient_transposes(packed) > 0 == _gradient_transposes(own)
+    assert len(own.ops) == len(packed.ops)
+    assert _programs(own) == _programs(packed)
+
+
+@pytest.mark.parametrize(("limit", "fewer"), [(float("inf"), 4), (150, 2), (100, 0)])
+def test_one_device_packs_only_the_sums_below_the_limit(limit, fewer, monkeypatch):
+    """On one-device stages of the tied model (each stage's chain: the table's share of 192
+    bytes, a weight's 144, a bias's 24), the sums under the limit join one flat sum, the
+    others keep their own, and a lone small sum is not packed at all: ``fewer`` arrays in
+    and out of each gradient op than unpacked (two per sum packed beyond the first), the
+    same training bit for bit."""
+    monkeypatch.setattr(_packed_sums, "OWN_SUM_BYTES", {jax.default_backend(): limit})
+    monkeypatch.setattr(_sums, "ENABLED", True)
+    runs = {}
+    for pack in (True, False):
+        monkeypatch.setattr(_sums, "PACK", pack)
+        loss = _tied_loss(devices=1)
+        mb_loss = mm.microbatch(loss, 0, M, argnum=1, schedule="1f1b", reduce="mean")
+        step = mm.jit(train_step(mb_loss, OPTIMIZER), donate_argnums=(0, 1))
+        params, ids = _tied_data()
+        executable = step.executable(params, OPTIMIZER.init(params), ids)
+        runs[pack] = train(step, OPTIMIZER, _tied_data()), _arrays_per_op(executable, "1f1b")
+    packed, unpacked = runs[True][1], runs[False][1]
+    assert [b - a for a, b in zip(packed, unpacked, strict=True)] == [fewer] * len(packed)
+    for got, want in zip(*(jax.tree.leaves(runs[p][0]) for p in (True, False)), strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -27,19 +27,26 @@ device's own partial sums are what the chain carries, stacked (``_stacked_sums``
 running sum of ``(devices, total size)``, its rows added together where the final sums are
 sliced out. Where the rows are sharded over some of its axes and the unit lays each
 gradient out on the others (tensor parallel too), each gradient keeps a stack of its own
-in that layout, the rows' axes in front (:func:`_stack_apart`): as many arrays as unpacked,
-no all-reduce in the units. Elsewhere on a submesh nothing is packed. Only chains of at
-least two sums of one dtype are packed (one is enough to stack), and only where each link's
-running sum is read by the next link alone, and whose final sums a glue fragment on the
-place reads first, before any reader elsewhere (a tied table's head gradient, summed with
-the stem's on the first stage, is sliced out on the last stage by its update's glue and
-moves from there).
+in that layout, the rows' axes in front: as many arrays as unpacked, no all-reduce in the
+units. Elsewhere on a submesh nothing is packed. Only chains of at least two sums of one
+dtype are packed (one is enough to stack), and only where each link's running sum is read
+by the next link alone, and whose final sums a glue fragment on the place reads first,
+before any reader elsewhere (a tied table's head gradient, summed with the stem's on the
+first stage, is sliced out on the last stage by its update's glue and moves from there).
+
+Concatenating is a copy. On XLA's CPU backend it is not fused into the addition after it,
+so a big gradient costs more copied than its own array costs the host: a sum of
+``OWN_SUM_BYTES`` or more (32 KiB on CPU) keeps a running sum of its own beside the flat one
+(stacked per device on a data-parallel place), and a chain left with fewer than two small
+sums on one device is not packed (:func:`_own_sums`). On a residual-MLP stack of 256 x 256
+weights (B7's function path) that took 9-13% off the step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -54,6 +61,12 @@ from multimesh_flax.core.fragment._stacked_units import stack_chain
 from multimesh_flax.core.trace import TracedProgram
 
 _LINK, _OUTPUT = "link", "output"  # readers that are not a fragment (see ``_readers``)
+
+# Per backend, the bytes from which a gradient keeps a running sum of its own instead of
+# joining its chain's flat sum (``_own_sums``). Measured on this CPU host (design notes,
+# "Own running sums"): a link pays ~0.3 us per KiB copied against ~6 us per array. Not listed
+# (GPU): XLA fuses the concatenation into the addition there, and everything is packed.
+OWN_SUM_BYTES = {"cpu": 32 * 1024}
 
 
 def pack_chains(
@@ -89,60 +102,69 @@ def pack_chains(
         several = any(len(order[pos].place) != 1 for pos, _ in chain)
         if reader is None or not _packable(links, chain, readers, 1 if several else 2):
             continue
-        batch = None
+        batch, shardings, devices = None, None, len(order[first].place)
         if several:
             if not stack:
                 continue
-            devices = len(order[first].place)
             shardings = _gradient_shardings(links, chain[0], laid_out)
             accept = functools.partial(_accepts, devices, shardings)
             batch = stack_chain(order, links, chain, alone, batches_at, accept)
             if batch is None:
                 continue
-            if batch.size != devices:  # tensor parallel too: a stack per gradient
-                apart = _stack_apart(order, links, starts, chain, reader, batch, shardings)
-                zeros_shardings.update(apart)
-                continue
-        zeros_shardings.update(_pack_flat(order, links, starts, chain, reader, batch))
+        avals = tuple(v.aval for v in finals)
+        own = _own_sums(avals, batch, devices, shardings, own_sum_bytes())
+        if own is not None:
+            zeros_shardings.update(_pack(order, links, starts, chain, reader, batch, own))
     return zeros_shardings
 
 
-def _pack_flat(
-    order: list[Any],
-    links: dict[int, list[Any]],
-    starts: dict[int, list[Any]],
-    chain: list[tuple[int, int]],
-    reader: int,
+def own_sum_bytes() -> float:
+    """How big a gradient must be (bytes) to keep a running sum of its own on this backend
+    instead of joining its chain's flat sum (``OWN_SUM_BYTES``; no limit where not listed)."""
+    return OWN_SUM_BYTES.get(jax.default_backend(), math.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Own:
+    """A sum of a packed chain that keeps a running sum of its own: made in ``stack`` (its
+    devices' partial sums with the batch's axes in front; ``None`` on one device), summed
+    over the rows into ``final`` at the end (``None``: left to the compiler)."""
+
+    stack: Any = None
+    final: Any = None
+
+
+def _own_sums(
+    avals: tuple[Any, ...],
     batch: Batch | None,
-) -> dict[Any, Any]:
-    """Gives ``chain`` one flat running sum (stacked over ``batch``, a data-parallel
-    place's, where not ``None``), sliced back into its final sums where ``order[reader]``
-    reads them. Edits ``links``, ``starts`` and ``order``; returns the sharding of the new
-    zeros variable, if it has one."""
-    finals = list(_link(links, chain[-1]).outvars)
-    avals = tuple(v.aval for v in finals)
-    params = _link_params(avals, batch)
-    flat = jex.Var(params["call_jaxpr"].out_avals[0])
-    first = chain[0][0]
-    at = starts[first].index(_link(links, chain[0]).invars[0])
-    starts[first][at : at + len(avals)] = [flat]
-    zeros = {} if batch is None else {flat: batch.sharding()}
-    for pos, k in chain:
-        eqn = links[pos][k]
-        out = jex.Var(flat.aval)
-        links[pos][k] = eqn.replace(
-            invars=[flat, *eqn.invars[len(avals) :]], outvars=[out], params=params
-        )
-        flat = out
-    unpack_params = _unpack_params(avals, batch)
-    offsets = [jex.Var(a) for a in unpack_params["call_jaxpr"].in_avals[1:]]
-    unpack = jex.new_jaxpr_eqn(
-        [flat, *offsets], finals, primitives.closed_call_p, unpack_params, frozenset()
-    )
-    frag = order[reader]
-    consts = (*frag.consts, *zip(offsets, _offsets(avals), strict=True))
-    order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
-    return zeros
+    devices: int,
+    shardings: list[Any] | None,
+    limit: float,
+) -> tuple[_Own | None, ...] | None:
+    """Per sum of a chain (final sums ``avals``), ``None`` where it joins the flat sum, else
+    how it keeps its own; ``None`` where packing gains nothing.
+
+    On a tensor-parallel place (the batch spans only some of its ``devices``) every sum
+    keeps a stack of its own in its layout (``shardings``: concatenating would gather the
+    sharded ones). Elsewhere a sum of ``limit`` bytes or more keeps its own: raveling and
+    concatenating copies it, and XLA's CPU backend does not fuse a concatenation into the
+    addition after it, so each link would copy the gradient twice more (a 256 x 256 fp32
+    gradient: ~80 us a link on this host) to save the ~6 us a host call pays per array.
+
+    >>> small, big = (jax.ShapeDtypeStruct(shape, np.float32) for shape in [(8,), (64, 64)])
+    >>> _own_sums((small, big, small), None, 1, None, limit=1024)
+    (None, _Own(stack=None, final=None), None)
+    >>> _own_sums((small, big), None, 1, None, limit=1024) is None  # one left to pack
+    True
+    """
+    if batch is not None and batch.size != devices:
+        assert shardings is not None  # ``_accepts`` stacks no unconstrained gradient here
+        return tuple(_Own(batch.stacked(s.spec), s) for s in shardings)
+    big = [a.size * a.dtype.itemsize >= limit for a in avals]
+    if batch is None:
+        return None if len(big) - sum(big) < 2 else tuple(_Own() if b else None for b in big)
+    own = _Own(batch.stacked(PartitionSpec()))  # data parallel: whole partial sums per device
+    return tuple(own if b else None for b in big)
 
 
 def _gradient_shardings(
@@ -181,73 +203,47 @@ def _names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _stack_apart(
+def _pack(
     order: list[Any],
     links: dict[int, list[Any]],
     starts: dict[int, list[Any]],
     chain: list[tuple[int, int]],
     reader: int,
-    batch: Batch,
-    shardings: list[Any],
+    batch: Batch | None,
+    own: tuple[_Own | None, ...],
 ) -> dict[Any, Any]:
-    """Gives ``chain`` (its gradients stacked over ``batch``, on a place that is tensor
-    parallel too) a stack of running sums per gradient, each in its gradient's layout with
-    the batch's axes in front (concatenating them would gather the tensor-parallel ones),
-    its devices' rows added where ``order[reader]`` reads the final sums. Edits ``links``,
-    ``starts`` and ``order``; returns the sharding of each new zeros variable."""
-    stacks = tuple(batch.stacked(s.spec) for s in shardings)
+    """Gives ``chain`` one flat running sum of the sums ``own`` leaves ``None`` (stacked over
+    ``batch``, a data-parallel place's, where not ``None``) and the others a running sum of
+    their own, sliced (or summed over rows) back into its final sums where ``order[reader]``
+    reads them. Edits ``links``, ``starts`` and ``order``; returns the sharding of each new
+    zeros variable that has one."""
     first_link = _link(links, chain[0])
     n = len(first_link.outvars)
     finals = list(_link(links, chain[-1]).outvars)
-    grads = tuple(v.aval for v in first_link.invars[n:])  # renamed: stacked already
-    params = _apart_link_params(grads, stacks)
+    avals = tuple(v.aval for v in finals)
+    params = _link_params(avals, batch, own)
     running = [jex.Var(a) for a in params["call_jaxpr"].out_avals]
     first = chain[0][0]
     at = starts[first].index(first_link.invars[0])
     starts[first][at : at + n] = running
-    zeros = dict(zip(running, stacks, strict=True))
+    flat = [batch.sharding() if batch is not None else None] if None in own else []
+    made_in = [*flat, *(o.stack for o in own if o is not None)]
+    zeros = {v: s for v, s in zip(running, made_in, strict=True) if s is not None}
     for pos, k in chain:
         eqn = links[pos][k]
         outs = [jex.Var(v.aval) for v in running]
         links[pos][k] = eqn.replace(invars=[*running, *eqn.invars[n:]], outvars=outs, params=params)
         running = outs
-    params = _apart_sum_params(grads, tuple(shardings))
-    unpack = jex.new_jaxpr_eqn(running, finals, primitives.closed_call_p, params, frozenset())
-    order[reader] = dataclasses.replace(order[reader], eqns=[unpack, *order[reader].eqns])
+    unpack_params = _unpack_params(avals, batch, own)
+    offsets = [jex.Var(a) for a in unpack_params["call_jaxpr"].in_avals[len(running) :]]
+    packed = tuple(a for a, o in zip(avals, own, strict=True) if o is None)
+    unpack = jex.new_jaxpr_eqn(
+        [*running, *offsets], finals, primitives.closed_call_p, unpack_params, frozenset()
+    )
+    frag = order[reader]
+    consts = (*frag.consts, *zip(offsets, _offsets(packed) if packed else [], strict=True))
+    order[reader] = dataclasses.replace(frag, eqns=[unpack, *frag.eqns], consts=consts)
     return zeros
-
-
-@functools.lru_cache(maxsize=256)
-def _apart_link_params(grads: tuple[Any, ...], stacks: tuple[Any, ...]) -> dict[str, Any]:
-    """A link of stacks kept apart (``_stack_apart``): ``(*running, *g) -> running +
-    barrier(g)``, each sum in its stack's sharding; ``grads``: the stacks' avals."""
-
-    def link(*args: Any) -> tuple[Any, ...]:
-        running, added = args[: len(grads)], jax.lax.optimization_barrier(args[len(grads) :])
-        return tuple(
-            jax.lax.with_sharding_constraint(r + g, s)
-            for r, g, s in zip(running, added, stacks, strict=True)
-        )
-
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grads]
-    return {"call_jaxpr": jax.make_jaxpr(link)(*shapes, *shapes)}
-
-
-@functools.lru_cache(maxsize=256)
-def _apart_sum_params(grads: tuple[Any, ...], shardings: tuple[Any, ...]) -> dict[str, Any]:
-    """The final sums of stacks kept apart: each stack's rows added (the step's one
-    all-reduce of the chain), in its gradient's sharding, behind a barrier (as
-    ``_unpack_params``)."""
-
-    def unpack(*running: Any) -> tuple[Any, ...]:
-        sums = [
-            jax.lax.with_sharding_constraint(r.sum(0), s)
-            for r, s in zip(running, shardings, strict=True)
-        ]
-        return jax.lax.optimization_barrier(tuple(sums))
-
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in grads]
-    return {"call_jaxpr": jax.make_jaxpr(unpack)(*shapes)}
 
 
 def _link(links: dict[int, list[Any]], at: tuple[int, int]) -> Any:
@@ -335,48 +331,84 @@ def _unpack_site(
     return first
 
 
-@functools.lru_cache(maxsize=256)
-def _link_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
-    """A packed link's body, one per chain signature (every microbatch's unit runs one
-    program): ``(flat, *g) -> flat + concat(ravel(barrier(g)))``; stacked over ``batch``
-    (``_stacked_sums``), each ``g`` is ``(d, *shape)`` and raveled per device row."""
+def _split_own(own: tuple[_Own | None, ...]) -> tuple[list[int], list[int]]:
+    """The positions of the sums packed into the flat sum and of those keeping their own."""
+    packed = [i for i, o in enumerate(own) if o is None]
+    return packed, [i for i, o in enumerate(own) if o is not None]
 
-    def link(flat: Any, *grads: Any) -> Any:
-        grads = jax.lax.optimization_barrier(grads)
-        if batch is None:
-            return flat + jnp.concatenate([g.ravel() for g in grads])
-        rows = jnp.concatenate([g.reshape(batch.size, -1) for g in grads], axis=1)
-        return jax.lax.with_sharding_constraint(flat + rows, batch.sharding())
 
-    size = sum(a.size for a in avals)
+def _running_avals(
+    avals: tuple[Any, ...], batch: Batch | None, own: tuple[_Own | None, ...]
+) -> tuple[list[Any], list[Any]]:
+    """A packed chain's running sums (its flat sum if any sum joins it, then each own sum's)
+    and the gradients a link adds, with the batch's rows in front where stacked."""
     rows = () if batch is None else (batch.size,)
-    flat = jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)
-    shapes = [jax.ShapeDtypeStruct((*rows, *a.shape), a.dtype) for a in avals]
-    return {"call_jaxpr": jax.make_jaxpr(link)(flat, *shapes)}
+    grads = [jax.ShapeDtypeStruct((*rows, *a.shape), a.dtype) for a in avals]
+    packed, owned = _split_own(own)
+    size = sum(avals[i].size for i in packed)
+    flat = [jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)] if packed else []
+    return [*flat, *(grads[i] for i in owned)], grads
 
 
 @functools.lru_cache(maxsize=256)
-def _unpack_params(avals: tuple[Any, ...], batch: Batch | None) -> dict[str, Any]:
-    """The body slicing a chain's flat sum back into its sums of ``avals`` (stacked: after
-    adding the devices' rows, the step's one all-reduce of the chain): ``(flat, *offsets)
-    -> sums``, each sum read from its offset (``_offsets``) on."""
+def _link_params(
+    avals: tuple[Any, ...], batch: Batch | None, own: tuple[_Own | None, ...]
+) -> dict[str, Any]:
+    """A packed link's body, one per chain signature (every microbatch's unit runs one
+    program): ``(flat, *running, *g) -> (flat + concat(ravel(barrier(g_i))), *(running_j +
+    barrier(g_j)))``, ``i`` the sums packed, ``j`` those keeping their own (``own``);
+    stacked over ``batch`` (``_stacked_sums``), each ``g`` is ``(d, *shape)``, raveled per
+    device row, and each running sum stays in its stack's sharding."""
+    packed, owned = _split_own(own)
 
-    def unpack(flat: Any, *offsets: Any) -> tuple[Any, ...]:
-        if batch is not None:
-            flat = flat.sum(0)
-        parts = [
-            jax.lax.dynamic_slice_in_dim(flat, offset, a.size).reshape(a.shape)
-            for offset, a in zip(offsets, avals, strict=True)
-        ]
+    def link(*args: Any) -> tuple[Any, ...]:
+        flat = args[: bool(packed)]
+        running, grads = args[len(flat) : -len(avals)], args[-len(avals) :]
+        grads = jax.lax.optimization_barrier(grads)
+        sums = []
+        if packed and batch is None:
+            sums.append(flat[0] + jnp.concatenate([grads[i].ravel() for i in packed]))
+        elif packed:
+            rows = jnp.concatenate([grads[i].reshape(batch.size, -1) for i in packed], axis=1)
+            sums.append(jax.lax.with_sharding_constraint(flat[0] + rows, batch.sharding()))
+        for r, i in zip(running, owned, strict=True):
+            total, stack = r + grads[i], own[i].stack
+            sums.append(total if stack is None else jax.lax.with_sharding_constraint(total, stack))
+        return tuple(sums)
+
+    sums, grads = _running_avals(avals, batch, own)
+    return {"call_jaxpr": jax.make_jaxpr(link)(*sums, *grads)}
+
+
+@functools.lru_cache(maxsize=256)
+def _unpack_params(
+    avals: tuple[Any, ...], batch: Batch | None, own: tuple[_Own | None, ...]
+) -> dict[str, Any]:
+    """The body turning a packed chain's running sums back into its sums of ``avals``
+    (stacked: after adding the devices' rows, the step's one all-reduce of the chain):
+    ``(flat, *running, *offsets) -> sums``, each packed sum read from its offset
+    (``_offsets``) on, each own sum laid out as its ``final`` where it has one."""
+    packed, owned = _split_own(own)
+
+    def unpack(*args: Any) -> tuple[Any, ...]:
+        flat = args[: bool(packed)]
+        running, offsets = args[len(flat) : len(flat) + len(owned)], args[len(flat) + len(owned) :]
+        sums: list[Any] = [None] * len(avals)
+        if packed:
+            whole = flat[0] if batch is None else flat[0].sum(0)
+            for i, offset in zip(packed, offsets, strict=True):
+                part = jax.lax.dynamic_slice_in_dim(whole, offset, avals[i].size)
+                sums[i] = part.reshape(avals[i].shape)
+        for r, i in zip(running, owned, strict=True):
+            total, final = (r if batch is None else r.sum(0)), own[i].final
+            sums[i] = total if final is None else jax.lax.with_sharding_constraint(total, final)
         # The barrier keeps XLA from rewriting what reads the sums (the optimizer's update)
         # across the slicing; it still fuses each slice into its reader (see ``_offsets``).
-        return jax.lax.optimization_barrier(tuple(parts))
+        return jax.lax.optimization_barrier(tuple(sums))
 
-    size = sum(a.size for a in avals)
-    rows = () if batch is None else (batch.size,)
-    flat = jax.ShapeDtypeStruct((*rows, size), avals[0].dtype)
-    offsets = [jax.ShapeDtypeStruct((), np.int32)] * len(avals)
-    return {"call_jaxpr": jax.make_jaxpr(unpack)(flat, *offsets)}
+    sums, _ = _running_avals(avals, batch, own)
+    offsets = [jax.ShapeDtypeStruct((), np.int32)] * len(packed)
+    return {"call_jaxpr": jax.make_jaxpr(unpack)(*sums, *offsets)}
 
 
 def _offsets(avals: tuple[Any, ...]) -> list[np.int32]:

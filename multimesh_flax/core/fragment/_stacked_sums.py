@@ -25,7 +25,7 @@ sums adds the ``d`` rows (one all-reduce of one array a step) before slicing the
 Where it spans only some (``data`` 2 x ``model`` 2: tensor parallel too), flattening would
 gather the gradients split over the other axes; each gradient then keeps a stack of its
 own, laid out as the gradient with the batch's axes in front (``P("data", *spec)``), and the
-glue adds each one's rows (``_packed_sums._stack_apart``).
+glue adds each one's rows (``_packed_sums._own_sums``).
 
 A gradient may pass through several blocks of its unit: the Flax step's backward computes it
 in one block and lays it out as its parameter in the next (a block of sharding
@@ -364,6 +364,8 @@ def _evaluate(
     def read(v: Any) -> Any:
         return v.val if isinstance(v, jex.Literal) else env[v]
 
+    folded = _folded_transposes(jaxpr, plan)
+    done = {id(t) for t in folded.values()}
     for eqn in jaxpr.eqns:
         key = id(eqn)
         if eqn.effects or any(v in need for v in eqn.outvars):
@@ -375,8 +377,12 @@ def _evaluate(
             values = [_split(read(v), batch) if i in where else read(v)
                       for i, v in enumerate(eqn.invars)]  # fmt: skip
             axes = [0 if i in where else None for i in range(len(values))]
-            stacked[eqn.outvars[0]] = _mapped(eqn, values, axes, batch)
-        elif key in plan.linear:
+            if key in folded:  # the transpose reading it, folded in: operands swapped
+                made = _mapped(_swapped(eqn), values[::-1], axes[::-1], batch)
+                stacked[folded[key].outvars[0]] = made
+            else:
+                stacked[eqn.outvars[0]] = _mapped(eqn, values, axes, batch)
+        elif key in plan.linear and key not in done:
             where = plan.linear[key]
             values = [stacked[v] if i in where else read(v) for i, v in enumerate(eqn.invars)]
             axes = [0 if i in where else None for i in range(len(values))]
@@ -387,6 +393,54 @@ def _evaluate(
         else read(v)
         for i, v in enumerate(jaxpr.outvars)
     ]
+
+
+def _folded_transposes(jaxpr: Any, plan: _Plan) -> dict[int, Any]:
+    """Per split ``dot_general`` (by id) whose one reader is a planned ``transpose`` putting
+    its rhs's free dimensions before its lhs's, that transpose: the dot with its operands
+    swapped computes the transposed result directly.
+
+    Autodiff writes a weight's gradient so (``transpose(dot_general(g, x))``), and XLA
+    folds the transpose into the dot, but not once the dot is mapped over the devices'
+    rows: each unit then copied every weight gradient through a transpose (on this CPU
+    host ~3-8% of a residual-MLP step, design notes "Own running sums")."""
+    readers: dict[Any, list[Any]] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                readers.setdefault(v, []).append(eqn)
+    returned = set(jaxpr.outvars)
+    folded = {}
+    for eqn in jaxpr.eqns:
+        if id(eqn) not in plan.split or eqn.primitive.name != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        out = eqn.outvars[0]
+        if lb or rb or out in returned:
+            continue
+        lhs_free = eqn.invars[0].aval.ndim - len(lc)
+        swap = (*range(lhs_free, out.aval.ndim), *range(lhs_free))
+        match readers.get(out, []):
+            case [t] if t.primitive.name == "transpose" and id(t) in plan.linear:
+                if tuple(t.params["permutation"]) == swap:
+                    folded[id(eqn)] = t
+    return folded
+
+
+def _swapped(eqn: Any) -> Any:
+    """A batch-free ``dot_general`` with its operands swapped: its result transposed, the
+    rhs's free dimensions first (and so in its ``out_sharding``)."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    precision, sharding = eqn.params.get("precision"), eqn.params.get("out_sharding")
+    params = {**eqn.params, "dimension_numbers": ((rc, lc), ((), ()))}
+    if isinstance(precision, tuple):
+        params["precision"] = precision[::-1]
+    if sharding is not None:
+        lhs_free, ndim = eqn.invars[0].aval.ndim - len(lc), eqn.outvars[0].aval.ndim
+        spec = (*sharding.spec, *(None,) * (ndim - len(sharding.spec)))
+        swapped = PartitionSpec(*spec[lhs_free:], *spec[:lhs_free])
+        params["out_sharding"] = sharding.update(spec=swapped)
+    return eqn.replace(invars=eqn.invars[::-1], params=params)
 
 
 def _bind(eqn: Any, values: list[Any]) -> Any:
