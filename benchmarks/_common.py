@@ -519,8 +519,39 @@ def host() -> dict[str, Any]:
         "backend": jax.default_backend(),
         "devices": len(jax.devices()),
         "host_cpus": os.cpu_count(),
+        "cpu": cpu_model(),
         "load_average": list(os.getloadavg()),
     }
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    r"""The host CPU's name, family, model, stepping, clock and cache as ``/proc/cpuinfo``
+    gives them for its first CPU (so runs on different machines of one name can be told
+    apart; a cloud's CPUs often all say "Intel(R) Xeon(R) Processor"), else what
+    ``platform.processor()`` says.
+
+    >>> import pathlib, tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     info = pathlib.Path(folder, "cpuinfo")
+    ...     _ = info.write_text("model name\t: Xeon\ncpu family\t: 6\nmodel\t: 167\n")
+    ...     cpu_model(str(info))
+    'Xeon (family 6, model 167)'
+    """
+    import platform
+
+    try:
+        with open(cpuinfo) as f:
+            first = f.read().split("\n\n")[0]
+    except OSError:
+        return platform.processor() or "unknown"
+    fields = dict(
+        (key.strip(), value.strip())
+        for key, _, value in (line.partition(":") for line in first.splitlines())
+    )
+    keys = ("cpu family", "model", "stepping", "cpu MHz", "cache size")
+    details = ", ".join(f"{k.removeprefix('cpu ')} {fields[k]}" for k in keys if k in fields)
+    name = fields.get("model name", platform.processor() or "unknown")
+    return f"{name} ({details})" if details else name
 
 
 def ratio(a: float, b: float) -> float:

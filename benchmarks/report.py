@@ -423,6 +423,11 @@ def table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _cpu(host: dict[str, Any]) -> str:
+    """`` of <the CPU>`` where the run recorded it (since session 43)."""
+    return f" of {host['cpu']}" if "cpu" in host else ""
+
+
 def render(results: dict[str, dict[str, Any]], seconds: float, command: str) -> str:
     """The report for ``results`` (section name -> section JSON)."""
     lines = ["# Benchmark report", "", f"`{command}` -- {seconds / 60:.1f} minutes.", ""]
@@ -433,7 +438,7 @@ def render(results: dict[str, dict[str, Any]], seconds: float, command: str) -> 
     if host:
         lines += [
             f"jax {host['jax']}, backend `{host['backend']}`, {host['devices']} devices, "
-            f"{host['host_cpus']} host CPUs (load average at the end "
+            f"{host['host_cpus']} host CPUs{_cpu(host)} (load average at the end "
             f"{', '.join(f'{x:.1f}' for x in host['load_average'])}).",
             "",
         ]
