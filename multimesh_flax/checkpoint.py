@@ -322,12 +322,14 @@ class Checkpointer:
     def _read(self, step: int, items: dict[str, Any] | None) -> Any:
         """Orbax's restore of ``items`` (``None``: the items' metadata) of ``step``; a file
         that cannot be read raises ``CheckpointCorruptError``."""
+        # Before the read, not once it failed: an abandoned read may report between orbax
+        # closing its loop and this frame's ``except`` (seen once in a fresh-clone suite).
+        _drop_abandoned_reads()
         try:
             if items is None:
                 return self._manager.item_metadata(step)
             return self._manager.restore(step, args=ocp.args.Composite(**items))
         except BaseException as e:
-            _drop_abandoned_reads()
             damage = None if isinstance(e, errors.MultiMeshError) else _damage(e)
             if damage is None:
                 raise
@@ -649,9 +651,9 @@ def _drop_abandoned_reads() -> None:
     suspended; they are closed whenever the garbage collector reaches them, which may be
     long after the restore, once tensorstore lets go of them. Each then reports an
     exception that says nothing (the failure itself is raised to the caller); a read that
-    completes after the loop closed reports "Event loop is closed". From the first failed
-    restore on, those two reports are dropped (`_is_abandoned_read`); every other report
-    goes to the hook that was installed before.
+    completes after the loop closed reports "Event loop is closed". From the first restore
+    on, those two reports are dropped (`_is_abandoned_read`); every other report goes to
+    the hook that was installed before.
     """
     if getattr(sys.unraisablehook, "_drops_orbax_reads", False):
         return
