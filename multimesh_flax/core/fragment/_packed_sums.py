@@ -385,7 +385,7 @@ def _unpack_params(
     avals: tuple[Any, ...], batch: Batch | None, own: tuple[_Own | None, ...]
 ) -> dict[str, Any]:
     """The body turning a packed chain's running sums back into its sums of ``avals``
-    (stacked: after adding the devices' rows, the step's one all-reduce of the chain):
+    (stacked: after adding each stack's device rows, the chain's all-reduce once a step):
     ``(flat, *running, *offsets) -> sums``, each packed sum read from its offset
     (``_offsets``) on, each own sum laid out as its ``final`` where it has one."""
     packed, owned = _split_own(own)
