@@ -70,7 +70,13 @@ import numpy as np
 from jax._src import source_info_util
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from multimesh_flax.core.trace import BoundedCache, block_body, concrete_constraint, is_block
+from multimesh_flax.core.trace import (
+    BoundedCache,
+    block_body,
+    concrete_constraint,
+    equation_readers,
+    is_block,
+)
 
 # Equations linear in their first operand (the only array operand that may be stacked).
 _UNARY = frozenset(
@@ -404,25 +410,20 @@ def _folded_transposes(jaxpr: Any, plan: _Plan) -> dict[int, Any]:
     folds the transpose into the dot, but not once the dot is mapped over the devices'
     rows: each unit then copied every weight gradient through a transpose (on this CPU
     host ~3-8% of a residual-MLP step, design notes "Own running sums")."""
-    readers: dict[Any, list[Any]] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jex.Literal):
-                readers.setdefault(v, []).append(eqn)
-    returned = set(jaxpr.outvars)
+    readers = equation_readers(jaxpr.eqns, jaxpr.outvars)
     folded = {}
     for eqn in jaxpr.eqns:
         if id(eqn) not in plan.split or eqn.primitive.name != "dot_general":
             continue
-        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        (lc, _), (lb, rb) = eqn.params["dimension_numbers"]
         out = eqn.outvars[0]
-        if lb or rb or out in returned:
-            continue
         lhs_free = eqn.invars[0].aval.ndim - len(lc)
         swap = (*range(lhs_free, out.aval.ndim), *range(lhs_free))
         match readers.get(out, []):
-            case [t] if t.primitive.name == "transpose" and id(t) in plan.linear:
-                if tuple(t.params["permutation"]) == swap:
+            case [int(i)] if not (lb or rb):
+                t = jaxpr.eqns[i]
+                transposes = t.primitive.name == "transpose" and id(t) in plan.linear
+                if transposes and tuple(t.params["permutation"]) == swap:
                     folded[id(eqn)] = t
     return folded
 

@@ -52,6 +52,7 @@ from multimesh_flax.core.trace._session import trace_session as trace_session
 from multimesh_flax.core.trace._session import warn_foreign_trace as warn_foreign_trace
 from multimesh_flax.core.trace._structure import BoundedCache as BoundedCache
 from multimesh_flax.core.trace._structure import equation_key as equation_key
+from multimesh_flax.core.trace._structure import equation_readers as equation_readers
 from multimesh_flax.core.trace._structure import structural_key as structural_key
 from multimesh_flax.core.trace._trace import CapturedProgram as CapturedProgram
 from multimesh_flax.core.trace._trace import capture_program as capture_program

@@ -42,6 +42,7 @@ from multimesh_flax.core.trace import _session
 from multimesh_flax.core.trace._constraints import concrete_constraint
 from multimesh_flax.core.trace._jaxprs import make_jaxpr_object
 from multimesh_flax.core.trace._program import Equation
+from multimesh_flax.core.trace._structure import RETURNED, equation_readers
 
 # Stands for one call of a body traced once, until ``expand`` replaces it.
 replay_p = jex.Primitive("mm_replay")
@@ -326,11 +327,7 @@ def _output_sums(body: Sequence[Equation], outvars: Sequence[Any]) -> set[int]:
     a sharding constraint (a training step lays each gradient out as its parameter) whose
     one reader is an output, with those constraints."""
     eqns = [e.eqn for e in body]
-    readers: dict[Any, list[Any]] = {v: ["out"] for v in outvars if not isinstance(v, jex.Literal)}
-    for i, eqn in enumerate(eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jex.Literal):
-                readers.setdefault(v, []).append(i)
+    readers = equation_readers(eqns, outvars)
     producer = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
     found: set[int] = set()
     laying_out: set[int] = set()  # constraints laying out a sum of two tasks' results
@@ -349,7 +346,8 @@ def _output_sums(body: Sequence[Equation], outvars: Sequence[Any]) -> set[int]:
 def _lays_out_output(eqns: Sequence[Any], readers: dict[Any, list[Any]], i: int) -> bool:
     """Whether ``eqns[i]`` is a sharding constraint onto a mesh whose one reader is an
     output."""
-    return concrete_constraint(eqns[i]) is not None and readers.get(eqns[i].outvars[0]) == ["out"]
+    only_returned = readers.get(eqns[i].outvars[0]) == [RETURNED]
+    return concrete_constraint(eqns[i]) is not None and only_returned
 
 
 def _of_two_tasks(body: Sequence[Equation], producer: dict[Any, int], i: int) -> bool:

@@ -188,3 +188,28 @@ class BoundedCache:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+RETURNED = "out"  # what ``equation_readers`` lists for a variable the jaxpr returns
+
+
+def equation_readers(eqns: Any, outvars: Any = ()) -> dict[Any, list[Any]]:
+    """Per variable, the index in ``eqns`` of each equation reading it (once per operand)
+    and ``RETURNED`` where ``outvars`` holds it; literals are left out.
+
+    >>> import jax
+    >>> jaxpr = jax.make_jaxpr(lambda x: (x * 2, x + 1))(1.0).jaxpr
+    >>> x = jaxpr.invars[0]
+    >>> equation_readers(jaxpr.eqns, jaxpr.outvars)[x]
+    [0, 1]
+    >>> equation_readers(jaxpr.eqns, jaxpr.outvars)[jaxpr.eqns[0].outvars[0]]
+    ['out']
+    """
+    readers: dict[Any, list[Any]] = {
+        v: [RETURNED] for v in outvars if not isinstance(v, jex.Literal)
+    }
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex.Literal):
+                readers.setdefault(v, []).append(i)
+    return readers
