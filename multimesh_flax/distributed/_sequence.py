@@ -18,12 +18,28 @@ whether it is exiting with an uncaught exception. A process then knows, within `
 * that another process ran a different call under the same number (labels differ);
 * that it started call ``n + 1`` after another process finished after ``n`` calls (an extra
   step here, or a call the other never made);
-* that another process failed (its exit record says so) while this one may be waiting for it.
+* and within ``POLL_S + PEER_GRACE_S``, that another process failed (its exit record says
+  so) at or before the call this one is in, so that this one may be waiting for it.
 
 On such a finding the process publishes an error record, logs a ``CallSequenceError`` (or the
-other process's failure) naming both processes and the call, and ends with ``EXIT_SEQUENCE``;
-a process that reads another's error record ends with it. Process 0 hosts the store, so it
-waits (at most ``LINGER_S``) for the others to have read the records before it ends.
+other process's failure) naming both processes and the call, and ends with ``EXIT_SEQUENCE``
+(``EXIT_PEER_FAILED``); a process that reads another's error record ends with it. Process 0
+hosts the store, so it waits (at most ``LINGER_S``) for the others to have read the records
+before it ends.
+
+DESIGN. A process that ends here leaves without jax's shutdown barrier (``os._exit``), and a
+barrier missing a process aborts the processes waiting in it (jaxlib's fatal "Shutdown barrier
+has failed", exit -6). Two rules keep a failing process's own exit status and error:
+
+* another process's failure ends this one only after ``PEER_GRACE_S``: when every process
+  raises the same error (per-process input seeds), one finds the other's exit record while
+  itself still unwinding; it then reaches its own shutdown within the grace and exits with its
+  own error, not as a bystander (CI, session 44: one process ended 75 this way, the other -6);
+* a failing process enters the barrier only once every other process has an exit record (it
+  is shutting down too); if one ended here instead (an error record), or the store is gone, or
+  none answers within ``FAILED_WAIT_S``, it leaves at once with the status Python gives an
+  uncaught exception (1; 130 for ``KeyboardInterrupt``). Exit handlers registered before
+  ``import jax`` (whose handler runs the shutdown) do not run then.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -46,6 +63,8 @@ POLL_S = 0.2
 WINDOW = 32  # labels of the latest calls each process publishes (to compare by number)
 LINGER_S = 3.0  # how long process 0 waits for the others to read its error or exit record
 EXIT_WAIT_S = 10.0  # how long a finished process waits for the others' exit records
+PEER_GRACE_S = 2.0  # how long a process may take to fail too before a peer's failure ends it
+FAILED_WAIT_S = PEER_GRACE_S + 4 * POLL_S + 1.0  # a failing process waits for the others' ends
 EXIT_SEQUENCE = 76  # exit status after a CallSequenceError
 EXIT_PEER_FAILED = 75  # as the watchdog's EXIT_LOST: the job failed because of another process
 _KEY = "mmflax/calls"
@@ -59,6 +78,7 @@ class _Calls:
         self.n = 0
         self.recent: collections.deque[tuple[int, str]] = collections.deque(maxlen=WINDOW)
         self.published = -1
+        self.failures_seen: dict[int, float] = {}  # rank -> when its failure was first read
         self.lock = threading.Lock()  # publish_run runs in the thread and in collective_call
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="mmflax-sequence", daemon=True)
@@ -104,14 +124,13 @@ class _Calls:
         return None
 
     def overran(self, other: int, theirs: dict[str, Any], n: int) -> str | None:
-        """This process (``n`` calls) started a call after ``other`` stopped (its exit)."""
+        """This process (``n`` calls) started a call after ``other`` finished (its exit)."""
         if n <= theirs["n"]:
             return None
-        how = "failed" if theirs.get("failed") else "finished"
         call = theirs["n"] + 1
         return (
             f"Process {self.rank} ran {self.label(call)} (collective call {call}) after "
-            f"process {other} {how} after {theirs['n']} calls (its last: "
+            f"process {other} finished after {theirs['n']} calls (its last: "
             f"{theirs.get('last') or 'none'}). Every process must run the same sequence of "
             "calls: the same number of steps, and save/restore/host_values in every process, "
             "not under `if jax.process_index() == ...`."
@@ -120,7 +139,8 @@ class _Calls:
     def check(self, records: dict[str, dict[int, Any]], exiting: bool) -> None:
         """Ends this process on a finding (see the module docstring)."""
         for other, message in sorted(records["error"].items()):
-            self.end(f"(found by process {other}) {message['message']}")
+            status = message.get("status", EXIT_SEQUENCE)
+            self.end(f"(found by process {other}) {message['message']}", status=status)
         for other, theirs in sorted(records["run"].items()):
             found = self.differs(other, theirs)
             if found is None and exiting:
@@ -129,18 +149,30 @@ class _Calls:
                 self.end(found)
         for other, theirs in sorted(records["exit"].items()):
             found = self.differs(other, {"recent": theirs.get("recent", [])})
+            if found is None and theirs.get("failed"):
+                if not exiting and self._waited_for(other, theirs):
+                    self.end(self._peer_failed(other, theirs), status=EXIT_PEER_FAILED)
+                continue
             found = found or self.overran(other, theirs, self.n)
             if found is None and exiting and theirs["n"] > self.n:
                 found = self._outran(other, theirs)
             if found is not None:
                 self.end(found)
-            if theirs.get("failed") and not exiting and self.n == theirs["n"]:
-                self.end(
-                    f"Process {other} failed ({theirs['failed']}) after its collective call "
-                    f"{theirs['n']} ({theirs.get('last') or 'none'}); process {self.rank} "
-                    "stops instead of waiting for it. See that process's output for its error.",
-                    status=EXIT_PEER_FAILED,
-                )
+
+    def _waited_for(self, other: int, theirs: dict[str, Any]) -> bool:
+        """``other`` failed at (or before) this process's call, ``PEER_GRACE_S`` or more ago."""
+        if self.n < theirs["n"]:
+            return False
+        first = self.failures_seen.setdefault(other, time.monotonic())
+        return time.monotonic() - first >= PEER_GRACE_S
+
+    def _peer_failed(self, other: int, theirs: dict[str, Any]) -> str:
+        return (
+            f"Process {other} failed ({theirs['failed']}) after its collective call "
+            f"{theirs['n']} ({theirs.get('last') or 'none'}); process {self.rank}, at its call "
+            f"{self.n} ({self.label(self.n)}), stops instead of waiting for it. See that "
+            "process's output for its error."
+        )
 
     def _outran(self, other: int, theirs: dict[str, Any]) -> str | None:
         """``other`` started a call after this (exiting) process stopped."""
@@ -161,9 +193,13 @@ class _Calls:
     def end(self, message: str, *, status: int = EXIT_SEQUENCE) -> None:
         """Logs ``message``, lets the others read it, and ends this process."""
         with contextlib.suppress(Exception):
-            self.publish("error", {"message": message})
+            self.publish("error", {"message": message, "status": status})
         cls = errors.CallSequenceError if status == EXIT_SEQUENCE else errors.ProcessLostError
         logger.critical("%s: %s", cls.__name__, message)
+        self._leave(status)
+
+    def _leave(self, status: int) -> None:
+        """Ends this process now, without jax's shutdown barrier (process 0 lingers first)."""
         if self.rank == 0:
             self._linger()
         _flush()
@@ -198,37 +234,60 @@ class _Calls:
     def exit(self, wait_s: float) -> None:
         """At shutdown: publishes the exit record and waits (at most ``wait_s``) for the
         others' exit records, ending the process on a finding."""
-        failed = _uncaught()
+        uncaught = _uncaught()
+        failed = None if uncaught is None else f"{type(uncaught).__name__}: {uncaught}"[:300]
         last = self.label(self.n) if self.n else None
         record = {"n": self.n, "last": last, "recent": list(self.recent), "failed": failed}
         try:
             self.publish("exit", record)
         except Exception:
             return
-        deadline = time.monotonic() + (0.0 if failed else wait_s)
+        if uncaught is not None:
+            self._end_failed(uncaught)
+            return
+        deadline = time.monotonic() + wait_s
         while True:
             try:
                 records = self.records()
             except Exception:
                 return
             self.check(records, exiting=True)
-            if failed:
-                if self.rank == 0:
-                    self._linger()
-                return
             if set(records["exit"]) >= set(range(self.count)) - {self.rank}:
                 return
             if time.monotonic() > deadline:
                 return
             time.sleep(POLL_S / 2)
 
+    def _end_failed(self, uncaught: BaseException) -> None:
+        """A failing process: returns (to the shutdown barrier) once every other process has
+        an exit record; leaves without the barrier if one ended here, the store is gone, or
+        ``FAILED_WAIT_S`` passed (see the module docstring)."""
+        others = set(range(self.count)) - {self.rank}
+        deadline = time.monotonic() + FAILED_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                records = self.records()
+            except Exception:  # process 0 ended: no barrier to wait in
+                break
+            if records["error"]:
+                break
+            if set(records["exit"]) >= others:
+                return
+            time.sleep(POLL_S / 2)
+        self._leave(_uncaught_status(uncaught))
 
-def _uncaught() -> str | None:
+
+def _uncaught() -> BaseException | None:
     """The exception this process is exiting with (``None``: a normal exit)."""
     value = getattr(sys, "last_value", None)
     if value is None or isinstance(value, SystemExit):
         return None
-    return f"{type(value).__name__}: {value}"[:300]
+    return value
+
+
+def _uncaught_status(value: BaseException) -> int:
+    """The exit status Python gives an uncaught ``value`` (as a shell reports a SIGINT)."""
+    return 128 + signal.SIGINT if isinstance(value, KeyboardInterrupt) else 1
 
 
 def _flush() -> None:

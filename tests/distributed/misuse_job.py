@@ -6,7 +6,10 @@
 * ``extra_step``: process 1 runs a third step after process 0 stopped after two;
 * ``host_values_one``: only process 0 reads the loss (held by process 1) with ``host_values``;
 * ``save_one``: only process 0 saves a checkpoint;
-* ``seeds``: each process draws the global batch with its own seed.
+* ``seeds``: each process draws the global batch with its own seed;
+* ``seeds_late_in_R``: as ``seeds``, and process R takes 1 s to unwind its error (a slow
+  ``except``), so it reads the other process's failure while still failing itself;
+* ``raise_in_R``: process R raises before step 2, while the other waits in step 2.
 """
 
 import os
@@ -23,19 +26,27 @@ if __name__ == "__main__":
     import numpy as np
 
     import multimesh_flax as mm
+    from multimesh_flax import errors
     from multimesh_flax.distributed import host_values
 
     mode, out_dir = sys.argv[1], sys.argv[2]
     rank = jax.process_index()
     step, init = mp_models.make_step(4)
     x = mp_models.batch()
-    if mode == "seeds":
+    if mode.startswith("seeds"):
         x = np.random.default_rng(rank).normal(size=x.shape).astype(x.dtype)
     sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
     params = init_params()
     steps = 3 if mode == "extra_step" and rank == 1 else 2
-    for _ in range(steps):
-        loss, params = sharded_step(params, x)
+    for index in range(steps):
+        if mode == f"raise_in_{rank}" and index == 1:
+            raise RuntimeError(f"raised in process {rank} before step 2")
+        try:
+            loss, params = sharded_step(params, x)
+        except errors.InputMismatchError:
+            if mode == f"seeds_late_in_{rank}":
+                time.sleep(1.0)  # more than the records' poll (0.2 s), less than PEER_GRACE_S
+            raise
         jax.block_until_ready(params)
     print(f"stepped at {time.time():.3f}", flush=True)
     if rank == 0 and mode == "host_values_one":

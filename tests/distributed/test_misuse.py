@@ -4,8 +4,11 @@ Issue 34, probed as a user would: a stopped launcher left its ranks running as o
 busy coordinator port gave "Failed to start RPC server" or a crash; an extra step in one
 process aborted the finished one while the other reported it "lost"; ``host_values`` (or a
 checkpoint ``save``) in one process only waited 120 s; per-process data seeds silently fed
-the stages different batches. The jobs are ``misuse_job.py`` (2 processes x 4 CPU devices),
-started by ``launch`` with a hard timeout (children killed by process id).
+the stages different batches. Session 44: a process that raised while the other waited ended
+-6 (jaxlib aborted it in the shutdown barrier the other never reached), and when both raised,
+one could be ended as a bystander (75) before printing its own error (CI). The jobs are
+``misuse_job.py`` (2 processes x 4 CPU devices), started by ``launch`` with a hard timeout
+(children killed by process id).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from multimesh_flax import errors
-from multimesh_flax.distributed import launch
+from multimesh_flax.distributed import _sequence, launch
 
 JOB = Path(__file__).with_name("misuse_job.py")
 FOUND_BOUND_S = 5.0  # a sequence error is found within the poll interval (0.2 s) plus slack
@@ -159,8 +162,9 @@ def test_save_in_one_process_names_the_rule(tmp_path):
     assert time.time() - _stepped(result.output(0)) < FOUND_BOUND_S
 
 
-def test_per_process_batches_fail_at_the_first_step_naming_the_input(tmp_path):
-    result = _launch(tmp_path, "seeds")
+@pytest.mark.parametrize("mode", ["seeds", "seeds_late_in_1"])
+def test_per_process_batches_fail_at_the_first_step_naming_the_input(tmp_path, mode):
+    result = _launch(tmp_path, mode)
     assert result.returncodes == [1, 1] and not result.timed_out
     for rank, other in ((0, 1), (1, 0)):
         out = result.output(rank)
@@ -169,3 +173,21 @@ def test_per_process_batches_fail_at_the_first_step_naming_the_input(tmp_path):
         )
         assert re.search(rf"in process {rank} and float32\[8, 16\]#\w+ in process {other}", out)
         assert "stepped at" not in out
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_process_that_raises_exits_1_and_the_waiting_one_names_it(tmp_path, failing):
+    result = _launch(tmp_path, f"raise_in_{failing}")
+    waiting = 1 - failing
+    codes = {failing: 1, waiting: _sequence.EXIT_PEER_FAILED}
+    assert result.returncodes == [codes[0], codes[1]] and not result.timed_out
+    error = f"RuntimeError: raised in process {failing} before step 2"
+    assert error in result.output(failing)
+    named = (
+        f"ProcessLostError: Process {failing} failed ({error}) after its collective call 2 "
+        f"(call 1 of MPMD program0); process {waiting}, at its call 3 (call 2 of MPMD program0), "
+        "stops instead of waiting for it."
+    )
+    assert named in result.output(waiting), result.output(waiting)[-3000:]
+    for rank in range(2):
+        assert "Terminating process" not in result.output(rank)  # jaxlib's abort
