@@ -31,10 +31,12 @@ DESIGN. A process that ends here leaves without jax's shutdown barrier (``os._ex
 barrier missing a process aborts the processes waiting in it (jaxlib's fatal "Shutdown barrier
 has failed", exit -6). Two rules keep a failing process's own exit status and error:
 
-* another process's failure ends this one only after ``PEER_GRACE_S``: when every process
-  raises the same error (per-process input seeds), one finds the other's exit record while
-  itself still unwinding; it then reaches its own shutdown within the grace and exits with its
-  own error, not as a bystander (CI, session 44: one process ended 75 this way, the other -6);
+* another process's failure ends this one only after ``PEER_GRACE_S``, and never once this
+  one's main program has raised (``sys.last_value``) or ended (the interpreter is exiting;
+  jax's exit handler runs the shutdown after the handlers registered later). When every
+  process raises the same error (per-process input seeds), one finds the other's exit record
+  while itself still unwinding; it reaches its own shutdown and exits with its own error, not
+  as a bystander (CI, session 44: one process ended 75 this way, the other -6);
 * a failing process enters the barrier only once every other process has an exit record (it
   is shutting down too); if one ended here instead (an error record), or the store is gone, or
   none answers within ``FAILED_WAIT_S``, it leaves at once with the status Python gives an
@@ -64,7 +66,7 @@ WINDOW = 32  # labels of the latest calls each process publishes (to compare by 
 LINGER_S = 3.0  # how long process 0 waits for the others to read its error or exit record
 EXIT_WAIT_S = 10.0  # how long a finished process waits for the others' exit records
 PEER_GRACE_S = 2.0  # how long a process may take to fail too before a peer's failure ends it
-FAILED_WAIT_S = PEER_GRACE_S + 4 * POLL_S + 1.0  # a failing process waits for the others' ends
+FAILED_WAIT_S = EXIT_WAIT_S  # how long a failing process waits for the others' exit records
 EXIT_SEQUENCE = 76  # exit status after a CallSequenceError
 EXIT_PEER_FAILED = 75  # as the watchdog's EXIT_LOST: the job failed because of another process
 _KEY = "mmflax/calls"
@@ -160,8 +162,9 @@ class _Calls:
                 self.end(found)
 
     def _waited_for(self, other: int, theirs: dict[str, Any]) -> bool:
-        """``other`` failed at (or before) this process's call, ``PEER_GRACE_S`` or more ago."""
-        if self.n < theirs["n"]:
+        """``other`` failed at (or before) this process's call, ``PEER_GRACE_S`` or more ago,
+        and this process's main thread still runs (so it may be waiting for ``other``)."""
+        if self.n < theirs["n"] or _exiting():
             return False
         first = self.failures_seen.setdefault(other, time.monotonic())
         return time.monotonic() - first >= PEER_GRACE_S
@@ -240,7 +243,9 @@ class _Calls:
         record = {"n": self.n, "last": last, "recent": list(self.recent), "failed": failed}
         try:
             self.publish("exit", record)
-        except Exception:
+        except Exception:  # the store is gone: process 0 ended, so no barrier can complete
+            if uncaught is not None:
+                self._leave(_uncaught_status(uncaught))
             return
         if uncaught is not None:
             self._end_failed(uncaught)
@@ -283,6 +288,11 @@ def _uncaught() -> BaseException | None:
     if value is None or isinstance(value, SystemExit):
         return None
     return value
+
+
+def _exiting() -> bool:
+    """This process's main program raised (its traceback is printed) or ended."""
+    return _uncaught() is not None or not threading.main_thread().is_alive()
 
 
 def _uncaught_status(value: BaseException) -> int:

@@ -9,9 +9,12 @@
 * ``seeds``: each process draws the global batch with its own seed;
 * ``seeds_late_in_R``: as ``seeds``, and process R takes 1 s to unwind its error (a slow
   ``except``), so it reads the other process's failure while still failing itself;
+* ``seeds_slow_exit_in_R``: as ``seeds``, and an exit handler of process R takes 2.5 s (more
+  than ``PEER_GRACE_S``) before jax's shutdown runs;
 * ``raise_in_R``: process R raises before step 2, while the other waits in step 2.
 """
 
+import atexit
 import os
 import sys
 import time
@@ -35,6 +38,8 @@ if __name__ == "__main__":
     x = mp_models.batch()
     if mode.startswith("seeds"):
         x = np.random.default_rng(rank).normal(size=x.shape).astype(x.dtype)
+    if mode == f"seeds_slow_exit_in_{rank}":
+        atexit.register(time.sleep, 2.5)  # runs before jax's exit handler, registered earlier
     sharded_step, init_params = mm.parallelize(step, init_params=init, initial_batch=x)
     params = init_params()
     steps = 3 if mode == "extra_step" and rank == 1 else 2

@@ -162,7 +162,7 @@ def test_save_in_one_process_names_the_rule(tmp_path):
     assert time.time() - _stepped(result.output(0)) < FOUND_BOUND_S
 
 
-@pytest.mark.parametrize("mode", ["seeds", "seeds_late_in_1"])
+@pytest.mark.parametrize("mode", ["seeds", "seeds_late_in_1", "seeds_slow_exit_in_1"])
 def test_per_process_batches_fail_at_the_first_step_naming_the_input(tmp_path, mode):
     result = _launch(tmp_path, mode)
     assert result.returncodes == [1, 1] and not result.timed_out
