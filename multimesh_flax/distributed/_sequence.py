@@ -40,8 +40,8 @@ has failed", exit -6). Two rules keep a failing process's own exit status and er
 * a failing process enters the barrier only once every other process has an exit record (it
   is shutting down too); if one ended here instead (an error record), or the store is gone, or
   none answers within ``FAILED_WAIT_S``, it leaves at once with the status Python gives an
-  uncaught exception (1; 130 for ``KeyboardInterrupt``). Exit handlers registered before
-  ``import jax`` (whose handler runs the shutdown) do not run then.
+  uncaught exception (1; killed by SIGINT for ``KeyboardInterrupt``). Exit handlers
+  registered before ``import jax`` (whose handler runs the shutdown) do not run then.
 """
 
 from __future__ import annotations
@@ -202,11 +202,18 @@ class _Calls:
         self._leave(status)
 
     def _leave(self, status: int) -> None:
-        """Ends this process now, without jax's shutdown barrier (process 0 lingers first)."""
+        """Ends this process now, without jax's shutdown barrier (process 0 lingers first).
+
+        A negative ``status`` is a signal this process ends by, as Python ends on an uncaught
+        ``KeyboardInterrupt`` (SIGINT).
+        """
         if self.rank == 0:
             self._linger()
         _flush()
-        os._exit(status)
+        if status < 0:
+            signal.signal(-status, signal.SIG_DFL)
+            os.kill(os.getpid(), -status)
+        os._exit(status if status >= 0 else 128 - status)
 
     def _linger(self) -> None:
         """Process 0 hosts the store: waits until the others have an exit or error record."""
@@ -238,7 +245,7 @@ class _Calls:
         """At shutdown: publishes the exit record and waits (at most ``wait_s``) for the
         others' exit records, ending the process on a finding."""
         uncaught = _uncaught()
-        failed = None if uncaught is None else f"{type(uncaught).__name__}: {uncaught}"[:300]
+        failed = None if uncaught is None else _describe(uncaught)
         last = self.label(self.n) if self.n else None
         record = {"n": self.n, "last": last, "recent": list(self.recent), "failed": failed}
         try:
@@ -295,9 +302,16 @@ def _exiting() -> bool:
     return _uncaught() is not None or not threading.main_thread().is_alive()
 
 
+def _describe(value: BaseException) -> str:
+    """``"RuntimeError: message"`` (at most 300 characters), or the bare type's name."""
+    text = str(value)
+    return f"{type(value).__name__}: {text}"[:300] if text else type(value).__name__
+
+
 def _uncaught_status(value: BaseException) -> int:
-    """The exit status Python gives an uncaught ``value`` (as a shell reports a SIGINT)."""
-    return 128 + signal.SIGINT if isinstance(value, KeyboardInterrupt) else 1
+    """The exit status Python gives an uncaught ``value``: 1, or ``-SIGINT`` (killed by the
+    signal) for a ``KeyboardInterrupt``."""
+    return -signal.SIGINT if isinstance(value, KeyboardInterrupt) else 1
 
 
 def _flush() -> None:

@@ -11,7 +11,8 @@
   ``except``), so it reads the other process's failure while still failing itself;
 * ``seeds_slow_exit_in_R``: as ``seeds``, and an exit handler of process R takes 2.5 s (more
   than ``PEER_GRACE_S``) before jax's shutdown runs;
-* ``raise_in_R``: process R raises before step 2, while the other waits in step 2.
+* ``raise_in_R``: process R raises before step 2, while the other waits in step 2;
+* ``interrupt_in_R``: the same with ``KeyboardInterrupt`` (a Ctrl-C that reached process R).
 """
 
 import atexit
@@ -46,6 +47,8 @@ if __name__ == "__main__":
     for index in range(steps):
         if mode == f"raise_in_{rank}" and index == 1:
             raise RuntimeError(f"raised in process {rank} before step 2")
+        if mode == f"interrupt_in_{rank}" and index == 1:
+            raise KeyboardInterrupt
         try:
             loss, params = sharded_step(params, x)
         except errors.InputMismatchError:

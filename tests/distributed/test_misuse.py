@@ -175,13 +175,20 @@ def test_per_process_batches_fail_at_the_first_step_naming_the_input(tmp_path, m
         assert "stepped at" not in out
 
 
-@pytest.mark.parametrize("failing", [0, 1])
-def test_a_process_that_raises_exits_1_and_the_waiting_one_names_it(tmp_path, failing):
-    result = _launch(tmp_path, f"raise_in_{failing}")
+RAISED = {
+    "raise_in_0": (0, 1, "RuntimeError: raised in process 0 before step 2"),
+    "raise_in_1": (1, 1, "RuntimeError: raised in process 1 before step 2"),
+    "interrupt_in_1": (1, -signal.SIGINT, "KeyboardInterrupt"),  # as Python ends on Ctrl-C
+}
+
+
+@pytest.mark.parametrize("mode", RAISED)
+def test_a_process_that_raises_keeps_its_status_and_the_waiting_one_names_it(tmp_path, mode):
+    failing, status, error = RAISED[mode]
+    result = _launch(tmp_path, mode)
     waiting = 1 - failing
-    codes = {failing: 1, waiting: _sequence.EXIT_PEER_FAILED}
+    codes = {failing: status, waiting: _sequence.EXIT_PEER_FAILED}
     assert result.returncodes == [codes[0], codes[1]] and not result.timed_out
-    error = f"RuntimeError: raised in process {failing} before step 2"
     assert error in result.output(failing)
     named = (  # its call: 3 (step 2), or 2 if still finishing step 1 when the grace ran out
         rf"ProcessLostError: Process {failing} failed \({re.escape(error)}\) after its "
