@@ -163,7 +163,8 @@ class _Calls:
 
     def _waited_for(self, other: int, theirs: dict[str, Any]) -> bool:
         """``other`` failed at (or before) this process's call, ``PEER_GRACE_S`` or more ago,
-        and this process's main thread still runs (so it may be waiting for ``other``)."""
+        and this process's main program has neither raised nor ended (so it may be waiting
+        for ``other``)."""
         if self.n < theirs["n"] or _exiting():
             return False
         first = self.failures_seen.setdefault(other, time.monotonic())
@@ -243,7 +244,8 @@ class _Calls:
 
     def exit(self, wait_s: float) -> None:
         """At shutdown: publishes the exit record and waits (at most ``wait_s``) for the
-        others' exit records, ending the process on a finding."""
+        others' exit records, ending the process on a finding. A process exiting with an
+        uncaught exception goes on as ``_end_failed`` says."""
         uncaught = _uncaught()
         failed = None if uncaught is None else _describe(uncaught)
         last = self.label(self.n) if self.n else None
