@@ -65,8 +65,6 @@ import json
 import logging
 import os
 import re
-import sys
-import traceback
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -324,7 +322,7 @@ class Checkpointer:
         that cannot be read raises ``CheckpointCorruptError``."""
         # Before the read, not once it failed: an abandoned read may report between orbax
         # closing its loop and this frame's ``except`` (seen once in a fresh-clone suite).
-        _drop_abandoned_reads()
+        _saves.drop_abandoned_orbax_work()
         try:
             if items is None:
                 return self._manager.item_metadata(step)
@@ -628,43 +626,6 @@ def _damage(error: BaseException) -> str | None:
             return f"a file cannot be read ({_first_line(e)})"
         todo += [e.__cause__, e.__context__]
     return None
-
-
-def _is_abandoned_read(unraisable: Any) -> bool:
-    """An orbax read coroutine closed by the collector, or a read's completion posted to its
-    closed event loop (``RuntimeError: Event loop is closed`` raised inside asyncio)."""
-    code = getattr(unraisable.object, "cr_code", None)
-    if code is not None:
-        return f"{os.sep}orbax{os.sep}" in code.co_filename
-    error = getattr(unraisable, "exc_value", None)
-    if not (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"):
-        return False
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and f"{os.sep}asyncio{os.sep}" in frames[-1].filename
-
-
-def _drop_abandoned_reads() -> None:
-    """Keeps orbax's abandoned reads of a failed restore from printing "Exception ignored".
-
-    Orbax runs a restore on a fresh event loop that it closes without cancelling what is
-    still pending, so when one leaf's read fails the reads of the other leaves stay
-    suspended; they are closed whenever the garbage collector reaches them, which may be
-    long after the restore, once tensorstore lets go of them. Each then reports an
-    exception that says nothing (the failure itself is raised to the caller); a read that
-    completes after the loop closed reports "Event loop is closed". From the first restore
-    on, those two reports are dropped (`_is_abandoned_read`); every other report goes to
-    the hook that was installed before.
-    """
-    if getattr(sys.unraisablehook, "_drops_orbax_reads", False):
-        return
-    report = sys.unraisablehook
-
-    def drop_orbax_reads(unraisable: Any) -> None:
-        if not _is_abandoned_read(unraisable):
-            report(unraisable)
-
-    drop_orbax_reads._drops_orbax_reads = True  # type: ignore[attr-defined]
-    sys.unraisablehook = drop_orbax_reads
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:
