@@ -372,6 +372,56 @@ MUTATIONS = (
         ),
         "host_values: arrays each process made alone go to the broadcast, which waits",
     ),
+    Mutation(
+        "sequence-no-grace",
+        "multimesh_flax/distributed/_sequence.py",
+        "PEER_GRACE_S = 2.0",
+        "PEER_GRACE_S = 0.0",
+        (
+            "tests/distributed/test_misuse.py::"
+            "test_per_process_batches_fail_at_the_first_step_naming_the_input[seeds_late_in_1]",
+        ),
+        "a process still unwinding its own error is ended as a bystander of the other's (75)",
+    ),
+    Mutation(
+        "sequence-exiting-ignored",
+        "multimesh_flax/distributed/_sequence.py",
+        "    return _uncaught() is not None or not threading.main_thread().is_alive()",
+        "    return False",
+        (
+            "tests/distributed/test_misuse.py::"
+            "test_per_process_batches_fail_at_the_first_step_naming_the_input"
+            "[seeds_slow_exit_in_1]",
+        ),
+        "a process running its exit handlers is ended as a bystander of another's failure",
+    ),
+    Mutation(
+        "sequence-failed-to-barrier",
+        "multimesh_flax/distributed/_sequence.py",
+        "        if uncaught is not None:\n            self._end_failed(uncaught)\n",
+        "        if uncaught is not None:\n            return\n",
+        (
+            "tests/distributed/test_misuse.py::"
+            "test_a_process_that_raises_keeps_its_status_and_the_waiting_one_names_it",
+        ),
+        "a failing process waits in jax's shutdown barrier for one that will not come (-6)",
+    ),
+    Mutation(
+        "saves-leftovers-unfiltered",
+        "multimesh_flax/_checkpoint_saves.py",
+        '    for name in ("absl", "asyncio"):',
+        '    for name in ("absl",):',
+        ("tests/test_checkpoint_faults.py::test_leftovers_of_a_failed_save_print_no_traceback",),
+        "asyncio prints orbax's unretrieved futures of a failed save as tracebacks",
+    ),
+    Mutation(
+        "saves-unraisable-unfiltered",
+        "multimesh_flax/_checkpoint_saves.py",
+        "    drop_abandoned_orbax_work()\n    with _LOCK:",
+        "    with _LOCK:",
+        ("tests/test_checkpoint_faults.py::test_leftovers_of_a_failed_save_print_no_traceback",),
+        "a save's writes completing after orbax closed its loop print 'Event loop is closed'",
+    ),
 )
 
 
