@@ -355,8 +355,8 @@ _ORBAX = f"{os.sep}orbax{os.sep}"
 
 
 def _through_orbax(tb: TracebackType | None) -> bool:
-    """Whether a traceback passes through orbax's code."""
-    return any(_ORBAX in frame.filename for frame in traceback.extract_tb(tb))
+    """Whether a traceback passes through orbax's code (frames only: no source is read)."""
+    return any(_ORBAX in frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb))
 
 
 class _QuietOrbaxFailures(logging.Filter):
